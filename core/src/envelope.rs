@@ -1,0 +1,171 @@
+//! The broker-neutral view of one delivery.
+//!
+//! Adapters convert their native message into an [`Envelope`] without losing anything a
+//! handler or a key strategy may need; handlers see only the envelope.
+
+use bytes::Bytes;
+use std::fmt;
+
+/// Which kind of broker delivered a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BrokerKind {
+    /// Apache Kafka (and Kafka-compatible brokers).
+    Kafka,
+    /// RabbitMQ / AMQP 0-9-1.
+    RabbitMq,
+    /// Apache RocketMQ.
+    RocketMq,
+    /// The in-process broker of [`crate::broker`], for the embedded default and tests.
+    Memory,
+}
+
+impl BrokerKind {
+    /// A short lowercase name, used in metric labels and tracing fields.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            BrokerKind::Kafka => "kafka",
+            BrokerKind::RabbitMq => "rabbitmq",
+            BrokerKind::RocketMq => "rocketmq",
+            BrokerKind::Memory => "memory",
+        }
+    }
+}
+
+impl fmt::Display for BrokerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// Where a delivery sits in its broker: the position the broker acknowledges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Position {
+    /// Kafka offset within a partition.
+    Offset(i64),
+    /// AMQP delivery tag within a channel.
+    DeliveryTag(u64),
+    /// RocketMQ queue offset within a message queue.
+    QueueOffset(i64),
+}
+
+/// The topic or queue a delivery came from.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct SourceRef {
+    /// Kafka topic, RabbitMQ queue, RocketMQ topic.
+    pub name: String,
+    /// Kafka partition or RocketMQ queue id; `None` for RabbitMQ.
+    pub partition: Option<i32>,
+    /// Offset or delivery tag, when the broker has one.
+    pub position: Option<Position>,
+}
+
+/// Message headers (Kafka headers, AMQP properties and headers, RocketMQ user properties).
+///
+/// Kept as an ordered list because Kafka allows repeated names; [`Headers::get`] returns
+/// the first value of a name. Names compare exactly (brokers treat them case-sensitively).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Headers(Vec<(String, Bytes)>);
+
+impl Headers {
+    /// No headers.
+    pub fn new() -> Self {
+        Self(Vec::new())
+    }
+    /// Appends a header (does not replace an existing one of the same name).
+    pub fn insert(&mut self, name: impl Into<String>, value: impl Into<Bytes>) {
+        self.0.push((name.into(), value.into()));
+    }
+    /// Builder form of [`Headers::insert`].
+    pub fn with(mut self, name: impl Into<String>, value: impl Into<Bytes>) -> Self {
+        self.insert(name, value);
+        self
+    }
+    /// The first value for `name`.
+    pub fn get(&self, name: &str) -> Option<&Bytes> {
+        self.0.iter().find(|(n, _)| n == name).map(|(_, v)| v)
+    }
+    /// The first value for `name`, if it is UTF-8.
+    pub fn get_str(&self, name: &str) -> Option<&str> {
+        self.get(name).and_then(|v| std::str::from_utf8(v).ok())
+    }
+    /// All headers in delivery order.
+    pub fn iter(&self) -> impl Iterator<Item = (&str, &Bytes)> {
+        self.0.iter().map(|(n, v)| (n.as_str(), v))
+    }
+    /// Number of headers.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+    /// True when there are no headers.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// One delivery, as every broker adapter presents it.
+///
+/// ```
+/// use idemq_core::{Envelope, BrokerKind};
+/// let env = Envelope::new(BrokerKind::Memory, "orders", r#"{"order_id":42}"#)
+///     .with_key("order-42")
+///     .with_header("x-idempotency-key", "pay-42");
+/// assert_eq!(env.headers.get_str("x-idempotency-key"), Some("pay-42"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Envelope {
+    /// The broker that delivered it.
+    pub broker: BrokerKind,
+    /// Topic/queue, partition/queue id and offset/delivery tag.
+    pub source: SourceRef,
+    /// The broker's own message id (RocketMQ `UNIQ_KEY`, AMQP `message_id`). Not the
+    /// default dedup key: a producer retry gets a new one on some brokers.
+    pub message_id: Option<String>,
+    /// The message key (Kafka record key, RocketMQ `keys`, AMQP `message_id`).
+    pub key: Option<Bytes>,
+    /// Headers / properties.
+    pub headers: Headers,
+    /// The body.
+    pub payload: Bytes,
+    /// Broker or producer timestamp, milliseconds since the Unix epoch.
+    pub timestamp_ms: Option<i64>,
+    /// How many times the broker has delivered this message (1 = first), when it counts.
+    pub delivery_count: Option<u32>,
+    /// The broker says this may have been delivered before (AMQP `redelivered`).
+    pub redelivered: bool,
+}
+
+impl Envelope {
+    /// A minimal envelope: broker, topic/queue name and payload.
+    pub fn new(broker: BrokerKind, source: impl Into<String>, payload: impl Into<Bytes>) -> Self {
+        Self {
+            broker,
+            source: SourceRef {
+                name: source.into(),
+                partition: None,
+                position: None,
+            },
+            message_id: None,
+            key: None,
+            headers: Headers::new(),
+            payload: payload.into(),
+            timestamp_ms: None,
+            delivery_count: None,
+            redelivered: false,
+        }
+    }
+    /// Sets the message key.
+    pub fn with_key(mut self, key: impl Into<Bytes>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+    /// Adds a header.
+    pub fn with_header(mut self, name: impl Into<String>, value: impl Into<Bytes>) -> Self {
+        self.headers.insert(name, value);
+        self
+    }
+    /// Sets the broker message id.
+    pub fn with_message_id(mut self, id: impl Into<String>) -> Self {
+        self.message_id = Some(id.into());
+        self
+    }
+}

@@ -1,0 +1,38 @@
+//! # idemq-core
+//!
+//! The broker-agnostic heart of idemq: the [`Envelope`] every adapter produces, the
+//! [`KeyStrategy`] that turns it into a [`DedupKey`], the claim contract every store
+//! implements ([`DedupStore`]), and the [`IdempotentConsumer`] engine that runs a handler over
+//! any [`Source`] with exactly-once effects.
+//!
+//! This crate knows no broker and no database: adapters (`idemq-kafka`, `idemq-rabbitmq`,
+//! `idemq-rocketmq`) implement [`Source`]; stores (`idemq-sql`, `idemq-redis`) implement
+//! [`DedupStore`]. The in-memory [`MemoryStore`] and [`broker::MemoryBroker`] obey the same
+//! contracts for the embedded default and for tests.
+#![warn(missing_docs)]
+
+pub mod envelope;
+pub mod key;
+pub mod memory;
+pub mod store;
+#[cfg(feature = "testkit")]
+pub mod testkit;
+
+pub use envelope::{BrokerKind, Envelope, Headers, Position, SourceRef};
+pub use key::{ConsumerGroup, DedupKey, Field, KeyError, KeySource, KeyStrategy, OversizeKey};
+pub use memory::MemoryStore;
+pub use store::{
+    evaluate_claim, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome, Completion,
+    DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease, PayloadHash, RecordStatus,
+    ReleaseOutcome, StoreError,
+};
+
+#[cfg(all(test, feature = "testkit"))]
+mod memory_contract {
+    use super::*;
+    use std::sync::Arc;
+    crate::store_contract_tests!(async {
+        let s: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+        Some(vec![s.clone(), s])
+    });
+}

@@ -1,0 +1,217 @@
+//! The in-memory dedup store: the embedded default for tests and the demo.
+//!
+//! It obeys the full contract (the test kit runs on it) but keeps nothing across restarts,
+//! so it only deduplicates within one process. [`MemoryStore::set_available`] simulates an
+//! outage, so engines can be tested for "store down means no ack".
+
+use crate::key::DedupKey;
+use crate::store::{
+    check_distinct_keys, duration_ms, evaluate_claim, now_ms, ClaimOutcome, ClaimRequest,
+    ClaimVerdict, CompleteOutcome, Completion, DedupRecord, DedupStore, ExtendOutcome,
+    FencingToken, Lease, RecordStatus, ReleaseOutcome, StoreError,
+};
+use async_trait::async_trait;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+/// An in-process [`DedupStore`].
+///
+/// ```
+/// # tokio_test_block(async {
+/// use idemq_core::{MemoryStore, DedupStore, ClaimRequest, ClaimOutcome, ConsumerGroup, DedupKey};
+/// use std::time::Duration;
+/// let store = MemoryStore::new();
+/// let key = DedupKey::new(&ConsumerGroup::new("g").unwrap(), "order-1").unwrap();
+/// let req = ClaimRequest::new(key.clone(), Duration::from_secs(30));
+/// let ClaimOutcome::Acquired(lease) = store.claim(&req).await.unwrap() else { panic!() };
+/// store.complete(&key, lease.token, None, Duration::from_secs(3600)).await.unwrap();
+/// assert!(matches!(store.claim(&req).await.unwrap(), ClaimOutcome::Duplicate(_)));
+/// # });
+/// # fn tokio_test_block(f: impl std::future::Future<Output = ()>) {
+/// #     tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(f)
+/// # }
+/// ```
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    records: Mutex<HashMap<DedupKey, DedupRecord>>,
+    unavailable: AtomicBool,
+}
+
+impl MemoryStore {
+    /// An empty store.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Simulates an outage: while `false`, every call fails with [`StoreError::Unavailable`].
+    pub fn set_available(&self, available: bool) {
+        self.unavailable.store(!available, Ordering::SeqCst);
+    }
+
+    /// Number of records held.
+    pub fn len(&self) -> usize {
+        self.lock().map(|m| m.len()).unwrap_or(0)
+    }
+
+    /// True when no record is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> Result<MutexGuard<'_, HashMap<DedupKey, DedupRecord>>, StoreError> {
+        if self.unavailable.load(Ordering::SeqCst) {
+            return Err(StoreError::Unavailable(
+                "memory store switched off (simulated outage)".into(),
+            ));
+        }
+        self.records
+            .lock()
+            .map_err(|_| StoreError::Backend("memory store lock poisoned".into()))
+    }
+}
+
+#[async_trait]
+impl DedupStore for MemoryStore {
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        check_distinct_keys(reqs)?;
+        let mut map = self.lock()?;
+        let now = now_ms();
+        let mut out = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            let existing = map.get(&req.key);
+            let verdict = evaluate_claim(existing, req.payload_hash.as_ref(), now);
+            let (attempt, first_seen, takeover) = match (&verdict, existing) {
+                (ClaimVerdict::Answer(o), _) => {
+                    out.push(o.clone());
+                    continue;
+                }
+                (ClaimVerdict::TakeOver, Some(r)) => {
+                    (r.attempts + 1, r.first_seen_ms, r.lease_until_ms > 0)
+                }
+                _ => (1, now, false),
+            };
+            let lease = Lease {
+                token: FencingToken::random(),
+                until_ms: now + duration_ms(req.lease),
+                attempt,
+                takeover,
+            };
+            map.insert(
+                req.key.clone(),
+                DedupRecord {
+                    key: req.key.clone(),
+                    status: RecordStatus::InProgress,
+                    token: lease.token,
+                    lease_until_ms: lease.until_ms,
+                    attempts: attempt,
+                    payload_hash: req.payload_hash,
+                    result: None,
+                    first_seen_ms: first_seen,
+                    completed_ms: None,
+                    expires_ms: None,
+                    worker: req.worker.clone(),
+                },
+            );
+            out.push(ClaimOutcome::Acquired(lease));
+        }
+        Ok(out)
+    }
+
+    async fn complete_batch(
+        &self,
+        items: &[Completion],
+    ) -> Result<Vec<CompleteOutcome>, StoreError> {
+        let mut map = self.lock()?;
+        let now = now_ms();
+        Ok(items
+            .iter()
+            .map(|c| match map.get_mut(&c.key) {
+                Some(r) if r.token == c.token && r.status == RecordStatus::InProgress => {
+                    r.status = RecordStatus::Completed;
+                    r.result = c.result.clone();
+                    r.completed_ms = Some(now);
+                    r.expires_ms = Some(now.saturating_add(duration_ms(c.retention)));
+                    CompleteOutcome::Completed
+                }
+                Some(r) if r.token == c.token => CompleteOutcome::Completed,
+                _ => CompleteOutcome::Fenced,
+            })
+            .collect())
+    }
+
+    async fn release(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        let mut map = self.lock()?;
+        match map.get_mut(key) {
+            Some(r) if r.token == token && r.status == RecordStatus::InProgress => {
+                r.lease_until_ms = 0;
+                Ok(ReleaseOutcome::Released)
+            }
+            _ => Ok(ReleaseOutcome::Fenced),
+        }
+    }
+
+    async fn extend(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<ExtendOutcome, StoreError> {
+        let mut map = self.lock()?;
+        let now = now_ms();
+        match map.get_mut(key) {
+            Some(r) if r.token == token && r.status == RecordStatus::InProgress => {
+                r.lease_until_ms = now + duration_ms(lease);
+                Ok(ExtendOutcome::Extended {
+                    until_ms: r.lease_until_ms,
+                })
+            }
+            _ => Ok(ExtendOutcome::Fenced),
+        }
+    }
+
+    async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
+        Ok(self.lock()?.get(key).cloned())
+    }
+
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        let mut map = self.lock()?;
+        let now = now_ms();
+        let doomed: Vec<DedupKey> = map
+            .values()
+            .filter(|r| r.is_retention_expired(now))
+            .take(limit)
+            .map(|r| r.key.clone())
+            .collect();
+        for k in &doomed {
+            map.remove(k);
+        }
+        Ok(doomed.len() as u64)
+    }
+
+    async fn list_stuck(
+        &self,
+        stale_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<DedupRecord>, StoreError> {
+        let map = self.lock()?;
+        let cutoff = now_ms() - duration_ms(stale_for);
+        let mut v: Vec<DedupRecord> = map
+            .values()
+            .filter(|r| r.status == RecordStatus::InProgress && r.lease_until_ms <= cutoff)
+            .cloned()
+            .collect();
+        v.sort_by_key(|r| (r.lease_until_ms, r.key.clone()));
+        v.truncate(limit);
+        Ok(v)
+    }
+
+    async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
+        Ok(self.lock()?.remove(key).is_some())
+    }
+}

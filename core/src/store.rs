@@ -1,0 +1,427 @@
+//! The claim contract every dedup store implements.
+//!
+//! `claim(key, lease)` answers exactly one of:
+//! - [`ClaimOutcome::Acquired`]: the caller owns the key until the lease ends and holds a
+//!   [`FencingToken`];
+//! - [`ClaimOutcome::Duplicate`]: processed before; the record may carry the stored result;
+//! - [`ClaimOutcome::InFlight`]: another worker holds a live lease: do not ack, redeliver later;
+//! - [`ClaimOutcome::PayloadConflict`]: the key is known with a *different* payload hash, which
+//!   is reported instead of being silently skipped.
+//!
+//! [`DedupStore::complete`] marks a key done only while the caller's token still owns it; a
+//! worker whose lease expired and was taken over gets [`CompleteOutcome::Fenced`], never a
+//! silent double commit. Completion is idempotent for the token that owns a completed record,
+//! so a handler may complete inside its own database transaction and the engine's later
+//! `complete` still answers `Completed`.
+//!
+//! Record lifecycle (AWS Powertools' vocabulary): `IN_PROGRESS` with a lease; `EXPIRED` is an
+//! in-progress record whose lease ended (claimable by takeover, listed by
+//! [`DedupStore::list_stuck`]); `COMPLETED` until its retention ends, after which a claim
+//! starts afresh and [`DedupStore::purge_expired`] deletes it. A released record keeps its
+//! row (and its attempt count) with an ended lease.
+//!
+//! Time is milliseconds since the Unix epoch, read from the clock of the process running the
+//! store operation; lease margins must exceed the clock skew between workers.
+
+use crate::key::DedupKey;
+use async_trait::async_trait;
+use bytes::Bytes;
+use sha2::{Digest, Sha256};
+use std::fmt;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// Milliseconds since the Unix epoch, now.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// A duration in whole milliseconds, saturating (stores keep `i64` millis).
+pub fn duration_ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Proof of ownership of a claimed key: opaque, unique per acquisition, compared for equality.
+///
+/// Always in `1..=i64::MAX` so every store can keep it in a signed 64-bit column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FencingToken(pub i64);
+
+impl FencingToken {
+    /// A fresh random token.
+    pub fn random() -> Self {
+        use rand::Rng;
+        Self(rand::thread_rng().gen_range(1..=i64::MAX))
+    }
+}
+
+impl fmt::Display for FencingToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:016x}", self.0)
+    }
+}
+
+/// SHA-256 of a payload, to tell a true duplicate from a key collision.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PayloadHash(pub [u8; 32]);
+
+impl PayloadHash {
+    /// Hashes a payload.
+    pub fn of(payload: &[u8]) -> Self {
+        Self(Sha256::digest(payload).into())
+    }
+    /// Rebuilds a hash read back from a store; `None` if it is not 32 bytes.
+    pub fn from_slice(b: &[u8]) -> Option<Self> {
+        <[u8; 32]>::try_from(b).ok().map(Self)
+    }
+    /// Lowercase hex.
+    pub fn to_hex(&self) -> String {
+        hex::encode(self.0)
+    }
+    /// Parses lowercase or uppercase hex.
+    pub fn from_hex(s: &str) -> Option<Self> {
+        hex::decode(s).ok().and_then(|b| Self::from_slice(&b))
+    }
+}
+
+impl fmt::Debug for PayloadHash {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PayloadHash({})", &self.to_hex()[..12])
+    }
+}
+
+/// Status of a stored record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RecordStatus {
+    /// Claimed; the lease says until when.
+    InProgress,
+    /// Done; duplicates are skipped until the retention ends.
+    Completed,
+}
+
+impl RecordStatus {
+    /// The stored code: 0 in progress, 1 completed.
+    pub fn code(self) -> i64 {
+        match self {
+            RecordStatus::InProgress => 0,
+            RecordStatus::Completed => 1,
+        }
+    }
+    /// Parses a stored code.
+    pub fn from_code(c: i64) -> Option<Self> {
+        match c {
+            0 => Some(RecordStatus::InProgress),
+            1 => Some(RecordStatus::Completed),
+            _ => None,
+        }
+    }
+}
+
+/// What a store knows about a key, with audit fields.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DedupRecord {
+    /// The key.
+    pub key: DedupKey,
+    /// In progress or completed.
+    pub status: RecordStatus,
+    /// The token of the latest acquisition.
+    pub token: FencingToken,
+    /// End of the current lease (in progress) or of the last one.
+    pub lease_until_ms: i64,
+    /// How many times the key has been acquired in this lifecycle.
+    pub attempts: u32,
+    /// Payload hash given at the latest acquisition.
+    pub payload_hash: Option<PayloadHash>,
+    /// The stored result of the handler, replayed to duplicates.
+    pub result: Option<Bytes>,
+    /// When the key was first claimed in this lifecycle.
+    pub first_seen_ms: i64,
+    /// When it was completed.
+    pub completed_ms: Option<i64>,
+    /// When a completed record may be forgotten.
+    pub expires_ms: Option<i64>,
+    /// Who holds / held it.
+    pub worker: Option<String>,
+}
+
+impl DedupRecord {
+    /// Whether the record is in progress with a lease that has ended at `now`.
+    pub fn is_lease_expired(&self, now: i64) -> bool {
+        self.status == RecordStatus::InProgress && self.lease_until_ms <= now
+    }
+    /// Whether a completed record's retention has ended at `now`.
+    pub fn is_retention_expired(&self, now: i64) -> bool {
+        self.status == RecordStatus::Completed && self.expires_ms.is_some_and(|e| e <= now)
+    }
+}
+
+/// A request to claim one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClaimRequest {
+    /// The key.
+    pub key: DedupKey,
+    /// How long the claim lasts without a heartbeat.
+    pub lease: Duration,
+    /// Hash of the payload; `None` disables the conflict check for this claim.
+    pub payload_hash: Option<PayloadHash>,
+    /// Who claims (kept for audit and `list_stuck`).
+    pub worker: Option<String>,
+}
+
+impl ClaimRequest {
+    /// A claim with a lease and no payload check.
+    pub fn new(key: DedupKey, lease: Duration) -> Self {
+        Self {
+            key,
+            lease,
+            payload_hash: None,
+            worker: None,
+        }
+    }
+    /// Adds the payload hash.
+    pub fn with_payload_hash(mut self, h: PayloadHash) -> Self {
+        self.payload_hash = Some(h);
+        self
+    }
+    /// Adds the worker id.
+    pub fn with_worker(mut self, w: impl Into<String>) -> Self {
+        self.worker = Some(w.into());
+        self
+    }
+}
+
+/// An acquired lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Lease {
+    /// Proof of ownership for `complete`, `release` and `extend`.
+    pub token: FencingToken,
+    /// When the lease ends unless extended.
+    pub until_ms: i64,
+    /// 1 for the first acquisition of this lifecycle, more after releases and takeovers.
+    pub attempt: u32,
+    /// True when an expired lease of another worker was taken over (crash recovery).
+    pub takeover: bool,
+}
+
+/// The answer to a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// The caller owns the key.
+    Acquired(Lease),
+    /// Completed before; skip and ack.
+    Duplicate(DedupRecord),
+    /// Another worker holds a live lease until `until_ms`: do not ack, redeliver later.
+    InFlight {
+        /// End of the other worker's lease.
+        until_ms: i64,
+    },
+    /// The key is known with a different payload hash.
+    PayloadConflict(DedupRecord),
+}
+
+/// The answer to `complete`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CompleteOutcome {
+    /// Durable: the key is done.
+    Completed,
+    /// The token no longer owns the key (lease taken over, released, or purged).
+    Fenced,
+}
+
+/// The answer to `release`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReleaseOutcome {
+    /// The key can be claimed again.
+    Released,
+    /// The token no longer owns the key; nothing changed.
+    Fenced,
+}
+
+/// The answer to `extend`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExtendOutcome {
+    /// The lease now ends at `until_ms`.
+    Extended {
+        /// New end of the lease.
+        until_ms: i64,
+    },
+    /// The token no longer owns the key.
+    Fenced,
+}
+
+/// A completion, for [`DedupStore::complete_batch`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The key.
+    pub key: DedupKey,
+    /// The token from `Acquired`.
+    pub token: FencingToken,
+    /// The result to replay to duplicates.
+    pub result: Option<Bytes>,
+    /// How long duplicates are recognised.
+    pub retention: Duration,
+}
+
+/// A store failure. Every variant means "not durable": never ack on it.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The store cannot be reached or timed out: back off and retry.
+    #[error("dedup store unavailable: {0}")]
+    Unavailable(String),
+    /// The store answered with an error that retrying will not fix as is.
+    #[error("dedup store error: {0}")]
+    Backend(String),
+    /// A stored record could not be read back.
+    #[error("dedup store holds a malformed record for `{key}`: {reason}")]
+    Corrupt {
+        /// The key.
+        key: String,
+        /// What was wrong.
+        reason: String,
+    },
+    /// The store is misconfigured (bad table name, key prefix, URL...).
+    #[error("dedup store misconfigured: {0}")]
+    Config(String),
+    /// A key longer than the store accepts.
+    #[error("dedup key of {len} bytes exceeds the store's {max}-byte limit")]
+    KeyTooLong {
+        /// Length in bytes.
+        len: usize,
+        /// Limit in bytes.
+        max: usize,
+    },
+}
+
+impl StoreError {
+    /// Whether retrying the same call later may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_))
+    }
+}
+
+/// The contract every dedup store implements (memory, SQL, Redis, layered).
+///
+/// Object safe: engines hold an `Arc<dyn DedupStore>`. Batch variants make one round trip
+/// for many keys and must answer exactly what the single calls would.
+#[async_trait]
+pub trait DedupStore: Send + Sync + 'static {
+    /// Claims many keys in one round trip. Keys must be distinct; the answer is in order.
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError>;
+
+    /// Claims one key.
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        let mut v = self.claim_batch(std::slice::from_ref(req)).await?;
+        v.pop()
+            .ok_or_else(|| StoreError::Backend("claim_batch returned no outcome".into()))
+    }
+
+    /// Completes many keys in one round trip; the answer is in order.
+    async fn complete_batch(&self, items: &[Completion])
+        -> Result<Vec<CompleteOutcome>, StoreError>;
+
+    /// Marks the key done if `token` still owns it, storing `result` for `retention`.
+    async fn complete(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        result: Option<Bytes>,
+        retention: Duration,
+    ) -> Result<CompleteOutcome, StoreError> {
+        let item = Completion {
+            key: key.clone(),
+            token,
+            result,
+            retention,
+        };
+        let mut v = self.complete_batch(std::slice::from_ref(&item)).await?;
+        v.pop()
+            .ok_or_else(|| StoreError::Backend("complete_batch returned no outcome".into()))
+    }
+
+    /// Gives the key back after a failure so a redelivery can retry at once.
+    async fn release(&self, key: &DedupKey, token: FencingToken)
+        -> Result<ReleaseOutcome, StoreError>;
+
+    /// Extends the lease (heartbeat for long handlers).
+    async fn extend(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<ExtendOutcome, StoreError>;
+
+    /// Reads a record (operations, tests).
+    async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError>;
+
+    /// Deletes up to `limit` completed records whose retention has ended; returns how many.
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError>;
+
+    /// In-progress records whose lease has ended at least `stale_for` ago: work that was
+    /// abandoned and never redelivered. Oldest first, at most `limit`.
+    async fn list_stuck(
+        &self,
+        stale_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<DedupRecord>, StoreError>;
+
+    /// Deletes a record by hand, whatever its state (operations). Returns whether it existed.
+    async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError>;
+}
+
+/// What a store should do with a claim, given the record it holds.
+///
+/// Every store calls this (directly, or after its atomic insert-or-takeover failed and it read
+/// the row back), so the rules live in one place.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimVerdict {
+    /// No record, or a completed one past retention: start a new lifecycle (attempt 1).
+    AcquireFresh,
+    /// An in-progress record whose lease ended: take it over (attempt + 1).
+    TakeOver,
+    /// Answer without writing.
+    Answer(ClaimOutcome),
+}
+
+/// Applies the claim rules to an existing record.
+pub fn evaluate_claim(
+    existing: Option<&DedupRecord>,
+    payload_hash: Option<&PayloadHash>,
+    now: i64,
+) -> ClaimVerdict {
+    let Some(rec) = existing else {
+        return ClaimVerdict::AcquireFresh;
+    };
+    if rec.is_retention_expired(now) {
+        return ClaimVerdict::AcquireFresh;
+    }
+    if let (Some(stored), Some(given)) = (rec.payload_hash.as_ref(), payload_hash) {
+        if stored != given {
+            return ClaimVerdict::Answer(ClaimOutcome::PayloadConflict(rec.clone()));
+        }
+    }
+    match rec.status {
+        RecordStatus::Completed => ClaimVerdict::Answer(ClaimOutcome::Duplicate(rec.clone())),
+        RecordStatus::InProgress if rec.lease_until_ms > now => {
+            ClaimVerdict::Answer(ClaimOutcome::InFlight {
+                until_ms: rec.lease_until_ms,
+            })
+        }
+        RecordStatus::InProgress => ClaimVerdict::TakeOver,
+    }
+}
+
+/// Rejects batches that name a key twice: the answer for the second would depend on order.
+pub fn check_distinct_keys(reqs: &[ClaimRequest]) -> Result<(), StoreError> {
+    let mut seen = std::collections::HashSet::with_capacity(reqs.len());
+    for r in reqs {
+        if !seen.insert(&r.key) {
+            return Err(StoreError::Backend(format!(
+                "claim_batch got key `{}` twice; dedup the batch first",
+                r.key
+            )));
+        }
+    }
+    Ok(())
+}

