@@ -42,13 +42,17 @@ pub const MAX_DEDUP_KEY_BYTES: usize = MAX_GROUP_LEN + 1 + 192;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum KeyError {
     /// The configured header is absent.
-    #[error("message has no header `{0}`: the producer must set it, or configure another key strategy")]
+    #[error(
+        "message has no header `{0}`: the producer must set it, or configure another key strategy"
+    )]
     MissingHeader(String),
     /// The message has no broker key.
     #[error("message has no message key (Kafka key / RocketMQ keys / AMQP message_id): set one at the producer, or configure another key strategy")]
     MissingMessageKey,
     /// The broker gave no message id.
-    #[error("message has no broker message id; the broker-id strategy cannot be used for this source")]
+    #[error(
+        "message has no broker message id; the broker-id strategy cannot be used for this source"
+    )]
     MissingMessageId,
     /// The key source yielded an empty value.
     #[error("dedup key from {0} is empty: the producer sent an empty value")]
@@ -305,7 +309,9 @@ impl KeyStrategy {
                 json_field(&doc, p)?
             }
             KeySource::Fingerprint(fields) => fingerprint_fields(env, fields)?,
-            KeySource::BrokerMessageId => env.message_id.clone().ok_or(KeyError::MissingMessageId)?,
+            KeySource::BrokerMessageId => {
+                env.message_id.clone().ok_or(KeyError::MissingMessageId)?
+            }
             KeySource::Custom(f) => f(env)?,
         };
         if raw.is_empty() {
@@ -387,10 +393,11 @@ fn fingerprint_fields(env: &Envelope, fields: &[Field]) -> Result<String, KeyErr
                     .ok_or_else(|| KeyError::MissingHeader(h.clone()))?,
                 || format!("header `{h}`"),
             )?,
-            Field::MessageKey => utf8(
-                env.key.as_ref().ok_or(KeyError::MissingMessageKey)?,
-                || "the message key".to_string(),
-            )?,
+            Field::MessageKey => {
+                utf8(env.key.as_ref().ok_or(KeyError::MissingMessageKey)?, || {
+                    "the message key".to_string()
+                })?
+            }
             Field::JsonPointer(p) => {
                 if doc.is_none() {
                     doc = Some(parse_json(&env.payload, p)?);
@@ -466,7 +473,9 @@ mod tests {
     fn pointer_keys_read_strings_and_numbers_and_reject_null() {
         let k = KeyStrategy::json_pointer("g", "/order/id").unwrap();
         assert_eq!(
-            k.derive(&env(r#"{"order":{"id":"o-1"}}"#)).unwrap().as_str(),
+            k.derive(&env(r#"{"order":{"id":"o-1"}}"#))
+                .unwrap()
+                .as_str(),
             "g:o-1"
         );
         assert_eq!(
@@ -502,7 +511,10 @@ mod tests {
         let strict = k.oversize(OversizeKey::Reject);
         assert_eq!(
             strict.derive(&e),
-            Err(KeyError::TooLong { len: 1000, max: 128 })
+            Err(KeyError::TooLong {
+                len: 1000,
+                max: 128
+            })
         );
     }
 
@@ -510,7 +522,10 @@ mod tests {
     fn an_empty_or_hostile_consumer_group_is_rejected() {
         for bad in ["", "a:b", "a b", "x'; DROP TABLE t; --", &"g".repeat(65)] {
             assert!(
-                matches!(KeyStrategy::header(bad, "id"), Err(KeyError::InvalidGroup(_))),
+                matches!(
+                    KeyStrategy::header(bad, "id"),
+                    Err(KeyError::InvalidGroup(_))
+                ),
                 "{bad:?} accepted"
             );
         }

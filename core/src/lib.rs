@@ -11,16 +11,24 @@
 //! contracts for the embedded default and for tests.
 #![warn(missing_docs)]
 
+pub mod broker;
+pub mod engine;
 pub mod envelope;
+pub mod handler;
 pub mod key;
 pub mod memory;
+pub mod metrics;
+pub mod source;
 pub mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
+pub use engine::{ConsumerConfig, ConsumerError, ConsumerStats, IdempotentConsumer};
 pub use envelope::{BrokerKind, Envelope, Headers, Position, SourceRef};
+pub use handler::{BoxError, ClaimedMessage, Handler, HandlerError, HandlerResult};
 pub use key::{ConsumerGroup, DedupKey, Field, KeyError, KeySource, KeyStrategy, OversizeKey};
 pub use memory::MemoryStore;
+pub use source::{Delivery, Settle, Source, SourceError};
 pub use store::{
     evaluate_claim, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome, Completion,
     DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease, PayloadHash, RecordStatus,

@@ -318,8 +318,10 @@ pub trait DedupStore: Send + Sync + 'static {
     }
 
     /// Completes many keys in one round trip; the answer is in order.
-    async fn complete_batch(&self, items: &[Completion])
-        -> Result<Vec<CompleteOutcome>, StoreError>;
+    async fn complete_batch(
+        &self,
+        items: &[Completion],
+    ) -> Result<Vec<CompleteOutcome>, StoreError>;
 
     /// Marks the key done if `token` still owns it, storing `result` for `retention`.
     async fn complete(
@@ -341,8 +343,11 @@ pub trait DedupStore: Send + Sync + 'static {
     }
 
     /// Gives the key back after a failure so a redelivery can retry at once.
-    async fn release(&self, key: &DedupKey, token: FencingToken)
-        -> Result<ReleaseOutcome, StoreError>;
+    async fn release(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError>;
 
     /// Extends the lease (heartbeat for long handlers).
     async fn extend(

@@ -85,7 +85,10 @@ pub async fn race_one_key_exactly_one_acquired(h: &Handles) {
                 other => panic!("racing claim must be Acquired or InFlight, got {other:?}"),
             }
         }
-        assert_eq!(acquired, 1, "exactly one of {workers} racing workers acquires {k}");
+        assert_eq!(
+            acquired, 1,
+            "exactly one of {workers} racing workers acquires {k}"
+        );
     }
 }
 
@@ -149,7 +152,9 @@ pub async fn lease_expiry_takeover_and_fencing(h: &Handles) {
     assert_eq!(second.attempt, 2);
     assert_ne!(second.token, first.token, "a takeover gets a new token");
     assert_eq!(
-        a.complete(&k, first.token, None, RETAIN).await.expect("complete"),
+        a.complete(&k, first.token, None, RETAIN)
+            .await
+            .expect("complete"),
         CompleteOutcome::Fenced,
         "the old holder's complete is fenced"
     );
@@ -162,10 +167,16 @@ pub async fn lease_expiry_takeover_and_fencing(h: &Handles) {
         ExtendOutcome::Fenced
     );
     let rec = a.get(&k).await.expect("get").expect("record exists");
-    assert_eq!(rec.status, RecordStatus::InProgress, "fenced calls change nothing");
+    assert_eq!(
+        rec.status,
+        RecordStatus::InProgress,
+        "fenced calls change nothing"
+    );
     assert_eq!(rec.token, second.token);
     assert_eq!(
-        b.complete(&k, second.token, None, RETAIN).await.expect("complete"),
+        b.complete(&k, second.token, None, RETAIN)
+            .await
+            .expect("complete"),
         CompleteOutcome::Completed
     );
     assert!(matches!(
@@ -181,7 +192,11 @@ pub async fn extend_keeps_the_lease(h: &Handles) {
     let s = &h[0];
     let l = acquire(s, &k, SHORT).await;
     tokio::time::sleep(SHORT / 2).await;
-    match s.extend(&k, l.token, Duration::from_secs(5)).await.expect("extend") {
+    match s
+        .extend(&k, l.token, Duration::from_secs(5))
+        .await
+        .expect("extend")
+    {
         ExtendOutcome::Extended { until_ms } => assert!(until_ms > l.until_ms),
         ExtendOutcome::Fenced => panic!("the owner's extend must succeed"),
     }
@@ -213,7 +228,9 @@ pub async fn release_makes_the_key_claimable(h: &Handles) {
         ReleaseOutcome::Fenced
     );
     assert_eq!(
-        s.complete(&k, l.token, None, RETAIN).await.expect("complete"),
+        s.complete(&k, l.token, None, RETAIN)
+            .await
+            .expect("complete"),
         CompleteOutcome::Fenced
     );
 }
@@ -228,14 +245,18 @@ pub async fn retention_expiry_and_purge(h: &Handles) {
         let k = key(&g, &format!("old-{i}"));
         let l = acquire(s, &k, LONG).await;
         assert_eq!(
-            s.complete(&k, l.token, None, short_retain).await.expect("complete"),
+            s.complete(&k, l.token, None, short_retain)
+                .await
+                .expect("complete"),
             CompleteOutcome::Completed
         );
         keys.push(k);
     }
     let kept = key(&g, "kept");
     let l = acquire(s, &kept, LONG).await;
-    s.complete(&kept, l.token, None, RETAIN).await.expect("complete");
+    s.complete(&kept, l.token, None, RETAIN)
+        .await
+        .expect("complete");
     assert!(matches!(
         s.claim(&req(&keys[0], LONG)).await.expect("claim"),
         ClaimOutcome::Duplicate(_)
@@ -255,11 +276,17 @@ pub async fn retention_expiry_and_purge(h: &Handles) {
         }
         total += n;
     }
-    assert!(total >= 4, "the 4 expired records are purged (purged {total})");
+    assert!(
+        total >= 4,
+        "the 4 expired records are purged (purged {total})"
+    );
     for k in &keys[..4] {
         assert!(s.get(k).await.expect("get").is_none(), "{k} purged");
     }
-    assert!(s.get(&kept).await.expect("get").is_some(), "unexpired record kept");
+    assert!(
+        s.get(&kept).await.expect("get").is_some(),
+        "unexpired record kept"
+    );
     assert!(
         s.get(&keys[4]).await.expect("get").is_some(),
         "re-acquired record not purged"
@@ -273,21 +300,35 @@ pub async fn payload_conflict_is_reported(h: &Handles) {
     let s = &h[0];
     let a = PayloadHash::of(b"{\"amount\":10}");
     let b = PayloadHash::of(b"{\"amount\":99}");
-    let l = match s.claim(&req(&k, LONG).with_payload_hash(a)).await.expect("claim") {
+    let l = match s
+        .claim(&req(&k, LONG).with_payload_hash(a))
+        .await
+        .expect("claim")
+    {
         ClaimOutcome::Acquired(l) => l,
         o => panic!("fresh key: {o:?}"),
     };
-    match s.claim(&req(&k, LONG).with_payload_hash(b)).await.expect("claim") {
+    match s
+        .claim(&req(&k, LONG).with_payload_hash(b))
+        .await
+        .expect("claim")
+    {
         ClaimOutcome::PayloadConflict(r) => assert_eq!(r.payload_hash, Some(a)),
         o => panic!("different payload while in flight must be a conflict, got {o:?}"),
     }
-    s.complete(&k, l.token, None, RETAIN).await.expect("complete");
+    s.complete(&k, l.token, None, RETAIN)
+        .await
+        .expect("complete");
     assert!(matches!(
-        s.claim(&req(&k, LONG).with_payload_hash(b)).await.expect("claim"),
+        s.claim(&req(&k, LONG).with_payload_hash(b))
+            .await
+            .expect("claim"),
         ClaimOutcome::PayloadConflict(_)
     ));
     assert!(matches!(
-        s.claim(&req(&k, LONG).with_payload_hash(a)).await.expect("claim"),
+        s.claim(&req(&k, LONG).with_payload_hash(a))
+            .await
+            .expect("claim"),
         ClaimOutcome::Duplicate(_)
     ));
     assert!(matches!(
@@ -325,7 +366,9 @@ pub async fn stored_result_is_returned(h: &Handles) {
     }
     let k2 = key(&g, "no-result");
     let l2 = acquire(s, &k2, LONG).await;
-    s.complete(&k2, l2.token, None, RETAIN).await.expect("complete");
+    s.complete(&k2, l2.token, None, RETAIN)
+        .await
+        .expect("complete");
     match s.claim(&req(&k2, LONG)).await.expect("claim") {
         ClaimOutcome::Duplicate(r) => assert_eq!(r.result, None),
         o => panic!("expected Duplicate, got {o:?}"),
@@ -357,7 +400,9 @@ pub async fn batch_claims_equal_single_claims(h: &Handles) {
             ClaimOutcome::Acquired(l) => l,
             o => panic!("{o:?}"),
         };
-        s.complete(&k("conflict"), l.token, None, RETAIN).await.expect("complete");
+        s.complete(&k("conflict"), l.token, None, RETAIN)
+            .await
+            .expect("complete");
         answers.push((g, fresh));
     }
     tokio::time::sleep(Duration::from_millis(20)).await;
@@ -381,10 +426,16 @@ pub async fn batch_claims_equal_single_claims(h: &Handles) {
         singles.push(s.claim(r).await.expect("claim"));
     }
     let batch_reqs = mk(&answers[1].0);
-    let batch = h[h.len() - 1].claim_batch(&batch_reqs).await.expect("claim_batch");
+    let batch = h[h.len() - 1]
+        .claim_batch(&batch_reqs)
+        .await
+        .expect("claim_batch");
     let sk: Vec<_> = singles.iter().map(kind).collect();
     let bk: Vec<_> = batch.iter().map(kind).collect();
-    assert_eq!(sk, ["acquired", "duplicate", "in_flight", "acquired", "conflict"]);
+    assert_eq!(
+        sk,
+        ["acquired", "duplicate", "in_flight", "acquired", "conflict"]
+    );
     assert_eq!(bk, sk, "batch claims answer what single claims answer");
     if let (ClaimOutcome::Duplicate(a), ClaimOutcome::Duplicate(b)) = (&singles[1], &batch[1]) {
         assert_eq!(a.result, b.result);

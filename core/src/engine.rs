@@ -1,0 +1,698 @@
+//! The idempotent consumer engine: one loop over any [`Source`] and any [`DedupStore`].
+//!
+//! For each polled batch:
+//! 1. derive keys; a message without a usable key is rejected (dead-lettered) with the reason;
+//! 2. dedup within the batch: later copies of a key wait for the first one's fate;
+//! 3. claim all keys in one round trip (retried with back-off while the store is down; if it
+//!    stays down the batch is nacked, never acked);
+//! 4. run handlers for the acquired keys, at most `max_concurrency` at a time, each with a
+//!    heartbeat extending its lease;
+//! 5. complete the successful ones in one round trip, and only then ack them.
+//!
+//! | claim / handler outcome | store | broker |
+//! |---|---|---|
+//! | duplicate | – | ack |
+//! | in flight elsewhere | – | nack, redeliver after the other lease |
+//! | payload conflict | – | reject with reason |
+//! | handler ok, completion durable | complete | ack |
+//! | handler ok, lease lost (fenced) | – | nack |
+//! | handler retryable error / panic | release | nack after `retry_delay` |
+//! | handler permanent error | release | reject with reason |
+//! | store unavailable | – | nack after back-off |
+
+use crate::handler::{ClaimedMessage, Handler, HandlerError};
+use crate::key::{DedupKey, KeyStrategy};
+use crate::metrics as m;
+use crate::source::{Delivery, Source, SourceError};
+use crate::store::{
+    now_ms, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupStore, ExtendOutcome,
+    FencingToken, Lease, PayloadHash, StoreError,
+};
+use futures::FutureExt;
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::Instrument;
+
+/// Engine settings. Defaults suit handlers that take up to a few seconds.
+#[derive(Debug, Clone)]
+pub struct ConsumerConfig {
+    /// Most deliveries taken per poll (and claimed per round trip).
+    pub max_batch: usize,
+    /// Most handlers running at once.
+    pub max_concurrency: usize,
+    /// Lease per claim; a crashed worker's keys are taken over after it.
+    pub lease: Duration,
+    /// Heartbeat period extending leases of running handlers (`None` = lease / 3).
+    pub heartbeat: Option<Duration>,
+    /// How long completed keys are remembered (duplicates skipped).
+    pub retention: Duration,
+    /// Redelivery delay after a handler failure or a lost lease.
+    pub retry_delay: Duration,
+    /// Longest wait before redelivering a message another worker holds.
+    pub in_flight_delay_max: Duration,
+    /// First back-off after a store error; doubles up to `store_backoff_max`.
+    pub store_backoff: Duration,
+    /// Longest back-off after store errors.
+    pub store_backoff_max: Duration,
+    /// Store retries within one batch before its deliveries are nacked.
+    pub store_retries: u32,
+    /// Compare payload hashes: the same key with another payload is rejected, not skipped.
+    pub payload_check: bool,
+    /// This worker's id, kept in records for audit.
+    pub worker_id: String,
+}
+
+impl Default for ConsumerConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 100,
+            max_concurrency: 16,
+            lease: Duration::from_secs(30),
+            heartbeat: None,
+            retention: Duration::from_secs(7 * 24 * 3600),
+            retry_delay: Duration::from_secs(1),
+            in_flight_delay_max: Duration::from_secs(5),
+            store_backoff: Duration::from_millis(100),
+            store_backoff_max: Duration::from_secs(10),
+            store_retries: 4,
+            payload_check: true,
+            worker_id: format!(
+                "pid{}-{:06x}",
+                std::process::id(),
+                rand::random::<u32>() & 0xff_ffff
+            ),
+        }
+    }
+}
+
+/// Counters of one engine (also exported through `metrics`).
+#[derive(Debug, Default)]
+struct Counters {
+    processed: AtomicU64,
+    duplicates: AtomicU64,
+    in_flight: AtomicU64,
+    retried: AtomicU64,
+    rejected: AtomicU64,
+    fenced: AtomicU64,
+    store_unavailable: AtomicU64,
+    takeovers: AtomicU64,
+}
+
+/// A snapshot of an engine's counters (deliveries, not distinct messages).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConsumerStats {
+    /// Handler ran and the record is durable; acked.
+    pub processed: u64,
+    /// Skipped as duplicates (store or in-batch); acked.
+    pub duplicates: u64,
+    /// Held by another worker; nacked for later.
+    pub in_flight: u64,
+    /// Handler failed; released and nacked.
+    pub retried: u64,
+    /// Dead-lettered.
+    pub rejected: u64,
+    /// Lease lost before completion; nacked.
+    pub fenced: u64,
+    /// Not settled as done because the store was down; nacked.
+    pub store_unavailable: u64,
+    /// Expired leases taken over.
+    pub takeovers: u64,
+}
+
+impl ConsumerStats {
+    /// Deliveries sent back for redelivery, whatever the reason.
+    pub fn redelivered(&self) -> u64 {
+        self.in_flight + self.retried + self.fenced + self.store_unavailable
+    }
+}
+
+/// Why the engine stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ConsumerError {
+    /// The source cannot work as configured.
+    #[error("source failed: {0}")]
+    Source(#[from] SourceError),
+}
+
+/// Runs a [`Handler`] over a [`Source`] so that each message's effect happens once.
+///
+/// ```
+/// use idemq_core::{IdempotentConsumer, KeyStrategy, MemoryStore, ClaimedMessage, HandlerError};
+/// use idemq_core::broker::MemoryBroker;
+/// use idemq_core::{Envelope, BrokerKind};
+/// use std::sync::{Arc, atomic::{AtomicU32, Ordering}};
+///
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// let broker = MemoryBroker::new();
+/// let msg = Envelope::new(BrokerKind::Memory, "orders", "{}").with_header("x-idempotency-key", "o-1");
+/// broker.publish(msg.clone());
+/// broker.publish(msg); // the producer retried
+///
+/// let effects = Arc::new(AtomicU32::new(0));
+/// let seen = effects.clone();
+/// let consumer = IdempotentConsumer::new(
+///     Arc::new(MemoryStore::new()),
+///     KeyStrategy::header("orders-svc", "x-idempotency-key").unwrap(),
+///     move |_m: ClaimedMessage| {
+///         let seen = seen.clone();
+///         async move { seen.fetch_add(1, Ordering::SeqCst); Ok::<_, HandlerError>(None) }
+///     },
+/// );
+/// let mut source = broker.subscribe();
+/// consumer.run_until_idle(&mut source).await.unwrap();
+/// assert_eq!(effects.load(Ordering::SeqCst), 1);
+/// assert_eq!(consumer.stats().duplicates, 1);
+/// # });
+/// ```
+pub struct IdempotentConsumer<H> {
+    store: Arc<dyn DedupStore>,
+    keys: KeyStrategy,
+    handler: Arc<H>,
+    cfg: ConsumerConfig,
+    counters: Arc<Counters>,
+}
+
+impl<H> Clone for IdempotentConsumer<H> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            keys: self.keys.clone(),
+            handler: self.handler.clone(),
+            cfg: self.cfg.clone(),
+            counters: self.counters.clone(),
+        }
+    }
+}
+
+/// One primary delivery of a key and the in-batch copies that wait on it.
+struct Item {
+    delivery: Delivery,
+    key: DedupKey,
+    hash: Option<PayloadHash>,
+    followers: Vec<Delivery>,
+}
+
+#[derive(Clone, Copy)]
+enum Settlement<'a> {
+    Ack,
+    Nack(Duration),
+    Reject(&'a str),
+}
+
+impl<H: Handler> IdempotentConsumer<H> {
+    /// An engine with default settings.
+    pub fn new(store: Arc<dyn DedupStore>, keys: KeyStrategy, handler: H) -> Self {
+        Self {
+            store,
+            keys,
+            handler: Arc::new(handler),
+            cfg: ConsumerConfig::default(),
+            counters: Arc::default(),
+        }
+    }
+
+    /// Replaces the settings (values of 0 for batch or concurrency are taken as 1).
+    pub fn with_config(mut self, mut cfg: ConsumerConfig) -> Self {
+        cfg.max_batch = cfg.max_batch.max(1);
+        cfg.max_concurrency = cfg.max_concurrency.max(1);
+        self.cfg = cfg;
+        self
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ConsumerConfig {
+        &self.cfg
+    }
+
+    /// Counters so far (shared by clones of this engine).
+    pub fn stats(&self) -> ConsumerStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ConsumerStats {
+            processed: l(&c.processed),
+            duplicates: l(&c.duplicates),
+            in_flight: l(&c.in_flight),
+            retried: l(&c.retried),
+            rejected: l(&c.rejected),
+            fenced: l(&c.fenced),
+            store_unavailable: l(&c.store_unavailable),
+            takeovers: l(&c.takeovers),
+        }
+    }
+
+    /// Polls and processes until `shutdown` resolves or the source ends. A batch in progress
+    /// is finished (settled) before returning.
+    pub async fn run<S: Source + ?Sized>(
+        &self,
+        source: &mut S,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ConsumerError> {
+        tokio::pin!(shutdown);
+        let mut backoff = self.cfg.store_backoff;
+        loop {
+            let polled = tokio::select! {
+                biased;
+                _ = &mut shutdown => return Ok(()),
+                p = source.poll(self.cfg.max_batch) => p,
+            };
+            match polled {
+                Ok(Some(batch)) => {
+                    let store_down = self.process_batch(batch).await;
+                    if store_down {
+                        // The batch was nacked; give the store time before polling again.
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(self.cfg.store_backoff_max);
+                    } else {
+                        backoff = self.cfg.store_backoff;
+                    }
+                }
+                Ok(None) => return Ok(()),
+                Err(SourceError::Config(e)) => return Err(SourceError::Config(e).into()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "poll failed; backing off");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(self.cfg.store_backoff_max);
+                }
+            }
+        }
+    }
+
+    /// Runs until the source ends (for sources that end, such as a closed memory broker).
+    pub async fn run_until_idle<S: Source + ?Sized>(
+        &self,
+        source: &mut S,
+    ) -> Result<(), ConsumerError> {
+        self.run(source, std::future::pending()).await
+    }
+
+    /// Processes one batch and settles every delivery in it. Returns true when the store
+    /// was unavailable (the affected deliveries were nacked).
+    pub async fn process_batch(&self, batch: Vec<Delivery>) -> bool {
+        let span = tracing::debug_span!("idemq.batch", size = batch.len(), group = %self.keys.group().as_str());
+        self.process_batch_inner(batch).instrument(span).await
+    }
+
+    async fn process_batch_inner(&self, batch: Vec<Delivery>) -> bool {
+        let group = self.keys.group().as_str().to_string();
+        let mut items: Vec<Item> = Vec::with_capacity(batch.len());
+        let mut index: HashMap<DedupKey, usize> = HashMap::new();
+        for d in batch {
+            let key = match self.keys.derive(&d.envelope) {
+                Ok(k) => k,
+                Err(e) => {
+                    let reason = format!("no usable dedup key: {e}");
+                    tracing::warn!(source = %d.envelope.source.name, %reason, "rejecting message");
+                    self.count(&self.counters.rejected, m::outcome::REJECTED, &d, 1);
+                    settle(d, Settlement::Reject(&reason)).await;
+                    continue;
+                }
+            };
+            let hash = self
+                .cfg
+                .payload_check
+                .then(|| PayloadHash::of(&d.envelope.payload));
+            match index.get(&key) {
+                Some(&i) if items[i].hash == hash => items[i].followers.push(d),
+                Some(_) => {
+                    // Same key, other payload, same batch: let it meet the stored record
+                    // on its own (it will be reported as a conflict).
+                    self.count(&self.counters.in_flight, m::outcome::IN_FLIGHT, &d, 1);
+                    settle(d, Settlement::Nack(self.cfg.retry_delay)).await;
+                }
+                None => {
+                    index.insert(key.clone(), items.len());
+                    items.push(Item {
+                        delivery: d,
+                        key,
+                        hash,
+                        followers: Vec::new(),
+                    });
+                }
+            }
+        }
+        if items.is_empty() {
+            return false;
+        }
+
+        let reqs: Vec<ClaimRequest> = items
+            .iter()
+            .map(|it| ClaimRequest {
+                key: it.key.clone(),
+                lease: self.cfg.lease,
+                payload_hash: it.hash,
+                worker: Some(self.cfg.worker_id.clone()),
+            })
+            .collect();
+        let started = Instant::now();
+        let outcomes = match self
+            .with_store_retries("claim", || self.store.claim_batch(&reqs))
+            .await
+        {
+            Ok(o) if o.len() == items.len() => o,
+            result => {
+                if let Ok(o) = result {
+                    tracing::error!(
+                        got = o.len(),
+                        want = items.len(),
+                        "store answered a batch claim with the wrong number of outcomes"
+                    );
+                }
+                let delay = self.cfg.store_backoff;
+                for it in items {
+                    self.settle_all(
+                        it,
+                        Settlement::Nack(delay),
+                        &self.counters.store_unavailable,
+                        m::outcome::STORE_UNAVAILABLE,
+                    )
+                    .await;
+                }
+                return true;
+            }
+        };
+        metrics::histogram!(m::CLAIM_SECONDS, "group" => group.clone())
+            .record(started.elapsed().as_secs_f64());
+
+        // Dispatch.
+        let semaphore = Arc::new(tokio::sync::Semaphore::new(self.cfg.max_concurrency));
+        let mut running = tokio::task::JoinSet::new();
+        let mut acquired: HashMap<usize, (Item, Lease)> = HashMap::new();
+        for (i, (item, outcome)) in items.into_iter().zip(outcomes).enumerate() {
+            match outcome {
+                ClaimOutcome::Acquired(lease) => {
+                    if lease.takeover {
+                        self.counters.takeovers.fetch_add(1, Ordering::Relaxed);
+                        metrics::counter!(m::LEASE_TAKEOVERS, "group" => group.clone())
+                            .increment(1);
+                        tracing::info!(key = %item.key, attempt = lease.attempt, "took over an expired lease");
+                    }
+                    let msg = ClaimedMessage {
+                        envelope: item.delivery.envelope.clone(),
+                        key: item.key.clone(),
+                        token: lease.token,
+                        attempt: lease.attempt,
+                        takeover: lease.takeover,
+                    };
+                    let handler = self.handler.clone();
+                    let store = self.store.clone();
+                    let sem = semaphore.clone();
+                    let lease_len = self.cfg.lease;
+                    let beat = self
+                        .cfg
+                        .heartbeat
+                        .unwrap_or(self.cfg.lease / 3)
+                        .max(Duration::from_millis(10));
+                    let span = tracing::info_span!("idemq.handle", broker = %msg.envelope.broker, source = %msg.envelope.source.name, key = %msg.key, attempt = msg.attempt);
+                    running.spawn(
+                        async move {
+                            let _permit = sem.acquire_owned().await;
+                            let key = msg.key.clone();
+                            let token = msg.token;
+                            let work = AssertUnwindSafe(handler.handle(msg)).catch_unwind();
+                            let (res, lost) =
+                                with_heartbeat(store, key, token, lease_len, beat, work).await;
+                            (i, res, lost)
+                        }
+                        .instrument(span),
+                    );
+                    acquired.insert(i, (item, lease));
+                }
+                ClaimOutcome::Duplicate(_) => {
+                    let n = 1 + item.followers.len() as u64;
+                    metrics::counter!(m::DUPLICATES, "topic" => item.delivery.envelope.source.name.clone(), "group" => group.clone()).increment(n);
+                    tracing::debug!(key = %item.key, "duplicate skipped");
+                    self.settle_all(
+                        item,
+                        Settlement::Ack,
+                        &self.counters.duplicates,
+                        m::outcome::DUPLICATE,
+                    )
+                    .await;
+                }
+                ClaimOutcome::InFlight { until_ms } => {
+                    metrics::counter!(m::IN_FLIGHT_CONFLICTS, "group" => group.clone())
+                        .increment(1);
+                    let wait =
+                        Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64)
+                            .clamp(Duration::from_millis(50), self.cfg.in_flight_delay_max);
+                    self.settle_all(
+                        item,
+                        Settlement::Nack(wait),
+                        &self.counters.in_flight,
+                        m::outcome::IN_FLIGHT,
+                    )
+                    .await;
+                }
+                ClaimOutcome::PayloadConflict(rec) => {
+                    metrics::counter!(m::PAYLOAD_CONFLICTS, "group" => group.clone()).increment(1);
+                    let reason = format!(
+                        "payload conflict: key `{}` was first seen with a different payload (status {:?}, attempts {}); fix the producer's key",
+                        item.key, rec.status, rec.attempts
+                    );
+                    tracing::warn!(key = %item.key, "{reason}");
+                    self.settle_all(
+                        item,
+                        Settlement::Reject(&reason),
+                        &self.counters.rejected,
+                        m::outcome::REJECTED,
+                    )
+                    .await;
+                }
+            }
+        }
+
+        // Collect handler results.
+        let mut done: Vec<(Item, Completion)> = Vec::new();
+        while let Some(joined) = running.join_next().await {
+            let (i, res, lost) = match joined {
+                Ok(r) => r,
+                Err(e) => {
+                    // Only cancellation gets here (panics are caught in the task).
+                    tracing::error!(error = %e, "handler task ended abnormally");
+                    continue;
+                }
+            };
+            let Some((item, lease)) = acquired.remove(&i) else {
+                continue;
+            };
+            if lost {
+                tracing::warn!(key = %item.key, "lease lost during handling (heartbeat fenced)");
+            }
+            match res {
+                Ok(Ok(result)) => {
+                    let c = Completion {
+                        key: item.key.clone(),
+                        token: lease.token,
+                        result,
+                        retention: self.cfg.retention,
+                    };
+                    done.push((item, c));
+                }
+                Ok(Err(HandlerError::Permanent(e))) => {
+                    self.release(&item.key, lease.token).await;
+                    let reason = format!("handler failed permanently: {e}");
+                    self.settle_all(
+                        item,
+                        Settlement::Reject(&reason),
+                        &self.counters.rejected,
+                        m::outcome::REJECTED,
+                    )
+                    .await;
+                }
+                Ok(Err(HandlerError::Retryable(e))) => {
+                    tracing::warn!(key = %item.key, error = %e, "handler failed; will retry");
+                    self.release(&item.key, lease.token).await;
+                    self.settle_all(
+                        item,
+                        Settlement::Nack(self.cfg.retry_delay),
+                        &self.counters.retried,
+                        m::outcome::RETRIED,
+                    )
+                    .await;
+                }
+                Err(_panic) => {
+                    tracing::error!(key = %item.key, "handler panicked; will retry");
+                    self.release(&item.key, lease.token).await;
+                    self.settle_all(
+                        item,
+                        Settlement::Nack(self.cfg.retry_delay),
+                        &self.counters.retried,
+                        m::outcome::RETRIED,
+                    )
+                    .await;
+                }
+            }
+        }
+        // Anything left (a cancelled task) goes back to the broker.
+        for (_, (item, lease)) in acquired.drain() {
+            self.release(&item.key, lease.token).await;
+            self.settle_all(
+                item,
+                Settlement::Nack(self.cfg.retry_delay),
+                &self.counters.retried,
+                m::outcome::RETRIED,
+            )
+            .await;
+        }
+        if done.is_empty() {
+            return false;
+        }
+
+        // Complete in one round trip, then ack: never ack before the record is durable.
+        let completions: Vec<Completion> = done.iter().map(|(_, c)| c.clone()).collect();
+        match self
+            .with_store_retries("complete", || self.store.complete_batch(&completions))
+            .await
+        {
+            Ok(outs) if outs.len() == done.len() => {
+                for ((mut item, _), out) in done.into_iter().zip(outs) {
+                    match out {
+                        CompleteOutcome::Completed => {
+                            let followers = std::mem::take(&mut item.followers);
+                            self.count(
+                                &self.counters.processed,
+                                m::outcome::PROCESSED,
+                                &item.delivery,
+                                1,
+                            );
+                            settle(item.delivery, Settlement::Ack).await;
+                            for f in followers {
+                                self.count(&self.counters.duplicates, m::outcome::DUPLICATE, &f, 1);
+                                settle(f, Settlement::Ack).await;
+                            }
+                        }
+                        CompleteOutcome::Fenced => {
+                            metrics::counter!(m::FENCED_COMPLETIONS, "group" => group.clone())
+                                .increment(1);
+                            tracing::warn!(key = %item.key, "completion fenced: the lease was taken over; redelivering");
+                            self.settle_all(
+                                item,
+                                Settlement::Nack(self.cfg.retry_delay),
+                                &self.counters.fenced,
+                                m::outcome::FENCED,
+                            )
+                            .await;
+                        }
+                    }
+                }
+                false
+            }
+            _ => {
+                // Not durable: no ack. The leases expire and the redelivery finds the keys
+                // claimable (or completed, if the write landed after all).
+                for (item, _) in done {
+                    self.settle_all(
+                        item,
+                        Settlement::Nack(self.cfg.store_backoff),
+                        &self.counters.store_unavailable,
+                        m::outcome::STORE_UNAVAILABLE,
+                    )
+                    .await;
+                }
+                true
+            }
+        }
+    }
+
+    async fn with_store_retries<T, F, Fut>(
+        &self,
+        op: &'static str,
+        mut call: F,
+    ) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let mut backoff = self.cfg.store_backoff;
+        let mut attempt = 0;
+        loop {
+            match call().await {
+                Ok(v) => return Ok(v),
+                Err(e) => {
+                    metrics::counter!(m::STORE_ERRORS, "op" => op).increment(1);
+                    attempt += 1;
+                    if !e.is_retryable() || attempt > self.cfg.store_retries {
+                        tracing::error!(op, error = %e, attempt, "dedup store call failed; not acking");
+                        return Err(e);
+                    }
+                    tracing::warn!(op, error = %e, attempt, "dedup store call failed; backing off");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(self.cfg.store_backoff_max);
+                }
+            }
+        }
+    }
+
+    async fn release(&self, key: &DedupKey, token: FencingToken) {
+        // Best effort: if it fails the lease simply expires and the key is taken over.
+        if let Err(e) = self.store.release(key, token).await {
+            metrics::counter!(m::STORE_ERRORS, "op" => "release").increment(1);
+            tracing::warn!(%key, error = %e, "release failed; the key frees up when its lease ends");
+        }
+    }
+
+    fn count(&self, c: &AtomicU64, outcome: &'static str, d: &Delivery, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+        metrics::counter!(m::MESSAGES, "outcome" => outcome, "broker" => d.envelope.broker.as_str(), "group" => self.keys.group().as_str().to_string()).increment(n);
+    }
+
+    async fn settle_all(
+        &self,
+        item: Item,
+        how: Settlement<'_>,
+        c: &AtomicU64,
+        outcome: &'static str,
+    ) {
+        self.count(c, outcome, &item.delivery, 1 + item.followers.len() as u64);
+        for f in item.followers {
+            settle(f, how).await;
+        }
+        settle(item.delivery, how).await;
+    }
+}
+
+async fn settle(d: Delivery, how: Settlement<'_>) {
+    let source = d.envelope.source.name.clone();
+    let r = match how {
+        Settlement::Ack => d.ack().await,
+        Settlement::Nack(delay) => d.nack(delay).await,
+        Settlement::Reject(reason) => d.reject(reason).await,
+    };
+    if let Err(e) = r {
+        // The broker will redeliver; the dedup record makes that harmless.
+        tracing::warn!(%source, error = %e, "settling a delivery failed");
+    }
+}
+
+/// Runs `work` while extending the lease every `beat`. Returns the work's output and whether
+/// the lease was lost (fenced) meanwhile.
+async fn with_heartbeat<F: Future>(
+    store: Arc<dyn DedupStore>,
+    key: DedupKey,
+    token: FencingToken,
+    lease: Duration,
+    beat: Duration,
+    work: F,
+) -> (F::Output, bool) {
+    tokio::pin!(work);
+    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + beat, beat);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut lost = false;
+    loop {
+        tokio::select! {
+            out = &mut work => return (out, lost),
+            _ = tick.tick(), if !lost => match store.extend(&key, token, lease).await {
+                Ok(ExtendOutcome::Extended { .. }) => {}
+                Ok(ExtendOutcome::Fenced) => lost = true,
+                Err(e) => {
+                    metrics::counter!(m::STORE_ERRORS, "op" => "extend").increment(1);
+                    tracing::warn!(%key, error = %e, "heartbeat failed");
+                }
+            },
+        }
+    }
+}

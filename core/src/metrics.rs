@@ -1,0 +1,47 @@
+//! Metric names and labels, through the `metrics` facade (install any recorder).
+//!
+//! | name | kind | labels |
+//! |---|---|---|
+//! | `idemq_messages_total` | counter | `outcome` (see [`outcome`]), `broker`, `group` |
+//! | `message_duplicate_count` | counter | `topic`, `group` (seed 002's name) |
+//! | `idemq_claim_seconds` | histogram | `group` (one observation per batch claim) |
+//! | `idemq_in_flight_conflicts_total` | counter | `group` |
+//! | `idemq_lease_takeovers_total` | counter | `group` |
+//! | `idemq_fenced_completions_total` | counter | `group` |
+//! | `idemq_store_errors_total` | counter | `op` (claim, complete, release, extend) |
+//! | `idemq_payload_conflicts_total` | counter | `group` |
+
+/// Messages by outcome.
+pub const MESSAGES: &str = "idemq_messages_total";
+/// Duplicates skipped, by topic and consumer group.
+pub const DUPLICATES: &str = "message_duplicate_count";
+/// Claim latency.
+pub const CLAIM_SECONDS: &str = "idemq_claim_seconds";
+/// Claims answered InFlight.
+pub const IN_FLIGHT_CONFLICTS: &str = "idemq_in_flight_conflicts_total";
+/// Expired leases taken over.
+pub const LEASE_TAKEOVERS: &str = "idemq_lease_takeovers_total";
+/// Completions refused because the lease was lost.
+pub const FENCED_COMPLETIONS: &str = "idemq_fenced_completions_total";
+/// Store calls that failed.
+pub const STORE_ERRORS: &str = "idemq_store_errors_total";
+/// Same key, different payload.
+pub const PAYLOAD_CONFLICTS: &str = "idemq_payload_conflicts_total";
+
+/// Values of the `outcome` label.
+pub mod outcome {
+    /// Handler ran and the record completed.
+    pub const PROCESSED: &str = "processed";
+    /// Skipped as a duplicate (acked).
+    pub const DUPLICATE: &str = "duplicate";
+    /// Another worker holds it; redelivered later.
+    pub const IN_FLIGHT: &str = "in_flight";
+    /// Handler failed; released and redelivered later.
+    pub const RETRIED: &str = "retried";
+    /// Dead-lettered (no key, payload conflict, permanent handler failure).
+    pub const REJECTED: &str = "rejected";
+    /// The lease was lost before completion; redelivered later.
+    pub const FENCED: &str = "fenced";
+    /// The store was unavailable; redelivered later.
+    pub const STORE_UNAVAILABLE: &str = "store_unavailable";
+}

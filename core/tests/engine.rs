@@ -1,0 +1,413 @@
+//! Engine scenarios over the in-memory broker and store.
+
+use idemq_core::broker::{Faults, MemoryBroker};
+use idemq_core::{
+    BrokerKind, ClaimedMessage, ConsumerConfig, DedupStore, Envelope, HandlerError,
+    IdempotentConsumer, KeyStrategy, MemoryStore,
+};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+type Effects = Arc<Mutex<HashMap<String, u32>>>;
+
+fn payment(id: &str) -> Envelope {
+    Envelope::new(
+        BrokerKind::Memory,
+        "payments",
+        format!(r#"{{"payment_id":"{id}","amount":10}}"#),
+    )
+}
+
+fn keys() -> KeyStrategy {
+    KeyStrategy::json_pointer("billing", "/payment_id").expect("valid strategy")
+}
+
+fn fast() -> ConsumerConfig {
+    ConsumerConfig {
+        max_batch: 16,
+        lease: Duration::from_millis(500),
+        retry_delay: Duration::from_millis(20),
+        in_flight_delay_max: Duration::from_millis(100),
+        store_backoff: Duration::from_millis(10),
+        store_backoff_max: Duration::from_millis(50),
+        store_retries: 1,
+        ..ConsumerConfig::default()
+    }
+}
+
+/// A handler that records each effect by payment id.
+fn recording(
+    effects: Effects,
+) -> impl Fn(
+    ClaimedMessage,
+) -> std::pin::Pin<Box<dyn std::future::Future<Output = idemq_core::HandlerResult> + Send>>
+       + Send
+       + Sync
+       + 'static {
+    move |m: ClaimedMessage| {
+        let effects = effects.clone();
+        Box::pin(async move {
+            let id = m.key.as_str().to_string();
+            *effects.lock().expect("lock").entry(id).or_default() += 1;
+            Ok(None)
+        })
+    }
+}
+
+fn counts(e: &Effects) -> HashMap<String, u32> {
+    e.lock().expect("lock").clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn producer_duplicates_and_lost_acks_change_the_world_once_across_two_consumers() {
+    let broker = MemoryBroker::with_seed(7);
+    broker.set_faults(Faults { lost_ack_rate: 0.2 });
+    for i in 0..300 {
+        broker.publish(payment(&format!("p{i}")));
+        if i % 3 == 0 {
+            broker.publish(payment(&format!("p{i}")));
+        }
+    }
+    let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+    let effects: Effects = Arc::default();
+    let c = IdempotentConsumer::new(store, keys(), recording(effects.clone())).with_config(fast());
+    let (c1, c2) = (c.clone(), c.clone());
+    let (mut s1, mut s2) = (broker.subscribe(), broker.subscribe());
+    let a = tokio::spawn(async move { c1.run_until_idle(&mut s1).await });
+    let b = tokio::spawn(async move { c2.run_until_idle(&mut s2).await });
+    a.await.expect("join").expect("run");
+    b.await.expect("join").expect("run");
+    let e = counts(&effects);
+    assert_eq!(e.len(), 300, "every payment applied (none lost)");
+    assert!(e.values().all(|&n| n == 1), "no payment applied twice");
+    let st = c.stats();
+    assert_eq!(st.processed, 300);
+    assert!(st.duplicates >= 100, "producer duplicates skipped: {st:?}");
+    assert_eq!(broker.pending(), 0);
+    assert!(broker.dead_letters().is_empty());
+}
+
+#[tokio::test]
+async fn a_message_without_a_key_is_dead_lettered_with_the_reason_and_not_processed() {
+    let broker = MemoryBroker::new();
+    broker.publish(Envelope::new(
+        BrokerKind::Memory,
+        "payments",
+        "{\"amount\":1}",
+    ));
+    broker.publish(Envelope::new(
+        BrokerKind::Memory,
+        "payments",
+        "not json at all",
+    ));
+    broker.publish(payment("ok"));
+    let effects: Effects = Arc::default();
+    let c = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        keys(),
+        recording(effects.clone()),
+    )
+    .with_config(fast());
+    c.run_until_idle(&mut broker.subscribe())
+        .await
+        .expect("run");
+    let dead = broker.dead_letters();
+    assert_eq!(
+        dead.len(),
+        2,
+        "both keyless messages kept in the dead-letter queue"
+    );
+    assert!(dead[0].reason.contains("/payment_id"), "{}", dead[0].reason);
+    assert!(
+        dead[1].reason.contains("not valid JSON"),
+        "{}",
+        dead[1].reason
+    );
+    assert_eq!(dead[1].envelope.payload.as_ref(), b"not json at all");
+    assert_eq!(counts(&effects).len(), 1);
+    assert_eq!(c.stats().rejected, 2);
+}
+
+#[tokio::test]
+async fn a_store_outage_means_no_ack_and_processing_resumes_after_it() {
+    let broker = MemoryBroker::new();
+    for i in 0..10 {
+        broker.publish(payment(&format!("p{i}")));
+    }
+    let store = Arc::new(MemoryStore::new());
+    let effects: Effects = Arc::default();
+    let c = IdempotentConsumer::new(store.clone(), keys(), recording(effects.clone()))
+        .with_config(fast());
+    let mut src = broker.subscribe();
+    store.set_available(false);
+    let batch = idemq_core::Source::poll(&mut src, 100)
+        .await
+        .expect("poll")
+        .expect("batch");
+    assert!(c.process_batch(batch).await, "reports the store as down");
+    assert_eq!(broker.acked(), 0, "nothing acked while the store is down");
+    assert_eq!(broker.pending(), 10, "nothing lost");
+    assert!(
+        counts(&effects).is_empty(),
+        "no handler ran without a claim"
+    );
+    assert_eq!(c.stats().store_unavailable, 10);
+    store.set_available(true);
+    c.run_until_idle(&mut src).await.expect("run");
+    assert_eq!(counts(&effects).len(), 10);
+    assert_eq!(broker.acked(), 10);
+}
+
+#[tokio::test]
+async fn a_store_outage_after_the_effect_does_not_ack_and_the_lease_stays_with_the_worker() {
+    // The handler applies its effect and then the store goes down before completion.
+    let broker = MemoryBroker::new();
+    broker.publish(payment("p1"));
+    let store = Arc::new(MemoryStore::new());
+    let effects: Effects = Arc::default();
+    let (s2, e2) = (store.clone(), effects.clone());
+    let handler = move |m: ClaimedMessage| {
+        let (store, effects) = (s2.clone(), e2.clone());
+        async move {
+            *effects
+                .lock()
+                .expect("lock")
+                .entry(m.key.to_string())
+                .or_default() += 1;
+            store.set_available(false);
+            Ok::<_, HandlerError>(None)
+        }
+    };
+    let c = IdempotentConsumer::new(store.clone(), keys(), handler).with_config(fast());
+    let mut src = broker.subscribe();
+    let batch = idemq_core::Source::poll(&mut src, 10)
+        .await
+        .expect("poll")
+        .expect("batch");
+    assert!(c.process_batch(batch).await);
+    assert_eq!(
+        broker.acked(),
+        0,
+        "not acked: the completion was not durable"
+    );
+    assert_eq!(broker.pending(), 1);
+    store.set_available(true);
+    let key = keys().derive(&payment("p1")).expect("key");
+    let rec = store.get(&key).await.expect("get").expect("record");
+    assert_eq!(
+        rec.status,
+        idemq_core::RecordStatus::InProgress,
+        "still owned by the lease"
+    );
+}
+
+#[tokio::test]
+async fn a_failed_handler_releases_the_key_and_the_retry_succeeds_once() {
+    let broker = MemoryBroker::new();
+    broker.publish(payment("flaky"));
+    let effects: Effects = Arc::default();
+    let e2 = effects.clone();
+    let handler = move |m: ClaimedMessage| {
+        let e = e2.clone();
+        async move {
+            if m.attempt == 1 {
+                return Err(HandlerError::retryable("downstream timeout"));
+            }
+            *e.lock()
+                .expect("lock")
+                .entry(m.key.to_string())
+                .or_default() += 1;
+            Ok(None)
+        }
+    };
+    let store = Arc::new(MemoryStore::new());
+    let c = IdempotentConsumer::new(store.clone(), keys(), handler).with_config(fast());
+    c.run_until_idle(&mut broker.subscribe())
+        .await
+        .expect("run");
+    assert_eq!(
+        counts(&effects).values().copied().collect::<Vec<_>>(),
+        vec![1]
+    );
+    assert_eq!(c.stats().retried, 1);
+    let rec = store
+        .get(&keys().derive(&payment("flaky")).expect("key"))
+        .await
+        .expect("get")
+        .expect("record");
+    assert_eq!(rec.attempts, 2);
+}
+
+#[tokio::test]
+async fn a_permanent_failure_is_dead_lettered_and_a_panic_is_retried() {
+    let broker = MemoryBroker::new();
+    broker.publish(payment("poison"));
+    broker.publish(payment("panicky"));
+    let effects: Effects = Arc::default();
+    let e2 = effects.clone();
+    let handler = move |m: ClaimedMessage| {
+        let e = e2.clone();
+        async move {
+            if m.key.as_str().ends_with("poison") {
+                return Err(HandlerError::permanent("amount is negative"));
+            }
+            if m.attempt == 1 {
+                panic!("handler bug on first attempt");
+            }
+            *e.lock()
+                .expect("lock")
+                .entry(m.key.to_string())
+                .or_default() += 1;
+            Ok(None)
+        }
+    };
+    let c =
+        IdempotentConsumer::new(Arc::new(MemoryStore::new()), keys(), handler).with_config(fast());
+    c.run_until_idle(&mut broker.subscribe())
+        .await
+        .expect("run");
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert!(dead[0].reason.contains("amount is negative"));
+    assert_eq!(
+        counts(&effects).len(),
+        1,
+        "the panicking message was retried"
+    );
+    assert_eq!(c.stats().retried, 1);
+}
+
+#[tokio::test]
+async fn the_same_key_with_another_payload_is_rejected_as_a_conflict() {
+    let broker = MemoryBroker::new();
+    broker.publish(payment("p1"));
+    let c = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        keys(),
+        recording(Arc::default()),
+    )
+    .with_config(fast());
+    let mut src = broker.subscribe();
+    c.run_until_idle(&mut src).await.expect("run");
+    broker.publish(Envelope::new(
+        BrokerKind::Memory,
+        "payments",
+        r#"{"payment_id":"p1","amount":999}"#,
+    ));
+    c.run_until_idle(&mut src).await.expect("run");
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert!(
+        dead[0].reason.contains("payload conflict"),
+        "{}",
+        dead[0].reason
+    );
+}
+
+#[tokio::test]
+async fn copies_in_one_batch_are_claimed_once() {
+    let broker = MemoryBroker::new();
+    for _ in 0..5 {
+        broker.publish(payment("same"));
+    }
+    let effects: Effects = Arc::default();
+    let c = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        keys(),
+        recording(effects.clone()),
+    )
+    .with_config(fast());
+    let mut src = broker.subscribe();
+    let batch = idemq_core::Source::poll(&mut src, 10)
+        .await
+        .expect("poll")
+        .expect("batch");
+    assert_eq!(batch.len(), 5);
+    c.process_batch(batch).await;
+    assert_eq!(
+        counts(&effects).values().copied().collect::<Vec<_>>(),
+        vec![1]
+    );
+    let st = c.stats();
+    assert_eq!((st.processed, st.duplicates), (1, 4));
+    assert_eq!(broker.acked(), 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_consumer_crash_mid_handler_is_recovered_by_lease_takeover() {
+    let broker = MemoryBroker::new();
+    broker.publish(payment("crash-me"));
+    let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+    // First consumer: the handler hangs forever (a stuck or dying process).
+    let stuck = IdempotentConsumer::new(store.clone(), keys(), |_m: ClaimedMessage| async move {
+        std::future::pending::<()>().await;
+        Ok::<_, HandlerError>(None)
+    })
+    .with_config(ConsumerConfig {
+        heartbeat: Some(Duration::from_secs(3600)),
+        ..fast()
+    });
+    let mut s1 = broker.subscribe();
+    let task = tokio::spawn(async move { stuck.run_until_idle(&mut s1).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    task.abort(); // the process dies; its subscription closes and the broker requeues
+    let _ = task.await;
+    let effects: Effects = Arc::default();
+    let rescuer = IdempotentConsumer::new(store.clone(), keys(), recording(effects.clone()))
+        .with_config(fast());
+    rescuer
+        .run_until_idle(&mut broker.subscribe())
+        .await
+        .expect("run");
+    assert_eq!(
+        counts(&effects).values().copied().collect::<Vec<_>>(),
+        vec![1]
+    );
+    let st = rescuer.stats();
+    assert!(
+        st.in_flight >= 1,
+        "waited for the dead worker's lease: {st:?}"
+    );
+    assert_eq!(st.takeovers, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_heartbeat_keeps_a_long_handler_from_being_taken_over() {
+    let broker = MemoryBroker::new();
+    broker.publish(payment("slow"));
+    broker.publish(payment("slow"));
+    let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+    let effects: Effects = Arc::default();
+    let e2 = effects.clone();
+    let handler = move |m: ClaimedMessage| {
+        let e = e2.clone();
+        async move {
+            // Three leases long.
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            *e.lock()
+                .expect("lock")
+                .entry(m.key.to_string())
+                .or_default() += 1;
+            Ok::<_, HandlerError>(None)
+        }
+    };
+    let cfg = ConsumerConfig {
+        lease: Duration::from_millis(200),
+        heartbeat: Some(Duration::from_millis(50)),
+        max_batch: 1,
+        ..fast()
+    };
+    let c = IdempotentConsumer::new(store, keys(), handler).with_config(cfg);
+    let (c1, c2) = (c.clone(), c.clone());
+    let (mut s1, mut s2) = (broker.subscribe(), broker.subscribe());
+    let a = tokio::spawn(async move { c1.run_until_idle(&mut s1).await });
+    let b = tokio::spawn(async move { c2.run_until_idle(&mut s2).await });
+    a.await.expect("join").expect("run");
+    b.await.expect("join").expect("run");
+    assert_eq!(
+        counts(&effects).values().copied().collect::<Vec<_>>(),
+        vec![1]
+    );
+    assert_eq!(c.stats().takeovers, 0, "the live worker kept its lease");
+}
