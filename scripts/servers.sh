@@ -72,20 +72,32 @@ is_root() { [[ $(id -u) -eq 0 ]]; }
 # Something accepts TCP connections on 127.0.0.1:$1.
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
-pid_alive() { [[ -f $1 ]] && kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null; }
+# Process $1 exists and is not a zombie. `kill -0` alone succeeds on zombies,
+# and PID 1 on these machines reaps orphaned daemons only after 1-2 s.
+proc_alive() {
+  local state
+  state=$(sed -n 's/^.*) \(.\).*/\1/p' "/proc/$1/stat" 2>/dev/null) && [[ -n $state && $state != Z ]]
+}
 
-# Poll "$@" until it succeeds; return 1 after $TIMEOUT seconds.
-wait_until() {
+pid_alive() { [[ -f $1 ]] && proc_alive "$(cat "$1" 2>/dev/null)"; }
+
+# wait_ready DIED_CHECK CMD...: poll CMD until it succeeds. Fails after
+# $TIMEOUT seconds, or at once when DIED_CHECK says the server process has
+# exited (bad module, bad option): no use waiting a minute for a corpse.
+wait_ready() {
+  local died=$1; shift
   local deadline=$((SECONDS + TIMEOUT))
   until "$@" >/dev/null 2>&1; do
-    ((SECONDS < deadline)) || return 1
+    if "$died" || ((SECONDS >= deadline)); then
+      return 1
+    fi
     sleep 0.1
   done
 }
 
 wait_pid_gone() {
   local pid=$1 deadline=$((SECONDS + TIMEOUT))
-  while kill -0 "$pid" 2>/dev/null; do
+  while proc_alive "$pid"; do
     ((SECONDS < deadline)) || return 1
     sleep 0.1
   done
@@ -216,7 +228,8 @@ EOF
   # 9>&-: the server must not inherit our lock fd, or it would hold the lock forever.
   as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t "$TIMEOUT" start >/dev/null 2>&1 9>&- ||
     die_with_log "postgres did not start" "$PG_LOG"
-  wait_until pg_ready || die_with_log "postgres not ready after ${TIMEOUT}s" "$PG_LOG"
+  # pg_ctl -w already waited for the postmaster; this only confirms TCP.
+  wait_ready false pg_ready || die_with_log "postgres not ready after ${TIMEOUT}s" "$PG_LOG"
   "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" -U postgres idemq ||
     die_with_log "createdb idemq failed" "$PG_LOG"
   log "postgres started on 127.0.0.1:$PG_PORT"
@@ -237,6 +250,8 @@ my_admin() { mariadb-admin --no-defaults -S "$MY_SOCK" -uroot "$@"; }
 # The pid file alone could name a recycled pid: also require an answer on our socket.
 my_running() { pid_alive "$MY_PID" && my_admin ping >/dev/null 2>&1; }
 
+my_died() { ! proc_alive "$MY_LAUNCH_PID"; }
+
 my_tcp_ok() {
   mariadb --no-defaults -h 127.0.0.1 -P "$MY_PORT" -u "$MY_USER" -p"$MY_PASSWORD" idemq -e 'select 1'
 }
@@ -246,11 +261,11 @@ start_mariadb() {
     log "mariadb already running on 127.0.0.1:$MY_PORT"
     return 0
   fi
-  require_port_free "$MY_PORT" mariadb
-  # A dead server can leave its pid file behind; only then is this safe.
+  # A dead server can leave its pid file behind; wiping the dir is safe only then.
   if pid_alive "$MY_PID"; then
     die "mariadb pid $(cat "$MY_PID") is alive but does not answer on $MY_SOCK; run: $0 stop"
   fi
+  require_port_free "$MY_PORT" mariadb
   rm -rf "$MY_DIR"
   mkdir -p "$MY_DIR"
   local user
@@ -273,8 +288,10 @@ start_mariadb() {
     --character-set-server=utf8mb4 --collation-server=utf8mb4_unicode_ci \
     --max-connections=500 \
     </dev/null >>"$MY_DIR/mariadbd.out" 2>&1 9>&- &
-  wait_until my_admin ping ||
-    die_with_log "mariadb not ready after ${TIMEOUT}s" "$MY_LOG" "$MY_DIR/mariadbd.out"
+  # No job control here, so setsid execs in place: $! is mariadbd itself.
+  MY_LAUNCH_PID=$!
+  wait_ready my_died my_admin ping ||
+    die_with_log "mariadb did not become ready" "$MY_LOG" "$MY_DIR/mariadbd.out"
   mariadb --no-defaults -S "$MY_SOCK" -uroot <<EOF || die_with_log "mariadb setup SQL failed" "$MY_LOG"
 CREATE DATABASE IF NOT EXISTS idemq;
 CREATE USER IF NOT EXISTS '$MY_USER'@'%' IDENTIFIED BY '$MY_PASSWORD';
@@ -296,6 +313,10 @@ stop_mariadb() {
 # ------------------------------------------------------------------ redis --
 
 redis() { redis-cli -h 127.0.0.1 -p "$REDIS_PORT" "$@"; }
+
+# It writes its pid file right after daemonizing, before loading modules,
+# and leaves it behind when it aborts.
+redis_died() { [[ -f $REDIS_PID ]] && ! pid_alive "$REDIS_PID"; }
 
 redis_running() { pid_alive "$REDIS_PID" && [[ $(redis ping 2>/dev/null) == PONG ]]; }
 
@@ -353,7 +374,7 @@ launch_redis() {
     --daemonize yes --pidfile "$REDIS_PID" --logfile "$REDIS_LOG" \
     --save '' --appendonly no ${module:+--loadmodule "$module"} \
     </dev/null >"$REDIS_DIR/redis-server.out" 2>&1 9>&- || return 1
-  wait_until redis_running
+  wait_ready redis_died redis_running
 }
 
 start_redis() {
