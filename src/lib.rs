@@ -1,1 +1,51 @@
+//! # idemq
+//!
+//! Exactly-once effects for at-least-once message consumers. Brokers redeliver: a lost ack, a
+//! rebalance, a producer retry. idemq derives a business key from each message, claims it in a
+//! durable dedup store, runs your handler once, records completion, and only then acks.
+//!
+//! This facade re-exports the pieces by feature flag, like `sqlx`:
+//!
+//! | feature | brings |
+//! |---|---|
+//! | `sqlite` (default) | [`sql::SqliteStore`], the embedded default |
+//! | `postgres`, `mysql` | `sql::PgStore`, `sql::MySqlStore` |
+//! | `redis` | `redis::RedisStore` |
+//! | `layered` | `layered::LayeredStore` (local cache + bloom pre-filter in front of a store) |
+//! | `testkit` | the store contract test kit |
+//!
+//! ```
+//! use idemq::{IdempotentConsumer, KeyStrategy, MemoryStore, ClaimedMessage, HandlerError};
+//! use idemq::broker::MemoryBroker;
+//! use std::sync::Arc;
+//!
+//! let consumer = IdempotentConsumer::new(
+//!     Arc::new(MemoryStore::new()),
+//!     KeyStrategy::json_pointer("billing", "/payment_id").unwrap(),
+//!     |msg: ClaimedMessage| async move {
+//!         // apply the payment described by msg.envelope.payload
+//!         Ok::<_, HandlerError>(None)
+//!     },
+//! );
+//! # let _ = consumer;
+//! ```
 
+pub use idemq_core::*;
+
+/// The core crate, by name.
+pub use idemq_core as core;
+
+/// SQL stores (sqlx).
+#[cfg(any(feature = "sqlite", feature = "postgres", feature = "mysql"))]
+pub use idemq_sql as sql;
+
+/// The Redis store.
+#[cfg(feature = "redis")]
+pub use idemq_redis as redis;
+
+/// The layered store.
+#[cfg(feature = "layered")]
+pub use idemq_layered as layered;
+
+mod open;
+pub use open::{open_store, OpenStoreError, SUPPORTED_SCHEMES};

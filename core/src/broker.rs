@@ -77,7 +77,7 @@ impl Default for MemoryBroker {
 impl MemoryBroker {
     /// An empty broker.
     pub fn new() -> Self {
-        Self::with_seed(0x1de_a)
+        Self::with_seed(0x1dea)
     }
 
     /// An empty broker whose fault injection follows `seed`.
