@@ -32,7 +32,10 @@ async fn storm(url: &str) {
     let group = format!("storm-{:08x}", rand::random::<u32>());
     let keys = KeyStrategy::header(&group, "x-idempotency-key").expect("keys");
     let broker = MemoryBroker::with_seed(11);
-    broker.set_faults(Faults { lost_ack_rate: 0.1 });
+    broker.set_faults(Faults {
+        lost_ack_rate: 0.1,
+        ..Faults::default()
+    });
     let n = 500;
     for i in 0..n {
         let env = Envelope::new(BrokerKind::Memory, "orders", format!("order {i}"))
@@ -49,7 +52,9 @@ async fn storm(url: &str) {
         async move {
             let k = m.key.to_string();
             if m.attempt == 1 && k.ends_with('7') {
-                return Err(HandlerError::retryable("first attempt of keys ending in 7 fails"));
+                return Err(HandlerError::retryable(
+                    "first attempt of keys ending in 7 fails",
+                ));
             }
             *e.lock().expect("lock").entry(k).or_default() += 1;
             Ok(None)
@@ -66,7 +71,9 @@ async fn storm(url: &str) {
     for _ in 0..3 {
         let c = consumer.clone();
         let mut src = broker.subscribe();
-        tasks.push(tokio::spawn(async move { c.run_until_idle(&mut src).await }));
+        tasks.push(tokio::spawn(
+            async move { c.run_until_idle(&mut src).await },
+        ));
     }
     for t in tasks {
         t.await.expect("join").expect("run");
@@ -77,7 +84,10 @@ async fn storm(url: &str) {
     let st = consumer.stats();
     assert_eq!(st.processed, n as u64, "{url}: {st:?}");
     assert!(st.duplicates >= 125, "{url}: duplicates skipped {st:?}");
-    assert_eq!(st.retried, 50, "{url}: one retry per key ending in 7 {st:?}");
+    assert_eq!(
+        st.retried, 50,
+        "{url}: one retry per key ending in 7 {st:?}"
+    );
     assert!(broker.dead_letters().is_empty());
 }
 

@@ -21,6 +21,9 @@ use tokio::time::Instant;
 pub struct Faults {
     /// Probability that an ack is lost and the message redelivered anyway.
     pub lost_ack_rate: f64,
+    /// Probability that a publish is stored twice (a producer retry after a lost publish
+    /// confirm).
+    pub duplicate_publish_rate: f64,
 }
 
 /// A dead-lettered message and why.
@@ -112,6 +115,16 @@ impl MemoryBroker {
         envelope.broker = BrokerKind::Memory;
         envelope.source.position = Some(Position::Offset(st.next_offset));
         st.next_offset += 1;
+        let rate = st.faults.duplicate_publish_rate.clamp(0.0, 1.0);
+        if rate > 0.0 && st.rng.gen_bool(rate) {
+            let mut copy = envelope.clone();
+            copy.source.position = Some(Position::Offset(st.next_offset));
+            st.next_offset += 1;
+            st.ready.push_back(Stored {
+                envelope: copy,
+                deliveries: 0,
+            });
+        }
         st.ready.push_back(Stored {
             envelope,
             deliveries: 0,
@@ -135,6 +148,11 @@ impl MemoryBroker {
     pub fn pending(&self) -> usize {
         let st = self.shared.lock();
         st.ready.len() + st.delayed.len() + st.unacked.len()
+    }
+
+    /// Messages stored so far, injected duplicates included.
+    pub fn published(&self) -> u64 {
+        self.shared.lock().next_offset as u64
     }
 
     /// Acks received (including lost ones).
