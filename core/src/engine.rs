@@ -89,6 +89,40 @@ impl Default for ConsumerConfig {
     }
 }
 
+impl ConsumerConfig {
+    /// Checks combinations that would break the guarantees, and says what to change.
+    ///
+    /// ```
+    /// use idemq_core::ConsumerConfig;
+    /// use std::time::Duration;
+    /// let bad = ConsumerConfig { lease: Duration::from_secs(5), heartbeat: Some(Duration::from_secs(10)), ..Default::default() };
+    /// assert!(bad.validate().unwrap_err().contains("heartbeat"));
+    /// ```
+    pub fn validate(&self) -> Result<(), String> {
+        if self.lease < Duration::from_millis(50) {
+            return Err(format!(
+                "lease {:?} is too short to cover a claim round trip: use at least 50ms (seconds in production)",
+                self.lease
+            ));
+        }
+        if let Some(h) = self.heartbeat {
+            if h.is_zero() || h >= self.lease {
+                return Err(format!(
+                    "heartbeat {h:?} must be shorter than the lease {:?} (lease / 3 is a good value), or the lease lapses between beats",
+                    self.lease
+                ));
+            }
+        }
+        if self.retention.is_zero() {
+            return Err("retention 0 forgets keys at once: every redelivery would run again; use the broker's redelivery horizon (days)".into());
+        }
+        if self.worker_id.is_empty() {
+            return Err("worker_id is empty: it is kept in records for audit".into());
+        }
+        Ok(())
+    }
+}
+
 /// Counters of one engine (also exported through `metrics`).
 #[derive(Debug, Default)]
 struct Counters {
@@ -136,6 +170,9 @@ pub enum ConsumerError {
     /// The source cannot work as configured.
     #[error("source failed: {0}")]
     Source(#[from] SourceError),
+    /// The engine settings are unsafe.
+    #[error("invalid consumer configuration: {0}")]
+    Config(String),
 }
 
 /// Runs a [`Handler`] over a [`Source`] so that each message's effect happens once.
@@ -251,6 +288,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         source: &mut S,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), ConsumerError> {
+        self.cfg.validate().map_err(ConsumerError::Config)?;
         tokio::pin!(shutdown);
         let mut backoff = self.cfg.store_backoff;
         loop {

@@ -106,5 +106,8 @@ impl Drop for Delivery {
 pub trait Source: Send {
     /// Waits for at least one delivery and returns up to `max`; `Ok(None)` when the source
     /// has ended (closed queue, shutdown).
+    ///
+    /// Must be cancel-safe: the engine drops a pending `poll` on shutdown, and no delivery
+    /// may be lost by that (keep received messages buffered in the source, not the future).
     async fn poll(&mut self, max: usize) -> Result<Option<Vec<Delivery>>, SourceError>;
 }

@@ -352,10 +352,7 @@ async fn a_consumer_crash_mid_handler_is_recovered_by_lease_takeover() {
         std::future::pending::<()>().await;
         Ok::<_, HandlerError>(None)
     })
-    .with_config(ConsumerConfig {
-        heartbeat: Some(Duration::from_secs(3600)),
-        ..fast()
-    });
+    .with_config(fast());
     let mut s1 = broker.subscribe();
     let task = tokio::spawn(async move { stuck.run_until_idle(&mut s1).await });
     tokio::time::sleep(Duration::from_millis(100)).await;
@@ -418,4 +415,24 @@ async fn a_heartbeat_keeps_a_long_handler_from_being_taken_over() {
         vec![1]
     );
     assert_eq!(c.stats().takeovers, 0, "the live worker kept its lease");
+}
+
+#[tokio::test]
+async fn unsafe_settings_are_refused_before_consuming_anything() {
+    let broker = MemoryBroker::new();
+    broker.publish(payment("p1"));
+    let c = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        keys(),
+        recording(Arc::default()),
+    )
+    .with_config(ConsumerConfig {
+        lease: Duration::from_secs(1),
+        heartbeat: Some(Duration::from_secs(2)),
+        ..fast()
+    });
+    let err = c.run_until_idle(&mut broker.subscribe()).await.unwrap_err();
+    assert!(err.to_string().contains("heartbeat"), "{err}");
+    assert_eq!(broker.pending(), 1, "nothing consumed");
+    assert_eq!(broker.acked(), 0);
 }
