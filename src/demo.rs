@@ -225,6 +225,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let broker = MemoryBroker::with_seed(args.seed);
     broker.set_faults(Faults {
         lost_ack_rate: 0.05,
+        ..Faults::default()
     });
     let mut published = 0usize;
     for i in 0..n {

@@ -1,5 +1,6 @@
 //! The `idemq` command line: the embedded demo and store operations.
 
+mod bench;
 mod demo;
 
 use clap::{Parser, Subcommand};
@@ -22,6 +23,8 @@ enum Command {
     /// Run the embedded demo: an in-memory broker with injected duplicates, redeliveries,
     /// handler failures and consumer crashes, feeding a SQLite-backed idempotent consumer.
     Demo(demo::DemoArgs),
+    /// Measure the engine against the bare broker consumer (ratios, same run).
+    Bench(bench::BenchArgs),
     /// Operate a dedup store.
     Store {
         /// Store URL: sqlite://file.db, postgres://…, mysql://…, redis://…, memory://
@@ -75,6 +78,7 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Demo(args) => demo::run(args).await,
+        Command::Bench(args) => bench::run(args).await,
         Command::Store { url, op } => store_op(&url, op).await,
     };
     match result {
