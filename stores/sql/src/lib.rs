@@ -1,1 +1,67 @@
+//! # idemq-sql
+//!
+//! idemq's SQL stores (sqlx): SQLite (feature `sqlite`, the embedded default), PostgreSQL 12+
+//! (`postgres`) and MariaDB 10.6+ / MySQL 8.0.4+ (`mysql`), one implementation behind three
+//! aliases: [`SqliteStore`], [`PgStore`], [`MySqlStore`].
+//!
+//! Strategies (see `docs/stores-sql.md`):
+//! - **dedup table** — [`SqlStore`] implements [`idemq_core::DedupStore`]: a status row per
+//!   key with lease, fencing token, attempts, payload hash, stored result and retention.
+//!   Claims, batched or not, are one atomic statement per batch.
+//! - **unique index in the business transaction** — [`SqlStore::insert_key_in_tx`], and
+//!   [`SqlStore::complete_in_tx`] to commit a dedup-table completion with the effect.
+//! - **optimistic lock** — [`VersionedEntity`]: apply only if the message's version is
+//!   newer, or compare-and-set on an expected version; one row per entity.
+//! - **state machine** — [`StateMachine`]: `UPDATE … SET status = to WHERE id = ? AND
+//!   status IN (from…)`, answering applied / already there / illegal / not found.
+//!
+//! Table and column names are [`Ident`]s, validated before they reach SQL text.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), idemq_core::StoreError> {
+//! use idemq_core::{ClaimOutcome, ClaimRequest, ConsumerGroup, DedupKey, DedupStore};
+//! use idemq_sql::{SqlStoreOptions, SqliteStore};
+//! use std::time::Duration;
+//!
+//! let store = SqliteStore::connect("sqlite://idemq.db", SqlStoreOptions::default()).await?;
+//! let key = DedupKey::new(&ConsumerGroup::new("billing").unwrap(), "order-42").unwrap();
+//! if let ClaimOutcome::Acquired(lease) =
+//!     store.claim(&ClaimRequest::new(key.clone(), Duration::from_secs(30))).await?
+//! {
+//!     // ... the effect, then in the same transaction as the effect:
+//!     let mut tx = store.pool().begin().await.map_err(|e| idemq_core::StoreError::Unavailable(e.to_string()))?;
+//!     store.complete_in_tx(&mut tx, &key, lease.token, None, Duration::from_secs(86_400)).await?;
+//!     tx.commit().await.map_err(|e| idemq_core::StoreError::Unavailable(e.to_string()))?;
+//! }
+//! # Ok(()) }
+//! ```
+#![warn(missing_docs)]
 
+mod backend;
+mod entity;
+mod ident;
+pub mod migrate;
+mod queries;
+mod store;
+
+pub use backend::{map_sqlx_error, Dialect, SqlBackend};
+#[doc(hidden)]
+pub use backend::{ErrorClass, Kind, Row, Val};
+pub use entity::{EntityId, StateMachine, Transition, VersionOutcome, VersionedEntity};
+pub use ident::{is_valid_ident, ColumnName, Ident, TableName, DEFAULT_TABLE, MAX_IDENT_LEN};
+pub use store::{KeyInsert, SqlStore, SqlStoreOptions, SqliteSynchronous, MAX_WORKER_BYTES};
+
+/// The SQLite store (feature `sqlite`).
+#[cfg(feature = "sqlite")]
+pub type SqliteStore = SqlStore<sqlx::Sqlite>;
+
+/// The PostgreSQL store (feature `postgres`).
+#[cfg(feature = "postgres")]
+pub type PgStore = SqlStore<sqlx::Postgres>;
+
+/// The MySQL / MariaDB store (feature `mysql`).
+#[cfg(feature = "mysql")]
+pub type MySqlStore = SqlStore<sqlx::MySql>;
+
+/// Re-export of sqlx, so callers use the same version for pools and transactions.
+pub use sqlx;

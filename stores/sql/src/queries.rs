@@ -1,0 +1,692 @@
+//! SQL text for the dedup table, per dialect: fixed statements built once per store, batch
+//! statements built per call (their arity varies). Every statement is written with `?`
+//! placeholders and renumbered for PostgreSQL; arguments are pushed in text order.
+
+use crate::backend::{Dialect, Kind, Row, Val};
+use crate::ident::TableName;
+use bytes::Bytes;
+use idemq_core::{DedupKey, DedupRecord, FencingToken, PayloadHash, RecordStatus, StoreError};
+
+/// [`RECORD_COLS`] qualified by the alias `t`.
+pub(crate) const RECORD_COLS_T: &str = "t.dedup_key, t.status, t.token, t.lease_until_ms, \
+     t.attempts, t.took_over, t.payload_hash, t.result, t.first_seen_ms, t.completed_ms, \
+     t.expires_ms, t.worker";
+
+/// The dedup table's columns, in the order every record `SELECT` returns them.
+pub(crate) const RECORD_COLS: &str = "dedup_key, status, token, lease_until_ms, attempts, \
+     took_over, payload_hash, result, first_seen_ms, completed_ms, expires_ms, worker";
+
+/// The kinds of [`RECORD_COLS`].
+pub(crate) const RECORD_KINDS: &[Kind] = &[
+    Kind::Text,
+    Kind::I64,
+    Kind::I64,
+    Kind::I64,
+    Kind::I64,
+    Kind::I64,
+    Kind::Bytes,
+    Kind::Bytes,
+    Kind::I64,
+    Kind::I64,
+    Kind::I64,
+    Kind::Text,
+];
+
+/// Columns returned by a claim statement that acquired: key, token, lease end, attempts,
+/// takeover flag.
+pub(crate) const ACQUIRED_KINDS: &[Kind] =
+    &[Kind::Text, Kind::I64, Kind::I64, Kind::I64, Kind::I64];
+
+/// The conflict clause of the SQLite / PostgreSQL claim. `SET` expressions read the old row
+/// (`t.*`); the `WHERE` lets only new keys, ended leases without a payload conflict, and
+/// completed records past retention through. Binds `?now ?now`.
+const UPSERT_TAIL: &str = " ON CONFLICT (dedup_key) DO UPDATE SET \
+     attempts = CASE WHEN t.status = 0 THEN t.attempts + 1 ELSE 1 END, \
+     took_over = CASE WHEN t.status = 0 AND t.lease_until_ms > 0 THEN 1 ELSE 0 END, \
+     first_seen_ms = CASE WHEN t.status = 0 THEN t.first_seen_ms ELSE excluded.first_seen_ms END, \
+     status = 0, token = excluded.token, lease_until_ms = excluded.lease_until_ms, \
+     payload_hash = excluded.payload_hash, result = NULL, completed_ms = NULL, \
+     expires_ms = NULL, worker = excluded.worker \
+     WHERE (t.status = 1 AND t.expires_ms <= ?) \
+     OR (t.status = 0 AND t.lease_until_ms <= ? AND (t.payload_hash IS NULL \
+     OR excluded.payload_hash IS NULL OR t.payload_hash = excluded.payload_hash)) \
+     RETURNING dedup_key, token, lease_until_ms, attempts, took_over";
+
+/// A stored record plus the flag telling whether its latest acquisition was a takeover.
+#[derive(Debug, Clone)]
+pub(crate) struct StoredRecord {
+    pub rec: DedupRecord,
+    pub took_over: bool,
+}
+
+/// Decodes a row of [`RECORD_COLS`].
+pub(crate) fn decode_record(row: &Row) -> Result<StoredRecord, StoreError> {
+    let key = row
+        .text(0)
+        .map_err(|reason| StoreError::Corrupt {
+            key: "?".into(),
+            reason,
+        })?
+        .to_owned();
+    let corrupt = |reason: String| StoreError::Corrupt {
+        key: key.clone(),
+        reason,
+    };
+    let status_code = row.i64(1).map_err(corrupt)?;
+    let status = RecordStatus::from_code(status_code)
+        .ok_or_else(|| corrupt(format!("unknown status code {status_code}")))?;
+    let attempts = row.i64(4).map_err(corrupt)?;
+    let attempts = u32::try_from(attempts)
+        .map_err(|_| corrupt(format!("attempts {attempts} out of range")))?;
+    let payload_hash = match row.opt_bytes(6).map_err(corrupt)? {
+        None => None,
+        Some(b) => Some(
+            PayloadHash::from_slice(b)
+                .ok_or_else(|| corrupt(format!("payload hash of {} bytes, not 32", b.len())))?,
+        ),
+    };
+    let rec = DedupRecord {
+        key: DedupKey::from_stored(key.as_str()),
+        status,
+        token: FencingToken(row.i64(2).map_err(corrupt)?),
+        lease_until_ms: row.i64(3).map_err(corrupt)?,
+        attempts,
+        payload_hash,
+        result: row
+            .opt_bytes(7)
+            .map_err(corrupt)?
+            .map(Bytes::copy_from_slice),
+        first_seen_ms: row.i64(8).map_err(corrupt)?,
+        completed_ms: row.opt_i64(9).map_err(corrupt)?,
+        expires_ms: row.opt_i64(10).map_err(corrupt)?,
+        worker: row.opt_text(11).map_err(corrupt)?.map(str::to_owned),
+    };
+    Ok(StoredRecord {
+        rec,
+        took_over: row.i64(5).map_err(corrupt)? != 0,
+    })
+}
+
+/// One key of a claim statement.
+pub(crate) struct ClaimRow<'a> {
+    pub key: &'a DedupKey,
+    pub token: FencingToken,
+    pub until_ms: i64,
+    pub payload_hash: Option<&'a PayloadHash>,
+    pub worker: Option<&'a str>,
+}
+
+/// One item of a batch completion.
+pub(crate) struct CompleteRow<'a> {
+    pub key: &'a DedupKey,
+    pub token: FencingToken,
+    pub result: Option<&'a [u8]>,
+    pub expires_ms: i64,
+}
+
+/// A statement and its arguments.
+pub(crate) struct Stmt {
+    pub sql: String,
+    pub args: Vec<Val>,
+}
+
+/// The dedup table's statements for one store.
+#[derive(Debug)]
+pub(crate) struct Queries {
+    pub dialect: Dialect,
+    /// MariaDB (10.5+): `INSERT … RETURNING` is available (MySQL has none).
+    pub mariadb: bool,
+    pub table: String,
+    /// `?key` → record.
+    pub get: String,
+    /// `?key ?token` → rows affected.
+    pub release: String,
+    /// `?lease_until ?key ?token` → rows affected.
+    pub extend: String,
+    /// `?result ?completed ?expires ?key ?token` → rows affected.
+    pub complete_one: String,
+    /// `?key` → (token, status), locking read.
+    pub probe: String,
+    /// `?key` → rows affected.
+    pub forget: String,
+    /// `?now ?limit [?now]` → rows affected.
+    pub purge: String,
+    /// `?cutoff ?limit` → records.
+    pub list_stuck: String,
+    /// `?key ?created` → rows affected (1 inserted, 0 duplicate).
+    pub insert_key: String,
+    /// `?cutoff ?limit` → rows affected.
+    pub purge_keys: String,
+}
+
+impl Queries {
+    pub fn new(dialect: Dialect, mariadb: bool, table: &TableName, keys_table: &TableName) -> Self {
+        let t = table.as_str();
+        let k = keys_table.as_str();
+        let p = |s: String| dialect.placeholders(s);
+        let purge = match dialect {
+            Dialect::MySql => format!(
+                "DELETE FROM {t} WHERE status = 1 AND expires_ms <= ? ORDER BY expires_ms LIMIT ?"
+            ),
+            // The outer conditions are checked again on the row actually deleted, so a
+            // record re-acquired since the subquery ran is left alone.
+            // A CTE runs once (a locking `IN (subquery)` may be re-run per row and, skipping
+            // rows this statement already deleted, exceed the limit); rows a claim holds are
+            // skipped, not waited for.
+            Dialect::Postgres => format!(
+                "WITH doomed AS (SELECT dedup_key FROM {t} WHERE status = 1 AND expires_ms <= ? \
+                 ORDER BY expires_ms LIMIT ? FOR UPDATE SKIP LOCKED) \
+                 DELETE FROM {t} AS t USING doomed WHERE t.dedup_key = doomed.dedup_key \
+                 AND t.status = 1 AND t.expires_ms <= ?"
+            ),
+            Dialect::Sqlite => format!(
+                "DELETE FROM {t} WHERE dedup_key IN (SELECT dedup_key FROM {t} \
+                 WHERE status = 1 AND expires_ms <= ? ORDER BY expires_ms LIMIT ?) \
+                 AND status = 1 AND expires_ms <= ?"
+            ),
+        };
+        let insert_key = match dialect {
+            // INSERT IGNORE reports 0 rows on a duplicate and leaves the transaction usable.
+            Dialect::MySql => {
+                format!("INSERT IGNORE INTO {k} (dedup_key, created_ms) VALUES (?, ?)")
+            }
+            // ON CONFLICT DO NOTHING never raises, so PostgreSQL does not abort the
+            // caller's transaction on a duplicate.
+            Dialect::Postgres | Dialect::Sqlite => format!(
+                "INSERT INTO {k} (dedup_key, created_ms) VALUES (?, ?) \
+                 ON CONFLICT (dedup_key) DO NOTHING"
+            ),
+        };
+        let purge_keys = match dialect {
+            Dialect::MySql => {
+                format!("DELETE FROM {k} WHERE created_ms < ? ORDER BY created_ms LIMIT ?")
+            }
+            Dialect::Postgres => format!(
+                "WITH doomed AS (SELECT dedup_key FROM {k} WHERE created_ms < ? \
+                 ORDER BY created_ms LIMIT ? FOR UPDATE SKIP LOCKED) \
+                 DELETE FROM {k} AS k USING doomed WHERE k.dedup_key = doomed.dedup_key"
+            ),
+            Dialect::Sqlite => format!(
+                "DELETE FROM {k} WHERE dedup_key IN (SELECT dedup_key FROM {k} \
+                 WHERE created_ms < ? ORDER BY created_ms LIMIT ?)"
+            ),
+        };
+        Self {
+            dialect,
+            mariadb,
+            table: t.to_owned(),
+            get: p(format!("SELECT {RECORD_COLS} FROM {t} WHERE dedup_key = ?")),
+            release: p(format!(
+                "UPDATE {t} SET lease_until_ms = 0 WHERE dedup_key = ? AND token = ? AND status = 0"
+            )),
+            extend: p(format!(
+                "UPDATE {t} SET lease_until_ms = ? WHERE dedup_key = ? AND token = ? AND status = 0"
+            )),
+            complete_one: p(format!(
+                "UPDATE {t} SET status = 1, result = ?, completed_ms = ?, expires_ms = ? \
+                 WHERE dedup_key = ? AND token = ? AND status = 0"
+            )),
+            probe: p(format!(
+                "SELECT token, status FROM {t} WHERE dedup_key = ?{}",
+                dialect.locking_read()
+            )),
+            forget: p(format!("DELETE FROM {t} WHERE dedup_key = ?")),
+            purge: p(purge),
+            list_stuck: p(format!(
+                "SELECT {RECORD_COLS} FROM {t} WHERE status = 0 AND lease_until_ms <= ? \
+                 ORDER BY lease_until_ms, dedup_key LIMIT ?"
+            )),
+            insert_key: p(insert_key),
+            purge_keys: p(purge_keys),
+        }
+    }
+
+    /// Arguments of [`Queries::purge`].
+    pub fn purge_args(&self, now: i64, limit: i64) -> Vec<Val> {
+        match self.dialect {
+            Dialect::MySql => vec![Val::I64(Some(now)), Val::I64(Some(limit))],
+            Dialect::Postgres | Dialect::Sqlite => vec![
+                Val::I64(Some(now)),
+                Val::I64(Some(limit)),
+                Val::I64(Some(now)),
+            ],
+        }
+    }
+
+    /// Whether the claim statement returns the rows it acquired (`RETURNING`). MySQL's
+    /// `INSERT … ON DUPLICATE KEY UPDATE` cannot, so ownership is read back by token.
+    pub fn claim_returns_rows(&self) -> bool {
+        self.dialect != Dialect::MySql
+    }
+
+    /// The atomic insert-or-takeover for a batch of keys, evaluated at `now`.
+    ///
+    /// A row is written when the key is new, when its completed record is past retention
+    /// (fresh lifecycle: attempt 1), or when its in-progress lease has ended and the payload
+    /// hashes do not conflict (takeover: attempt + 1, flagged when the lease had not been
+    /// released). Anything else is left untouched for the read-back to classify.
+    pub fn claim(&self, rows: &[ClaimRow<'_>], now: i64) -> Stmt {
+        match self.dialect {
+            Dialect::Postgres => return self.claim_pg(rows, now),
+            Dialect::MySql => return self.claim_mysql(rows, now),
+            Dialect::Sqlite => {}
+        }
+        let t = &self.table;
+        let mut sql = String::with_capacity(400 + rows.len() * 40);
+        let mut args = Vec::with_capacity(rows.len() * 6 + 2);
+        sql.push_str("INSERT INTO ");
+        sql.push_str(t);
+        if self.dialect != Dialect::MySql {
+            sql.push_str(" AS t");
+        }
+        sql.push_str(
+            " (dedup_key, status, token, lease_until_ms, attempts, took_over, payload_hash, \
+             result, first_seen_ms, completed_ms, expires_ms, worker) VALUES ",
+        );
+        for (i, r) in rows.iter().enumerate() {
+            if i > 0 {
+                sql.push(',');
+            }
+            sql.push_str("(?, 0, ?, ?, 1, 0, ?, NULL, ?, NULL, NULL, ?)");
+            args.push(Val::Key(r.key.as_str().to_owned()));
+            args.push(Val::I64(Some(r.token.0)));
+            args.push(Val::I64(Some(r.until_ms)));
+            args.push(Val::Bytes(r.payload_hash.map(|h| h.0.to_vec())));
+            args.push(Val::I64(Some(now)));
+            args.push(Val::Text(r.worker.map(str::to_owned)));
+        }
+        match self.dialect {
+            Dialect::Postgres | Dialect::Sqlite => {
+                sql.push_str(UPSERT_TAIL);
+                args.push(Val::I64(Some(now)));
+                args.push(Val::I64(Some(now)));
+            }
+            Dialect::MySql => unreachable!("MySQL claims use claim_mysql"),
+        }
+        Stmt {
+            sql: self.dialect.placeholders(sql),
+            args,
+        }
+    }
+
+    /// PostgreSQL: the same statement over one array per column, so any batch size is one
+    /// short prepared statement.
+    fn claim_pg(&self, rows: &[ClaimRow<'_>], now: i64) -> Stmt {
+        let sql = format!(
+            "INSERT INTO {} AS t (dedup_key, status, token, lease_until_ms, attempts, took_over, \
+             payload_hash, result, first_seen_ms, completed_ms, expires_ms, worker) \
+             SELECT v.k, 0, v.tok, v.until, 1, 0, v.ph, NULL, ?, NULL, NULL, v.w \
+             FROM UNNEST(?::text[], ?::bigint[], ?::bigint[], ?::bytea[], ?::text[]) \
+             AS v(k, tok, until, ph, w){UPSERT_TAIL}",
+            self.table
+        );
+        let args = vec![
+            Val::I64(Some(now)),
+            Val::TextArray(
+                rows.iter()
+                    .map(|r| Some(r.key.as_str().to_owned()))
+                    .collect(),
+            ),
+            Val::I64Array(rows.iter().map(|r| r.token.0).collect()),
+            Val::I64Array(rows.iter().map(|r| r.until_ms).collect()),
+            Val::BytesArray(
+                rows.iter()
+                    .map(|r| r.payload_hash.map(|h| h.0.to_vec()))
+                    .collect(),
+            ),
+            Val::TextArray(rows.iter().map(|r| r.worker.map(str::to_owned)).collect()),
+            Val::I64(Some(now)),
+            Val::I64(Some(now)),
+        ];
+        Stmt {
+            sql: self.dialect.placeholders(sql),
+            args,
+        }
+    }
+
+    /// MySQL/MariaDB: `INSERT … SELECT … FROM JSON_TABLE(?) … ON DUPLICATE KEY UPDATE` —
+    /// one JSON document carries the batch, so any batch size is one short, cached
+    /// statement. Binary values travel hex-encoded.
+    ///
+    /// Assignments run left to right and see the columns already assigned, so the
+    /// condition is evaluated once, into `token`; every later column asks "is the token now
+    /// ours?" and reads the old values of the columns not yet assigned (attempts, took_over
+    /// and first_seen_ms come before status and the lease). MySQL cannot `RETURNING` here:
+    /// ownership is read back by token.
+    /// MariaDB's fast path for new keys: `INSERT IGNORE … RETURNING` inserts the keys that
+    /// do not exist yet and returns them; existing keys are skipped (MariaDB cannot combine
+    /// `RETURNING` with `ON DUPLICATE KEY UPDATE`) and go through [`Queries::claim`] and the
+    /// read-back. `IGNORE` cannot hide a bad value here: keys are length-checked, workers
+    /// truncated and numbers are `BIGINT`s before the statement is built.
+    pub fn claim_fresh_mariadb(&self, rows: &[ClaimRow<'_>], now: i64) -> Stmt {
+        let sql = format!(
+            "INSERT IGNORE INTO {} (dedup_key, status, token, lease_until_ms, attempts, took_over, \
+             payload_hash, result, first_seen_ms, completed_ms, expires_ms, worker) \
+             SELECT v.j_key, 0, v.j_token, v.j_until, 1, 0, UNHEX(v.j_hash), NULL, ?, NULL, NULL, v.j_worker \
+             FROM JSON_TABLE(?, '$[*]' COLUMNS(j_key VARBINARY(257) PATH '$[0]', \
+             j_token BIGINT PATH '$[1]', j_until BIGINT PATH '$[2]', j_hash VARCHAR(64) PATH '$[3]', \
+             j_worker TEXT CHARACTER SET utf8mb4 PATH '$[4]')) AS v \
+             RETURNING dedup_key, token, lease_until_ms, attempts, took_over",
+            self.table
+        );
+        Stmt {
+            sql,
+            args: vec![Val::I64(Some(now)), Val::Text(Some(claim_json(rows)))],
+        }
+    }
+
+    fn claim_mysql(&self, rows: &[ClaimRow<'_>], now: i64) -> Stmt {
+        let sql = format!(
+            "INSERT INTO {} (dedup_key, status, token, lease_until_ms, attempts, took_over, \
+             payload_hash, result, first_seen_ms, completed_ms, expires_ms, worker) \
+             SELECT v.j_key, 0, v.j_token, v.j_until, 1, 0, UNHEX(v.j_hash), NULL, ?, NULL, NULL, v.j_worker \
+             FROM JSON_TABLE(?, '$[*]' COLUMNS(j_key VARBINARY(257) PATH '$[0]', \
+             j_token BIGINT PATH '$[1]', j_until BIGINT PATH '$[2]', j_hash VARCHAR(64) PATH '$[3]', \
+             j_worker TEXT CHARACTER SET utf8mb4 PATH '$[4]')) AS v \
+             ON DUPLICATE KEY UPDATE \
+             token = IF((status = 1 AND expires_ms <= ?) OR (status = 0 AND lease_until_ms <= ? \
+             AND (payload_hash IS NULL OR VALUES(payload_hash) IS NULL \
+             OR payload_hash = VALUES(payload_hash))), VALUES(token), token), \
+             attempts = IF(token = VALUES(token), IF(status = 0, attempts + 1, 1), attempts), \
+             took_over = IF(token = VALUES(token), IF(status = 0 AND lease_until_ms > 0, 1, 0), took_over), \
+             first_seen_ms = IF(token = VALUES(token), IF(status = 0, first_seen_ms, VALUES(first_seen_ms)), first_seen_ms), \
+             lease_until_ms = IF(token = VALUES(token), VALUES(lease_until_ms), lease_until_ms), \
+             status = IF(token = VALUES(token), 0, status), \
+             payload_hash = IF(token = VALUES(token), VALUES(payload_hash), payload_hash), \
+             result = IF(token = VALUES(token), NULL, result), \
+             completed_ms = IF(token = VALUES(token), NULL, completed_ms), \
+             expires_ms = IF(token = VALUES(token), NULL, expires_ms), \
+             worker = IF(token = VALUES(token), VALUES(worker), worker)",
+            self.table
+        );
+        Stmt {
+            sql,
+            args: vec![
+                Val::I64(Some(now)),
+                Val::Text(Some(claim_json(rows))),
+                Val::I64(Some(now)),
+                Val::I64(Some(now)),
+            ],
+        }
+    }
+
+    /// `SELECT <record> FROM t WHERE dedup_key IN (…)`.
+    pub fn read_back<'a>(&self, keys: impl ExactSizeIterator<Item = &'a DedupKey>) -> Stmt {
+        if self.dialect == Dialect::Postgres {
+            return Stmt {
+                sql: format!(
+                    "SELECT {RECORD_COLS} FROM {} WHERE dedup_key = ANY($1::text[])",
+                    self.table
+                ),
+                args: vec![key_array(keys)],
+            };
+        }
+        if self.dialect == Dialect::MySql {
+            return Stmt {
+                sql: format!(
+                    "SELECT {RECORD_COLS_T} FROM {} AS t JOIN JSON_TABLE(?, '$[*]' \
+                     COLUMNS(j_key VARBINARY(257) PATH '$')) AS v ON t.dedup_key = v.j_key",
+                    self.table
+                ),
+                args: vec![key_json(keys)],
+            };
+        }
+        let n = keys.len();
+        let mut sql = format!(
+            "SELECT {RECORD_COLS} FROM {} WHERE dedup_key IN (",
+            self.table
+        );
+        let mut args = Vec::with_capacity(n);
+        for (i, k) in keys.enumerate() {
+            sql.push_str(if i == 0 { "?" } else { ", ?" });
+            args.push(Val::Key(k.as_str().to_owned()));
+        }
+        sql.push(')');
+        Stmt {
+            sql: self.dialect.placeholders(sql),
+            args,
+        }
+    }
+
+    /// `SELECT dedup_key, token, status FROM t WHERE dedup_key IN (…)`.
+    pub fn probe_many<'a>(&self, keys: impl ExactSizeIterator<Item = &'a DedupKey>) -> Stmt {
+        if self.dialect == Dialect::Postgres {
+            return Stmt {
+                sql: format!(
+                    "SELECT dedup_key, token, status FROM {} WHERE dedup_key = ANY($1::text[])",
+                    self.table
+                ),
+                args: vec![key_array(keys)],
+            };
+        }
+        if self.dialect == Dialect::MySql {
+            return Stmt {
+                sql: format!(
+                    "SELECT t.dedup_key, t.token, t.status FROM {} AS t JOIN JSON_TABLE(?, '$[*]' \
+                     COLUMNS(j_key VARBINARY(257) PATH '$')) AS v ON t.dedup_key = v.j_key",
+                    self.table
+                ),
+                args: vec![key_json(keys)],
+            };
+        }
+        let n = keys.len();
+        let mut sql = format!(
+            "SELECT dedup_key, token, status FROM {} WHERE dedup_key IN (",
+            self.table
+        );
+        let mut args = Vec::with_capacity(n);
+        for (i, k) in keys.enumerate() {
+            sql.push_str(if i == 0 { "?" } else { ", ?" });
+            args.push(Val::Key(k.as_str().to_owned()));
+        }
+        sql.push(')');
+        Stmt {
+            sql: self.dialect.placeholders(sql),
+            args,
+        }
+    }
+
+    /// Whether [`Queries::complete_batch`] returns the `(dedup_key, token)` of the rows it
+    /// completed. On MySQL only the matched-row count is known.
+    pub fn complete_returns_rows(&self) -> bool {
+        self.dialect != Dialect::MySql
+    }
+
+    /// Completes many keys in one statement: each row is updated only while its token owns
+    /// it and it is in progress.
+    pub fn complete_batch(&self, items: &[CompleteRow<'_>], now: i64) -> Stmt {
+        let t = &self.table;
+        let mut sql = String::with_capacity(300 + items.len() * 24);
+        let mut args = Vec::with_capacity(items.len() * 4 + 1);
+        let push_item = |args: &mut Vec<Val>, it: &CompleteRow<'_>| {
+            args.push(Val::Key(it.key.as_str().to_owned()));
+            args.push(Val::I64(Some(it.token.0)));
+            args.push(Val::Bytes(it.result.map(<[u8]>::to_vec)));
+            args.push(Val::I64(Some(it.expires_ms)));
+        };
+        match self.dialect {
+            Dialect::Postgres => {
+                sql.push_str(&format!(
+                    "UPDATE {t} AS t SET status = 1, result = v.res, completed_ms = ?, \
+                     expires_ms = v.exp FROM UNNEST(?::text[], ?::bigint[], ?::bytea[], \
+                     ?::bigint[]) AS v(k, tok, res, exp) WHERE t.dedup_key = v.k \
+                     AND t.token = v.tok AND t.status = 0 RETURNING t.dedup_key, t.token"
+                ));
+                args.push(Val::I64(Some(now)));
+                args.push(Val::TextArray(
+                    items
+                        .iter()
+                        .map(|it| Some(it.key.as_str().to_owned()))
+                        .collect(),
+                ));
+                args.push(Val::I64Array(items.iter().map(|it| it.token.0).collect()));
+                args.push(Val::BytesArray(
+                    items
+                        .iter()
+                        .map(|it| it.result.map(<[u8]>::to_vec))
+                        .collect(),
+                ));
+                args.push(Val::I64Array(
+                    items.iter().map(|it| it.expires_ms).collect(),
+                ));
+            }
+            Dialect::Sqlite => {
+                sql.push_str(&format!(
+                    "UPDATE {t} SET status = 1, result = v.column3, completed_ms = ?, \
+                     expires_ms = v.column4 FROM (VALUES "
+                ));
+                args.push(Val::I64(Some(now)));
+                for (i, it) in items.iter().enumerate() {
+                    if i > 0 {
+                        sql.push(',');
+                    }
+                    sql.push_str("(?, ?, ?, ?)");
+                    push_item(&mut args, it);
+                }
+                sql.push_str(&format!(
+                    ") AS v WHERE {t}.dedup_key = v.column1 AND {t}.token = v.column2 \
+                     AND {t}.status = 0 RETURNING dedup_key, token"
+                ));
+            }
+            Dialect::MySql => {
+                // A primary-key range over the IN list, the token checked by a row IN list
+                // (a sorted lookup). Keys must be distinct (the store ensures it), or a CASE
+                // could pick another item's result.
+                sql.push_str(&format!(
+                    "UPDATE {t} SET status = 1, completed_ms = ?, result = "
+                ));
+                args.push(Val::I64(Some(now)));
+                if items.iter().all(|it| it.result.is_none()) {
+                    sql.push_str("NULL");
+                } else {
+                    sql.push_str("CASE dedup_key");
+                    for it in items.iter().filter(|it| it.result.is_some()) {
+                        sql.push_str(" WHEN ? THEN ?");
+                        args.push(Val::Key(it.key.as_str().to_owned()));
+                        args.push(Val::Bytes(it.result.map(<[u8]>::to_vec)));
+                    }
+                    sql.push_str(" ELSE NULL END");
+                }
+                sql.push_str(", expires_ms = ");
+                let first_exp = items.first().map(|it| it.expires_ms);
+                if items.iter().all(|it| Some(it.expires_ms) == first_exp) {
+                    sql.push('?');
+                    args.push(Val::I64(first_exp));
+                } else {
+                    sql.push_str("CASE dedup_key");
+                    for it in items {
+                        sql.push_str(" WHEN ? THEN ?");
+                        args.push(Val::Key(it.key.as_str().to_owned()));
+                        args.push(Val::I64(Some(it.expires_ms)));
+                    }
+                    sql.push_str(" END");
+                }
+                sql.push_str(" WHERE status = 0 AND dedup_key IN (");
+                for (i, it) in items.iter().enumerate() {
+                    sql.push_str(if i == 0 { "?" } else { ", ?" });
+                    args.push(Val::Key(it.key.as_str().to_owned()));
+                }
+                sql.push_str(") AND (dedup_key, token) IN (");
+                for (i, it) in items.iter().enumerate() {
+                    sql.push_str(if i == 0 { "(?, ?)" } else { ", (?, ?)" });
+                    args.push(Val::Key(it.key.as_str().to_owned()));
+                    args.push(Val::I64(Some(it.token.0)));
+                }
+                sql.push(')');
+            }
+        }
+        Stmt {
+            sql: self.dialect.placeholders(sql),
+            args,
+        }
+    }
+}
+
+/// Keys as one PostgreSQL `TEXT[]` argument.
+fn key_array<'a>(keys: impl Iterator<Item = &'a DedupKey>) -> Val {
+    Val::TextArray(keys.map(|k| Some(k.as_str().to_owned())).collect())
+}
+
+/// Keys as one MySQL JSON array argument (for `JSON_TABLE`).
+fn key_json<'a>(keys: impl Iterator<Item = &'a DedupKey>) -> Val {
+    let mut doc = String::from("[");
+    for (i, k) in keys.enumerate() {
+        if i > 0 {
+            doc.push(',');
+        }
+        json_str(&mut doc, k.as_str());
+    }
+    doc.push(']');
+    Val::Text(Some(doc))
+}
+
+/// Appends `s` as a JSON string literal.
+pub(crate) fn json_str(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// Appends bytes as a lowercase-hex JSON string (`null` for `None`), decoded with `UNHEX`.
+fn json_hex(out: &mut String, b: Option<&[u8]>) {
+    const HEX: &[u8; 16] = b"0123456789abcdef";
+    match b {
+        None => out.push_str("null"),
+        Some(b) => {
+            out.reserve(b.len() * 2 + 2);
+            out.push('"');
+            for x in b {
+                out.push(char::from(HEX[usize::from(x >> 4)]));
+                out.push(char::from(HEX[usize::from(x & 15)]));
+            }
+            out.push('"');
+        }
+    }
+}
+
+/// Claim rows as the JSON document of the MySQL statements:
+/// `[[key, token, lease_until_ms, hex payload hash | null, worker | null], …]`.
+fn claim_json(rows: &[ClaimRow<'_>]) -> String {
+    let mut doc = String::with_capacity(rows.len() * 80 + 2);
+    doc.push('[');
+    for (i, r) in rows.iter().enumerate() {
+        if i > 0 {
+            doc.push(',');
+        }
+        doc.push('[');
+        json_str(&mut doc, r.key.as_str());
+        doc.push_str(&format!(",{},{},", r.token.0, r.until_ms));
+        json_hex(&mut doc, r.payload_hash.map(|h| &h.0[..]));
+        doc.push(',');
+        match r.worker {
+            Some(w) => json_str(&mut doc, w),
+            None => doc.push_str("null"),
+        }
+        doc.push(']');
+    }
+    doc.push(']');
+    doc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_strings_are_escaped() {
+        let mut s = String::new();
+        json_str(&mut s, "a\"b\\c\n\u{1}é");
+        assert_eq!(s, r#""a\"b\\c\u000a\u0001é""#);
+        let mut h = String::new();
+        json_hex(&mut h, Some(&[0x00, 0xff, 0x1a]));
+        json_hex(&mut h, None);
+        assert_eq!(h, "\"00ff1a\"null");
+    }
+}

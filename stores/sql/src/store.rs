@@ -1,0 +1,1032 @@
+//! The dedup-table store ([`SqlStore`]) and the unique-index helper, one implementation for
+//! SQLite, PostgreSQL and MySQL/MariaDB.
+
+use crate::backend::{error_class, map_sqlx_error, Dialect, ErrorClass, Kind, SqlBackend, Val};
+use crate::ident::TableName;
+use crate::migrate;
+use crate::queries::{
+    decode_record, ClaimRow, CompleteRow, Queries, Stmt, StoredRecord, ACQUIRED_KINDS, RECORD_KINDS,
+};
+use async_trait::async_trait;
+use bytes::Bytes;
+use idemq_core::key::MAX_DEDUP_KEY_BYTES;
+use idemq_core::store::{check_distinct_keys, duration_ms};
+use idemq_core::{
+    evaluate_claim, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome, Completion,
+    DedupKey, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease, RecordStatus,
+    ReleaseOutcome, StoreError,
+};
+use sqlx::Pool;
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// How many times a claim re-runs for keys whose row changed between the atomic write and
+/// the read-back (another worker completed, released or deleted it in between).
+const CLAIM_ROUNDS: usize = 8;
+/// How many times a statement is retried at once after a deadlock or serialization failure.
+const RETRY_NOW_ATTEMPTS: u32 = 8;
+
+/// SQLite's `synchronous` setting for stores opened by [`SqlStore::connect`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SqliteSynchronous {
+    /// Every commit is fsynced: a completed record survives power loss (the default).
+    #[default]
+    Full,
+    /// In WAL mode, commits survive a crash of the process but the last ones may be lost
+    /// on power loss; much faster on slow disks.
+    Normal,
+}
+
+/// Options of a SQL store.
+///
+/// ```
+/// use idemq_sql::{SqlStoreOptions, TableName};
+/// let opts = SqlStoreOptions {
+///     table: TableName::new("payments_dedup")?,
+///     ..Default::default()
+/// };
+/// assert_eq!(opts.keys_table()?.as_str(), "payments_dedup_keys");
+/// # Ok::<(), idemq_core::StoreError>(())
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SqlStoreOptions {
+    /// The dedup table (default `idemq_dedup`).
+    pub table: TableName,
+    /// The unique-index table used by [`SqlStore::insert_key_in_tx`]
+    /// (default `<table>_keys`).
+    pub keys_table: Option<TableName>,
+    /// Create / upgrade the tables when the store opens (default `true`). Turn off when
+    /// the schema is managed elsewhere (`idemq store migrate`, your own tooling).
+    pub migrate: bool,
+    /// Pool size for [`SqlStore::connect`] (default 10; an in-memory SQLite database always
+    /// uses one connection, since each connection would otherwise see its own database).
+    pub max_connections: u32,
+    /// How long to wait for a pooled connection before answering
+    /// [`StoreError::Unavailable`] (default 10 s).
+    pub acquire_timeout: Duration,
+    /// SQLite only: how long a statement waits for another writer's lock (default 5 s).
+    pub busy_timeout: Duration,
+    /// SQLite only: durability of commits (default [`SqliteSynchronous::Full`]).
+    pub sqlite_synchronous: SqliteSynchronous,
+    /// The most keys written by one statement; larger batches are split (default 500).
+    pub max_batch: usize,
+}
+
+impl Default for SqlStoreOptions {
+    fn default() -> Self {
+        Self {
+            table: TableName::default(),
+            keys_table: None,
+            migrate: true,
+            max_connections: 10,
+            acquire_timeout: Duration::from_secs(10),
+            busy_timeout: Duration::from_secs(5),
+            sqlite_synchronous: SqliteSynchronous::Full,
+            max_batch: 500,
+        }
+    }
+}
+
+impl SqlStoreOptions {
+    /// Default options for the dedup table `table`.
+    pub fn with_table(table: TableName) -> Self {
+        Self {
+            table,
+            ..Self::default()
+        }
+    }
+
+    /// The unique-index table: [`SqlStoreOptions::keys_table`] or `<table>_keys`
+    /// (an error when that would exceed the identifier limit: set it explicitly).
+    pub fn keys_table(&self) -> Result<TableName, StoreError> {
+        match &self.keys_table {
+            Some(k) => Ok(k.clone()),
+            None => self.table.with_suffix("_keys").map_err(|_| {
+                StoreError::Config(format!(
+                    "dedup table name `{}` is too long to derive the keys table `{}_keys`: \
+                     set SqlStoreOptions::keys_table explicitly",
+                    self.table, self.table
+                ))
+            }),
+        }
+    }
+}
+
+/// The answer of [`SqlStore::insert_key_in_tx`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KeyInsert {
+    /// The key is new: go on with the business writes, then commit.
+    Inserted,
+    /// The key was inserted before (or by a concurrent transaction that committed): skip
+    /// the business writes. The caller's transaction is still usable.
+    Duplicate,
+}
+
+/// A dedup store on a SQL database: the dedup-table strategy (status row, lease, fencing
+/// token, stored result, retention) behind [`DedupStore`], plus the unique-index strategy
+/// ([`SqlStore::insert_key_in_tx`]) and in-transaction completion
+/// ([`SqlStore::complete_in_tx`]).
+///
+/// Use the aliases [`SqliteStore`](crate::SqliteStore), [`PgStore`](crate::PgStore) and
+/// [`MySqlStore`](crate::MySqlStore). Cloning is cheap (the pool is shared).
+///
+/// Every claim is one atomic statement per batch (`INSERT … ON CONFLICT … DO UPDATE … WHERE
+/// … RETURNING` on SQLite/PostgreSQL, `INSERT … ON DUPLICATE KEY UPDATE` with guarded
+/// assignments on MySQL): a key is written only if it is new, its lease has ended or its
+/// retention has passed. Keys the statement did not take are read back and classified with
+/// [`evaluate_claim`], the same rules as every other store.
+pub struct SqlStore<DB: SqlBackend> {
+    pool: Pool<DB>,
+    q: Arc<Queries>,
+    options: Arc<SqlStoreOptions>,
+    keys_table: TableName,
+}
+
+impl<DB: SqlBackend> Clone for SqlStore<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            q: self.q.clone(),
+            options: self.options.clone(),
+            keys_table: self.keys_table.clone(),
+        }
+    }
+}
+
+impl<DB: SqlBackend> fmt::Debug for SqlStore<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SqlStore")
+            .field("backend", &DB::DIALECT.name())
+            .field("table", &self.options.table.as_str())
+            .field("keys_table", &self.keys_table.as_str())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Rejects keys longer than the key columns hold.
+fn check_key(key: &DedupKey) -> Result<(), StoreError> {
+    let len = key.as_str().len();
+    if len > MAX_DEDUP_KEY_BYTES {
+        return Err(StoreError::KeyTooLong {
+            len,
+            max: MAX_DEDUP_KEY_BYTES,
+        });
+    }
+    Ok(())
+}
+
+/// The longest worker id stored, in bytes (longer ones are cut at a character boundary).
+pub const MAX_WORKER_BYTES: usize = 255;
+
+fn bounded_worker(w: &str) -> &str {
+    if w.len() <= MAX_WORKER_BYTES {
+        return w;
+    }
+    let mut end = MAX_WORKER_BYTES;
+    while !w.is_char_boundary(end) {
+        end -= 1;
+    }
+    &w[..end]
+}
+
+/// Marks `Acquired` the requests whose row a claim statement returned with their token.
+fn take_acquired(
+    returned: &[crate::backend::Row],
+    tokens: &HashMap<&str, (usize, FencingToken)>,
+    out: &mut [Option<ClaimOutcome>],
+) -> Result<(), StoreError> {
+    for row in returned {
+        let decoded = (|| -> Result<_, String> {
+            Ok((
+                row.text(0)?,
+                row.i64(1)?,
+                row.i64(2)?,
+                row.i64(3)?,
+                row.i64(4)?,
+            ))
+        })();
+        let (key, token, until, attempts, took_over) =
+            decoded.map_err(|reason| StoreError::Corrupt {
+                key: "?".into(),
+                reason,
+            })?;
+        if let Some(&(i, ours)) = tokens.get(key) {
+            if ours.0 == token {
+                out[i] = Some(ClaimOutcome::Acquired(Lease {
+                    token: ours,
+                    until_ms: until,
+                    attempt: u32::try_from(attempts).unwrap_or(u32::MAX),
+                    takeover: took_over != 0,
+                }));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn limit_i64(limit: usize) -> i64 {
+    i64::try_from(limit).unwrap_or(i64::MAX)
+}
+
+async fn backoff(attempt: u32) {
+    use rand::Rng;
+    let cap_ms = 2u64.saturating_pow(attempt.min(8)).max(2);
+    let ms = rand::thread_rng().gen_range(1..=cap_ms);
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+}
+
+/// Runs an autocommit statement, retrying at once (with jitter) after a deadlock or
+/// serialization failure, which roll back only that statement.
+macro_rules! retry_now {
+    ($op:expr, $call:expr) => {{
+        let mut attempt = 0u32;
+        loop {
+            match $call.await {
+                Ok(v) => break Ok(v),
+                Err(e)
+                    if attempt < RETRY_NOW_ATTEMPTS
+                        && error_class::<DB>(&e) == ErrorClass::RetryNow =>
+                {
+                    attempt += 1;
+                    tracing::debug!(op = $op, attempt, error = %e, "retrying after deadlock/serialization failure");
+                    backoff(attempt).await;
+                }
+                Err(e) => break Err(map_sqlx_error::<DB>($op, e)),
+            }
+        }
+    }};
+}
+
+impl<DB: SqlBackend> SqlStore<DB> {
+    /// Wraps an existing pool (your application's), running the migrations unless
+    /// [`SqlStoreOptions::migrate`] is off.
+    pub async fn from_pool(pool: Pool<DB>, options: SqlStoreOptions) -> Result<Self, StoreError> {
+        let keys_table = options.keys_table()?;
+        if keys_table == options.table {
+            return Err(StoreError::Config(format!(
+                "the keys table must differ from the dedup table (`{keys_table}`)"
+            )));
+        }
+        let mariadb = if DB::DIALECT == Dialect::MySql {
+            let mut conn = pool
+                .acquire()
+                .await
+                .map_err(|e| map_sqlx_error::<DB>("acquire connection", e))?;
+            let v = DB::fetch(&mut conn, "SELECT VERSION()", vec![], &[Kind::Text])
+                .await
+                .map_err(|e| map_sqlx_error::<DB>("server version", e))?;
+            v.first()
+                .and_then(|r| r.opt_text(0).ok().flatten())
+                .is_some_and(|v| v.contains("MariaDB"))
+        } else {
+            false
+        };
+        let q = Arc::new(Queries::new(
+            DB::DIALECT,
+            mariadb,
+            &options.table,
+            &keys_table,
+        ));
+        let store = Self {
+            pool,
+            q,
+            options: Arc::new(options),
+            keys_table,
+        };
+        if store.options.migrate {
+            store.migrate().await?;
+        }
+        Ok(store)
+    }
+
+    /// The connection pool (share it with your business code for in-transaction helpers).
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.pool
+    }
+
+    /// The options the store was opened with.
+    pub fn options(&self) -> &SqlStoreOptions {
+        &self.options
+    }
+
+    /// The dedup table.
+    pub fn table(&self) -> &TableName {
+        &self.options.table
+    }
+
+    /// The unique-index table of [`SqlStore::insert_key_in_tx`].
+    pub fn keys_table(&self) -> &TableName {
+        &self.keys_table
+    }
+
+    /// The SQL dialect.
+    pub fn dialect(&self) -> Dialect {
+        DB::DIALECT
+    }
+
+    /// Creates or upgrades the tables; returns the schema version now applied. Safe to run
+    /// concurrently from many processes.
+    pub async fn migrate(&self) -> Result<i64, StoreError> {
+        migrate::run::<DB>(&self.pool, &self.options.table, &self.keys_table).await
+    }
+
+    /// The schema version recorded for this store's table, `None` before any migration.
+    pub async fn schema_version(&self) -> Result<Option<i64>, StoreError> {
+        let mut conn = self.acquire().await?;
+        let sql = DB::DIALECT.placeholders(format!(
+            "SELECT version FROM {} WHERE dedup_table = ?",
+            migrate::SCHEMA_VERSION_TABLE
+        ));
+        let rows = DB::fetch(
+            &mut conn,
+            &sql,
+            vec![Val::Text(Some(self.options.table.as_str().to_owned()))],
+            &[Kind::I64],
+        )
+        .await
+        .map_err(|e| map_sqlx_error::<DB>("schema_version", e))?;
+        Ok(rows.first().and_then(|r| r.opt_i64(0).ok().flatten()))
+    }
+
+    async fn acquire(&self) -> Result<sqlx::pool::PoolConnection<DB>, StoreError> {
+        self.pool
+            .acquire()
+            .await
+            .map_err(|e| map_sqlx_error::<DB>("acquire connection", e))
+    }
+
+    /// Completes `key` inside the caller's transaction, fenced by `token`, so the business
+    /// effect and the completion commit (or roll back) together.
+    ///
+    /// Answers [`CompleteOutcome::Fenced`] when `token` no longer owns the key (its lease
+    /// was taken over, it was released or purged): roll the transaction back. Completing
+    /// twice with the owning token answers `Completed`. On PostgreSQL and MySQL the row stays
+    /// locked until the caller commits.
+    pub async fn complete_in_tx(
+        &self,
+        conn: &mut DB::Connection,
+        key: &DedupKey,
+        token: FencingToken,
+        result: Option<&[u8]>,
+        retention: Duration,
+    ) -> Result<CompleteOutcome, StoreError> {
+        check_key(key)?;
+        self.complete_one(conn, key, token, result, retention)
+            .await
+            .map_err(|e| map_sqlx_error::<DB>("complete_in_tx", e))
+    }
+
+    async fn complete_one(
+        &self,
+        conn: &mut DB::Connection,
+        key: &DedupKey,
+        token: FencingToken,
+        result: Option<&[u8]>,
+        retention: Duration,
+    ) -> Result<CompleteOutcome, sqlx::Error> {
+        let now = now_ms();
+        let args = vec![
+            Val::Bytes(result.map(<[u8]>::to_vec)),
+            Val::I64(Some(now)),
+            Val::I64(Some(now.saturating_add(duration_ms(retention)))),
+            Val::Key(key.as_str().to_owned()),
+            Val::I64(Some(token.0)),
+        ];
+        if DB::execute(conn, &self.q.complete_one, args).await? > 0 {
+            return Ok(CompleteOutcome::Completed);
+        }
+        // Not in progress under this token: already completed by it (idempotent), or fenced.
+        let rows = DB::fetch(
+            conn,
+            &self.q.probe,
+            vec![Val::Key(key.as_str().to_owned())],
+            &[Kind::I64, Kind::I64],
+        )
+        .await?;
+        let owned_and_done = rows.first().is_some_and(|r| {
+            r.i64(0).ok() == Some(token.0) && r.i64(1).ok() == Some(RecordStatus::Completed.code())
+        });
+        Ok(if owned_and_done {
+            CompleteOutcome::Completed
+        } else {
+            CompleteOutcome::Fenced
+        })
+    }
+
+    /// The unique-index strategy: inserts `key` into the keys table inside the caller's
+    /// transaction. [`KeyInsert::Duplicate`] means it was processed (committed) before; the
+    /// statement never raises on a duplicate, so the transaction stays usable (PostgreSQL
+    /// would otherwise abort it). If another open transaction holds the same key, this waits
+    /// for it to commit or roll back.
+    ///
+    /// Keys stay until [`SqlStore::purge_keys_older_than`] removes them.
+    pub async fn insert_key_in_tx(
+        &self,
+        conn: &mut DB::Connection,
+        key: &DedupKey,
+    ) -> Result<KeyInsert, StoreError> {
+        check_key(key)?;
+        let n = DB::execute(
+            conn,
+            &self.q.insert_key,
+            vec![Val::Key(key.as_str().to_owned()), Val::I64(Some(now_ms()))],
+        )
+        .await
+        .map_err(|e| map_sqlx_error::<DB>("insert_key_in_tx", e))?;
+        Ok(if n > 0 {
+            KeyInsert::Inserted
+        } else {
+            KeyInsert::Duplicate
+        })
+    }
+
+    /// Deletes up to `limit` unique-index keys inserted more than `age` ago; returns how
+    /// many. A redelivery of a purged key is processed again: keep `age` above the longest
+    /// redelivery horizon of your brokers.
+    pub async fn purge_keys_older_than(
+        &self,
+        age: Duration,
+        limit: usize,
+    ) -> Result<u64, StoreError> {
+        if limit == 0 {
+            return Ok(0);
+        }
+        let cutoff = now_ms().saturating_sub(duration_ms(age));
+        let mut conn = self.acquire().await?;
+        retry_now!(
+            "purge_keys",
+            DB::execute(
+                &mut conn,
+                &self.q.purge_keys,
+                vec![Val::I64(Some(cutoff)), Val::I64(Some(limit_i64(limit)))],
+            )
+        )
+    }
+
+    /// Claims the keys `idx` (indices into `reqs`, sorted by key) with one statement per
+    /// round, filling `out`.
+    async fn claim_chunk(
+        &self,
+        conn: &mut DB::Connection,
+        reqs: &[ClaimRequest],
+        idx: &[usize],
+        out: &mut [Option<ClaimOutcome>],
+    ) -> Result<(), StoreError> {
+        let mut pending: Vec<usize> = idx.to_vec();
+        let mut fresh_first = self.q.mariadb;
+        for round in 0..CLAIM_ROUNDS {
+            let now = now_ms();
+            let rows: Vec<ClaimRow<'_>> = pending
+                .iter()
+                .map(|&i| {
+                    let r = &reqs[i];
+                    ClaimRow {
+                        key: &r.key,
+                        token: FencingToken::random(),
+                        until_ms: now.saturating_add(duration_ms(r.lease)),
+                        payload_hash: r.payload_hash.as_ref(),
+                        worker: r.worker.as_deref().map(bounded_worker),
+                    }
+                })
+                .collect();
+            let tokens: HashMap<&str, (usize, FencingToken)> = pending
+                .iter()
+                .zip(&rows)
+                .map(|(&i, row)| (reqs[i].key.as_str(), (i, row.token)))
+                .collect();
+            if fresh_first {
+                // MariaDB: new keys via `INSERT IGNORE … RETURNING`, no read-back; the keys
+                // that exist already take the general path below, with fresh tokens.
+                fresh_first = false;
+                let Stmt { sql, args } = self.q.claim_fresh_mariadb(&rows, now);
+                let mut first = Some(args);
+                let mut args = || {
+                    first
+                        .take()
+                        .unwrap_or_else(|| self.q.claim_fresh_mariadb(&rows, now).args)
+                };
+                let returned = retry_now!("claim", DB::fetch(conn, &sql, args(), ACQUIRED_KINDS))?;
+                take_acquired(&returned, &tokens, out)?;
+                pending.retain(|&i| out[i].is_none());
+                if pending.is_empty() {
+                    return Ok(());
+                }
+                continue;
+            }
+            // Arguments move into the first attempt; retries rebuild them.
+            let Stmt { sql, args } = self.q.claim(&rows, now);
+            let mut first = Some(args);
+            let mut args = || {
+                first
+                    .take()
+                    .unwrap_or_else(|| self.q.claim(&rows, now).args)
+            };
+            if self.q.claim_returns_rows() {
+                let returned = retry_now!("claim", DB::fetch(conn, &sql, args(), ACQUIRED_KINDS))?;
+                take_acquired(&returned, &tokens, out)?;
+            } else {
+                retry_now!("claim", DB::execute(conn, &sql, args()))?;
+            }
+
+            let rest: Vec<usize> = pending
+                .iter()
+                .copied()
+                .filter(|&i| out[i].is_none())
+                .collect();
+            if rest.is_empty() {
+                return Ok(());
+            }
+            let rb = self.q.read_back(rest.iter().map(|&i| &reqs[i].key));
+            let rows = retry_now!(
+                "claim read-back",
+                DB::fetch(
+                    conn,
+                    &rb.sql,
+                    self.q.read_back(rest.iter().map(|&i| &reqs[i].key)).args,
+                    RECORD_KINDS
+                )
+            )?;
+            let mut found: HashMap<String, StoredRecord> = HashMap::with_capacity(rows.len());
+            for row in &rows {
+                let s = decode_record(row)?;
+                found.insert(s.rec.key.as_str().to_owned(), s);
+            }
+            let mut retry = Vec::new();
+            for i in rest {
+                let req = &reqs[i];
+                let ours = tokens.get(req.key.as_str()).map(|t| t.1);
+                let stored = found.get(req.key.as_str());
+                match stored {
+                    Some(s)
+                        if Some(s.rec.token) == ours
+                            && s.rec.status == RecordStatus::InProgress =>
+                    {
+                        out[i] = Some(ClaimOutcome::Acquired(Lease {
+                            token: s.rec.token,
+                            until_ms: s.rec.lease_until_ms,
+                            attempt: s.rec.attempts,
+                            takeover: s.took_over,
+                        }));
+                    }
+                    _ => {
+                        match evaluate_claim(stored.map(|s| &s.rec), req.payload_hash.as_ref(), now)
+                        {
+                            ClaimVerdict::Answer(o) => out[i] = Some(o),
+                            // The row changed between the write and the read: claim again.
+                            ClaimVerdict::AcquireFresh | ClaimVerdict::TakeOver => retry.push(i),
+                        }
+                    }
+                }
+            }
+            if retry.is_empty() {
+                return Ok(());
+            }
+            tracing::debug!(
+                table = %self.options.table,
+                round,
+                keys = retry.len(),
+                "claim raced with concurrent changes; claiming again"
+            );
+            pending = retry;
+        }
+        tracing::warn!(
+            table = %self.options.table,
+            keys = pending.len(),
+            "claim kept racing with concurrent changes"
+        );
+        Err(StoreError::Unavailable(format!(
+            "{} claim: {} key(s) changed concurrently {CLAIM_ROUNDS} times in a row; retry later",
+            DB::DIALECT.name(),
+            pending.len()
+        )))
+    }
+
+    async fn complete_chunk(
+        &self,
+        conn: &mut DB::Connection,
+        items: &[Completion],
+        idx: &[usize],
+        out: &mut [Option<CompleteOutcome>],
+    ) -> Result<(), StoreError> {
+        let now = now_ms();
+        let rows: Vec<CompleteRow<'_>> = idx
+            .iter()
+            .map(|&i| {
+                let c = &items[i];
+                CompleteRow {
+                    key: &c.key,
+                    token: c.token,
+                    result: c.result.as_deref(),
+                    expires_ms: now.saturating_add(duration_ms(c.retention)),
+                }
+            })
+            .collect();
+        let Stmt { sql, args } = self.q.complete_batch(&rows, now);
+        let mut first = Some(args);
+        let mut args = || {
+            first
+                .take()
+                .unwrap_or_else(|| self.q.complete_batch(&rows, now).args)
+        };
+        if self.q.complete_returns_rows() {
+            let done = retry_now!(
+                "complete_batch",
+                DB::fetch(conn, &sql, args(), &[Kind::Text, Kind::I64])
+            )?;
+            let mut set = HashSet::with_capacity(done.len());
+            for r in &done {
+                if let (Ok(k), Ok(t)) = (r.text(0), r.i64(1)) {
+                    set.insert((k.to_owned(), t));
+                }
+            }
+            for &i in idx {
+                let c = &items[i];
+                if set.contains(&(c.key.as_str().to_owned(), c.token.0)) {
+                    out[i] = Some(CompleteOutcome::Completed);
+                }
+            }
+        } else {
+            let matched = retry_now!("complete_batch", DB::execute(conn, &sql, args()))?;
+            // Keys are distinct here, so every item matched iff the count says so.
+            if matched == idx.len() as u64 {
+                for &i in idx {
+                    out[i] = Some(CompleteOutcome::Completed);
+                }
+            }
+        }
+        let undecided: Vec<usize> = idx.iter().copied().filter(|&i| out[i].is_none()).collect();
+        if undecided.is_empty() {
+            return Ok(());
+        }
+        // Not completed by this statement: completed before by the same token, or fenced.
+        let probe = self.q.probe_many(undecided.iter().map(|&i| &items[i].key));
+        let rows = retry_now!(
+            "complete_batch probe",
+            DB::fetch(
+                conn,
+                &probe.sql,
+                self.q
+                    .probe_many(undecided.iter().map(|&i| &items[i].key))
+                    .args,
+                &[Kind::Text, Kind::I64, Kind::I64]
+            )
+        )?;
+        let mut state: HashMap<String, (i64, i64)> = HashMap::with_capacity(rows.len());
+        for r in &rows {
+            if let (Ok(k), Ok(t), Ok(s)) = (r.text(0), r.i64(1), r.i64(2)) {
+                state.insert(k.to_owned(), (t, s));
+            }
+        }
+        for i in undecided {
+            let c = &items[i];
+            out[i] = Some(
+                if state.get(c.key.as_str()) == Some(&(c.token.0, RecordStatus::Completed.code())) {
+                    CompleteOutcome::Completed
+                } else {
+                    CompleteOutcome::Fenced
+                },
+            );
+        }
+        Ok(())
+    }
+
+    fn sorted_chunks<'a>(&self, keys: impl Iterator<Item = &'a DedupKey>) -> Vec<Vec<usize>> {
+        let mut order: Vec<(usize, &str)> = keys.map(|k| k.as_str()).enumerate().collect();
+        // Byte order: every backend locks in the order rows are written, so concurrent
+        // batches over overlapping keys acquire their row locks in the same order.
+        order.sort_by(|a, b| a.1.as_bytes().cmp(b.1.as_bytes()));
+        order
+            .chunks(self.options.max_batch.max(1))
+            .map(|c| c.iter().map(|(i, _)| *i).collect())
+            .collect()
+    }
+}
+
+#[async_trait]
+impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        check_distinct_keys(reqs)?;
+        for r in reqs {
+            check_key(&r.key)?;
+        }
+        if reqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut out: Vec<Option<ClaimOutcome>> = vec![None; reqs.len()];
+        let mut conn = self.acquire().await?;
+        for chunk in self.sorted_chunks(reqs.iter().map(|r| &r.key)) {
+            self.claim_chunk(&mut conn, reqs, &chunk, &mut out).await?;
+        }
+        out.into_iter()
+            .map(|o| o.ok_or_else(|| StoreError::Backend("claim left a key unanswered".into())))
+            .collect()
+    }
+
+    async fn complete_batch(
+        &self,
+        items: &[Completion],
+    ) -> Result<Vec<CompleteOutcome>, StoreError> {
+        for c in items {
+            check_key(&c.key)?;
+        }
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut conn = self.acquire().await?;
+        let distinct: HashSet<&str> = items.iter().map(|c| c.key.as_str()).collect();
+        if distinct.len() < items.len() {
+            // A key named twice (e.g. a stale and a current token): answer item by item, in
+            // order, exactly as single completions would.
+            let mut out = Vec::with_capacity(items.len());
+            for c in items {
+                out.push(retry_now!(
+                    "complete",
+                    self.complete_one(&mut conn, &c.key, c.token, c.result.as_deref(), c.retention)
+                )?);
+            }
+            return Ok(out);
+        }
+        let mut out: Vec<Option<CompleteOutcome>> = vec![None; items.len()];
+        for chunk in self.sorted_chunks(items.iter().map(|c| &c.key)) {
+            self.complete_chunk(&mut conn, items, &chunk, &mut out)
+                .await?;
+        }
+        out.into_iter()
+            .map(|o| {
+                o.ok_or_else(|| StoreError::Backend("completion left a key unanswered".into()))
+            })
+            .collect()
+    }
+
+    async fn complete(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        result: Option<Bytes>,
+        retention: Duration,
+    ) -> Result<CompleteOutcome, StoreError> {
+        check_key(key)?;
+        let mut conn = self.acquire().await?;
+        retry_now!(
+            "complete",
+            self.complete_one(&mut conn, key, token, result.as_deref(), retention)
+        )
+    }
+
+    async fn release(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        check_key(key)?;
+        let mut conn = self.acquire().await?;
+        let n = retry_now!(
+            "release",
+            DB::execute(
+                &mut conn,
+                &self.q.release,
+                vec![Val::Key(key.as_str().to_owned()), Val::I64(Some(token.0))],
+            )
+        )?;
+        Ok(if n > 0 {
+            ReleaseOutcome::Released
+        } else {
+            ReleaseOutcome::Fenced
+        })
+    }
+
+    async fn extend(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<ExtendOutcome, StoreError> {
+        check_key(key)?;
+        let until_ms = now_ms().saturating_add(duration_ms(lease));
+        let mut conn = self.acquire().await?;
+        let n = retry_now!(
+            "extend",
+            DB::execute(
+                &mut conn,
+                &self.q.extend,
+                vec![
+                    Val::I64(Some(until_ms)),
+                    Val::Key(key.as_str().to_owned()),
+                    Val::I64(Some(token.0)),
+                ],
+            )
+        )?;
+        Ok(if n > 0 {
+            ExtendOutcome::Extended { until_ms }
+        } else {
+            ExtendOutcome::Fenced
+        })
+    }
+
+    async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
+        check_key(key)?;
+        let mut conn = self.acquire().await?;
+        let rows = retry_now!(
+            "get",
+            DB::fetch(
+                &mut conn,
+                &self.q.get,
+                vec![Val::Key(key.as_str().to_owned())],
+                RECORD_KINDS,
+            )
+        )?;
+        rows.first()
+            .map(|r| decode_record(r).map(|s| s.rec))
+            .transpose()
+    }
+
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        if limit == 0 {
+            return Ok(0);
+        }
+        let mut conn = self.acquire().await?;
+        let n = retry_now!(
+            "purge_expired",
+            DB::execute(
+                &mut conn,
+                &self.q.purge,
+                self.q.purge_args(now_ms(), limit_i64(limit)),
+            )
+        )?;
+        if n > 0 {
+            tracing::debug!(table = %self.options.table, purged = n, "purged expired dedup records");
+        }
+        Ok(n)
+    }
+
+    async fn list_stuck(
+        &self,
+        stale_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<DedupRecord>, StoreError> {
+        if limit == 0 {
+            return Ok(Vec::new());
+        }
+        let cutoff = now_ms().saturating_sub(duration_ms(stale_for));
+        let mut conn = self.acquire().await?;
+        let rows = retry_now!(
+            "list_stuck",
+            DB::fetch(
+                &mut conn,
+                &self.q.list_stuck,
+                vec![Val::I64(Some(cutoff)), Val::I64(Some(limit_i64(limit)))],
+                RECORD_KINDS,
+            )
+        )?;
+        rows.iter()
+            .map(|r| decode_record(r).map(|s| s.rec))
+            .collect()
+    }
+
+    async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
+        check_key(key)?;
+        let mut conn = self.acquire().await?;
+        let n = retry_now!(
+            "forget",
+            DB::execute(
+                &mut conn,
+                &self.q.forget,
+                vec![Val::Key(key.as_str().to_owned())],
+            )
+        )?;
+        Ok(n > 0)
+    }
+}
+
+#[cfg(feature = "sqlite")]
+mod sqlite_connect {
+    use super::*;
+    use sqlx::sqlite::{
+        Sqlite, SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions,
+        SqliteSynchronous as Sync,
+    };
+    use std::str::FromStr;
+
+    impl SqlStore<Sqlite> {
+        /// Opens a SQLite database (`sqlite://path.db`, `sqlite://path.db?mode=rwc`,
+        /// `sqlite::memory:`), creating the file if the URL sets no `mode`. File databases
+        /// use WAL journaling and [`SqlStoreOptions::busy_timeout`]; migrations run unless
+        /// disabled.
+        pub async fn connect(url: &str, options: SqlStoreOptions) -> Result<Self, StoreError> {
+            let mut co = SqliteConnectOptions::from_str(url).map_err(|e| {
+                StoreError::Config(format!("invalid SQLite URL `{url}`: {e} (expected e.g. sqlite://idemq.db or sqlite::memory:)"))
+            })?;
+            let memory = url.contains(":memory:") || url.contains("mode=memory");
+            if !url.contains("mode=") {
+                co = co.create_if_missing(true);
+            }
+            co = co.busy_timeout(options.busy_timeout).synchronous(
+                match options.sqlite_synchronous {
+                    SqliteSynchronous::Full => Sync::Full,
+                    SqliteSynchronous::Normal => Sync::Normal,
+                },
+            );
+            if !memory {
+                co = co.journal_mode(SqliteJournalMode::Wal);
+            }
+            let mut po = SqlitePoolOptions::new()
+                .max_connections(options.max_connections.max(1))
+                .acquire_timeout(options.acquire_timeout);
+            if memory {
+                // One connection, kept forever: the database lives and dies with it.
+                po = po
+                    .max_connections(1)
+                    .min_connections(1)
+                    .idle_timeout(None)
+                    .max_lifetime(None);
+            }
+            let pool = po
+                .connect_with(co)
+                .await
+                .map_err(|e| map_sqlx_error::<Sqlite>(&format!("connect to {url}"), e))?;
+            Self::from_pool(pool, options).await
+        }
+    }
+}
+
+#[cfg(feature = "postgres")]
+mod postgres_connect {
+    use super::*;
+    use sqlx::postgres::{PgPoolOptions, Postgres};
+
+    impl SqlStore<Postgres> {
+        /// Connects to PostgreSQL (`postgres://user:pass@host:port/db`) and runs the
+        /// migrations unless disabled.
+        pub async fn connect(url: &str, options: SqlStoreOptions) -> Result<Self, StoreError> {
+            let pool = PgPoolOptions::new()
+                .max_connections(options.max_connections.max(1))
+                .acquire_timeout(options.acquire_timeout)
+                .connect(url)
+                .await
+                .map_err(|e| {
+                    map_sqlx_error::<Postgres>(&format!("connect to {}", redact(url)), e)
+                })?;
+            Self::from_pool(pool, options).await
+        }
+    }
+}
+
+#[cfg(feature = "mysql")]
+mod mysql_connect {
+    use super::*;
+    use sqlx::mysql::{MySql, MySqlPoolOptions};
+
+    impl SqlStore<MySql> {
+        /// Connects to MySQL or MariaDB (`mysql://user:pass@host:port/db`; `mariadb://` is
+        /// accepted too) and runs the migrations unless disabled.
+        pub async fn connect(url: &str, options: SqlStoreOptions) -> Result<Self, StoreError> {
+            let url = match url.strip_prefix("mariadb://") {
+                Some(rest) => format!("mysql://{rest}"),
+                None => url.to_owned(),
+            };
+            let pool = MySqlPoolOptions::new()
+                .max_connections(options.max_connections.max(1))
+                .acquire_timeout(options.acquire_timeout)
+                .connect(&url)
+                .await
+                .map_err(|e| map_sqlx_error::<MySql>(&format!("connect to {}", redact(&url)), e))?;
+            Self::from_pool(pool, options).await
+        }
+    }
+}
+
+/// Hides the password of a URL for messages.
+#[allow(dead_code)]
+fn redact(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s + 3 => {
+            let userinfo = &url[s + 3..at];
+            match userinfo.split_once(':') {
+                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
+                None => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(redact("mysql://u:secret@h:1/db"), "mysql://u:***@h:1/db");
+        assert_eq!(redact("postgres://u@h/db"), "postgres://u@h/db");
+        assert_eq!(redact("sqlite::memory:"), "sqlite::memory:");
+    }
+
+    #[test]
+    fn derived_keys_table_must_fit() {
+        let long = TableName::new(&"t".repeat(60)).unwrap();
+        let err = SqlStoreOptions::with_table(long).keys_table().unwrap_err();
+        assert!(err.to_string().contains("keys_table"), "{err}");
+    }
+}

@@ -1,0 +1,8 @@
+//! The core contract kit on MySQL/MariaDB: eight handles with separate pools race on the
+//! same keys. Needs `IDEMQ_TEST_MYSQL_URL` (skipped without it unless
+//! `IDEMQ_REQUIRE_SERVERS=1`).
+#![cfg(feature = "mysql")]
+
+mod support;
+
+idemq_core::store_contract_tests!(support::mysql_handles(8));

@@ -1,0 +1,153 @@
+//! Shared fixtures of idemq-sql's integration tests.
+//!
+//! Server URLs come from the environment (`eval "$(scripts/servers.sh env)"`):
+//! `IDEMQ_TEST_POSTGRES_URL`, `IDEMQ_TEST_MYSQL_URL`. When one is unset the test is skipped
+//! with a note on stderr — unless `IDEMQ_REQUIRE_SERVERS=1`, which makes it a failure (CI).
+#![allow(dead_code)]
+
+use idemq_core::{DedupStore, FencingToken};
+use idemq_sql::{SqlStoreOptions, TableName};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The URL in `var`, or `None` (skip) when unset; panics when unset and
+/// `IDEMQ_REQUIRE_SERVERS=1`.
+pub fn server_url(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(v) if !v.trim().is_empty() => Some(v),
+        _ => {
+            if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") {
+                panic!(
+                    "{var} is not set but IDEMQ_REQUIRE_SERVERS=1: start the servers with \
+                     `scripts/servers.sh start` and `eval \"$(scripts/servers.sh env)\"`"
+                );
+            }
+            eprintln!("skipping: {var} is not set (run scripts/servers.sh start and eval its env)");
+            None
+        }
+    }
+}
+
+pub fn postgres_url() -> Option<String> {
+    server_url("IDEMQ_TEST_POSTGRES_URL")
+}
+
+pub fn mysql_url() -> Option<String> {
+    server_url("IDEMQ_TEST_MYSQL_URL")
+}
+
+/// A random suffix for table names, so parallel tests and reruns never collide.
+pub fn unique(prefix: &str) -> String {
+    format!(
+        "{prefix}_{:012x}",
+        FencingToken::random().0 & 0xffff_ffff_ffff
+    )
+}
+
+/// Store options on table `table`, with a small pool (many pools race in the tests).
+pub fn options(table: &str, max_connections: u32) -> SqlStoreOptions {
+    SqlStoreOptions {
+        table: TableName::new(table).expect("valid test table"),
+        max_connections,
+        ..Default::default()
+    }
+}
+
+/// A fresh directory under cargo's scratch dir for tests (`target/tmp`), removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new() -> Self {
+        let p = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(unique("idemq-sql-test"));
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        Self(p)
+    }
+    /// A `sqlite://` URL for a file in this directory.
+    pub fn sqlite_url(&self, name: &str) -> String {
+        format!("sqlite://{}?mode=rwc", self.0.join(name).display())
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `n` handles to one SQLite file, each with its own pool. The directory lives as long as
+/// the returned guard.
+#[cfg(feature = "sqlite")]
+pub async fn sqlite_handles(n: usize) -> (TempDir, Vec<Arc<dyn DedupStore>>) {
+    let dir = TempDir::new();
+    let url = dir.sqlite_url("dedup.db");
+    let mut v: Vec<Arc<dyn DedupStore>> = Vec::new();
+    for _ in 0..n {
+        let s = idemq_sql::SqliteStore::connect(&url, options("idemq_kit", 4))
+            .await
+            .expect("open sqlite store");
+        v.push(Arc::new(s));
+    }
+    (dir, v)
+}
+
+/// `n` handles (separate pools) to the PostgreSQL test server, or `None` to skip.
+#[cfg(feature = "postgres")]
+pub async fn postgres_handles(n: usize) -> Option<Vec<Arc<dyn DedupStore>>> {
+    let url = postgres_url()?;
+    let mut v: Vec<Arc<dyn DedupStore>> = Vec::new();
+    for _ in 0..n {
+        let s = idemq_sql::PgStore::connect(&url, options("idemq_kit", 3))
+            .await
+            .expect("connect to postgres");
+        v.push(Arc::new(s));
+    }
+    Some(v)
+}
+
+/// `n` handles (separate pools) to the MySQL/MariaDB test server, or `None` to skip.
+#[cfg(feature = "mysql")]
+pub async fn mysql_handles(n: usize) -> Option<Vec<Arc<dyn DedupStore>>> {
+    let url = mysql_url()?;
+    let mut v: Vec<Arc<dyn DedupStore>> = Vec::new();
+    for _ in 0..n {
+        let s = idemq_sql::MySqlStore::connect(&url, options("idemq_kit", 3))
+            .await
+            .expect("connect to mysql");
+        v.push(Arc::new(s));
+    }
+    Some(v)
+}
+
+/// Keeps a test's resources (a SQLite temp dir) alive.
+pub struct Guard(#[allow(dead_code)] Option<TempDir>);
+
+/// A SQLite store on a fresh file (8-connection pool).
+#[cfg(feature = "sqlite")]
+pub async fn sqlite_store() -> Option<(Guard, idemq_sql::SqliteStore)> {
+    let dir = TempDir::new();
+    let s =
+        idemq_sql::SqliteStore::connect(&dir.sqlite_url("scenario.db"), options("idemq_dedup", 8))
+            .await
+            .expect("open sqlite store");
+    Some((Guard(Some(dir)), s))
+}
+
+/// A PostgreSQL store on the test server (16-connection pool), or `None` to skip.
+#[cfg(feature = "postgres")]
+pub async fn postgres_store() -> Option<(Guard, idemq_sql::PgStore)> {
+    let url = postgres_url()?;
+    let s = idemq_sql::PgStore::connect(&url, options("idemq_scenarios", 16))
+        .await
+        .expect("connect to postgres");
+    Some((Guard(None), s))
+}
+
+/// A MySQL/MariaDB store on the test server (16-connection pool), or `None` to skip.
+#[cfg(feature = "mysql")]
+pub async fn mysql_store() -> Option<(Guard, idemq_sql::MySqlStore)> {
+    let url = mysql_url()?;
+    let s = idemq_sql::MySqlStore::connect(&url, options("idemq_scenarios", 16))
+        .await
+        .expect("connect to mysql");
+    Some((Guard(None), s))
+}
