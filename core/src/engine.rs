@@ -58,8 +58,14 @@ pub struct ConsumerConfig {
     pub store_backoff: Duration,
     /// Longest back-off after store errors.
     pub store_backoff_max: Duration,
-    /// Store retries within one batch before its deliveries are nacked.
+    /// Store retries of a claim before the batch is nacked.
     pub store_retries: u32,
+    /// How long to keep retrying a completion after the handlers succeeded (the effects
+    /// happened; nacking would run them again). Leases are kept alive meanwhile.
+    pub complete_patience: Duration,
+    /// Longest a handler may run; on expiry it is cancelled, its key released and the
+    /// message redelivered. `None`: no limit (the heartbeat keeps the lease).
+    pub handler_timeout: Option<Duration>,
     /// Compare payload hashes: the same key with another payload is rejected, not skipped.
     pub payload_check: bool,
     /// This worker's id, kept in records for audit.
@@ -79,6 +85,8 @@ impl Default for ConsumerConfig {
             store_backoff: Duration::from_millis(100),
             store_backoff_max: Duration::from_secs(10),
             store_retries: 4,
+            complete_patience: Duration::from_secs(300),
+            handler_timeout: None,
             payload_check: true,
             worker_id: format!(
                 "pid{}-{:06x}",
@@ -90,6 +98,17 @@ impl Default for ConsumerConfig {
 }
 
 impl ConsumerConfig {
+    /// The time budget of claim retries: `store_retries` doublings of the back-off.
+    fn store_retries_budget(&self) -> Duration {
+        let mut total = Duration::ZERO;
+        let mut b = self.store_backoff;
+        for _ in 0..self.store_retries {
+            total += b;
+            b = (b * 2).min(self.store_backoff_max);
+        }
+        total + Duration::from_millis(1)
+    }
+
     /// Checks combinations that would break the guarantees, and says what to change.
     ///
     /// ```
@@ -112,6 +131,18 @@ impl ConsumerConfig {
                     self.lease
                 ));
             }
+        }
+        if self.in_flight_delay_max < MIN_REDELIVERY_DELAY {
+            return Err(format!(
+                "in_flight_delay_max {:?} is below the {MIN_REDELIVERY_DELAY:?} floor: redeliveries would spin",
+                self.in_flight_delay_max
+            ));
+        }
+        if self.store_backoff.is_zero() || self.store_backoff_max < self.store_backoff {
+            return Err("store_backoff must be > 0 and store_backoff_max ≥ store_backoff, or a store outage becomes a hot retry loop".into());
+        }
+        if self.handler_timeout.is_some_and(|t| t.is_zero()) {
+            return Err("handler_timeout 0 cancels every handler: use None for no limit".into());
         }
         if self.retention.is_zero() {
             return Err("retention 0 forgets keys at once: every redelivery would run again; use the broker's redelivery horizon (days)".into());
@@ -302,7 +333,10 @@ impl<H: Handler> IdempotentConsumer<H> {
                     let store_down = self.process_batch(batch).await;
                     if store_down {
                         // The batch was nacked; give the store time before polling again.
-                        tokio::time::sleep(backoff).await;
+                        tokio::select! {
+                            _ = &mut shutdown => return Ok(()),
+                            _ = tokio::time::sleep(backoff) => {}
+                        }
                         backoff = (backoff * 2).min(self.cfg.store_backoff_max);
                     } else {
                         backoff = self.cfg.store_backoff;
@@ -312,7 +346,10 @@ impl<H: Handler> IdempotentConsumer<H> {
                 Err(SourceError::Config(e)) => return Err(SourceError::Config(e).into()),
                 Err(e) => {
                     tracing::warn!(error = %e, "poll failed; backing off");
-                    tokio::time::sleep(backoff).await;
+                    tokio::select! {
+                        _ = &mut shutdown => return Ok(()),
+                        _ = tokio::time::sleep(backoff) => {}
+                    }
                     backoff = (backoff * 2).min(self.cfg.store_backoff_max);
                 }
             }
@@ -357,7 +394,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                 Some(&i) if items[i].hash == hash => items[i].followers.push(d),
                 Some(_) => {
                     // Same key, other payload, same batch: let it meet the stored record
-                    // on its own (it will be reported as a conflict).
+                    // on its own, where a conflict is reported.
                     self.count(&self.counters.in_flight, m::outcome::IN_FLIGHT, &d, 1);
                     settle(d, Settlement::Nack(self.cfg.retry_delay)).await;
                 }
@@ -385,41 +422,74 @@ impl<H: Handler> IdempotentConsumer<H> {
                 worker: Some(self.cfg.worker_id.clone()),
             })
             .collect();
-        let started = Instant::now();
-        let outcomes = match self
-            .with_store_retries("claim", || self.store.claim_batch(&reqs))
+        let outcomes: Vec<Result<ClaimOutcome, StoreError>> = match self
+            .with_store_retries("claim", self.cfg.store_retries_budget(), || {
+                self.timed_claim(&reqs, &group)
+            })
             .await
         {
-            Ok(o) if o.len() == items.len() => o,
-            result => {
-                if let Ok(o) = result {
-                    tracing::error!(
-                        got = o.len(),
-                        want = items.len(),
-                        "store answered a batch claim with the wrong number of outcomes"
-                    );
-                }
-                let delay = self.cfg.store_backoff;
-                for it in items {
-                    self.settle_all(
-                        it,
-                        Settlement::Nack(delay),
-                        &self.counters.store_unavailable,
-                        m::outcome::STORE_UNAVAILABLE,
-                    )
-                    .await;
-                }
+            Ok(o) if o.len() == items.len() => o.into_iter().map(Ok).collect(),
+            Ok(o) => {
+                tracing::error!(
+                    got = o.len(),
+                    want = items.len(),
+                    "store answered a batch claim with the wrong number of outcomes"
+                );
+                self.nack_items(items, self.cfg.store_backoff).await;
                 return true;
             }
+            Err(e) if e.is_retryable() => {
+                self.nack_items(items, self.cfg.store_backoff).await;
+                return true;
+            }
+            Err(e) => {
+                // One bad key must not block the batch forever: claim one by one and deal
+                // with the key the store refuses on its own.
+                tracing::warn!(error = %e, "batch claim refused; claiming one by one");
+                let mut v = Vec::with_capacity(reqs.len());
+                for r in &reqs {
+                    v.push(
+                        self.timed_claim(std::slice::from_ref(r), &group)
+                            .await
+                            .and_then(|mut o| {
+                                o.pop().ok_or_else(|| {
+                                    StoreError::Backend("claim returned no outcome".into())
+                                })
+                            }),
+                    );
+                }
+                v
+            }
         };
-        metrics::histogram!(m::CLAIM_SECONDS, "group" => group.clone())
-            .record(started.elapsed().as_secs_f64());
+
+        // Leases of this batch live from the claim until their completion is durable (or
+        // they are released): one heartbeat keeps all of them, including handlers still
+        // waiting for a concurrency slot and finished ones waiting for the batch.
+        let live = Arc::new(LiveLeases::default());
+        let beat = self
+            .cfg
+            .heartbeat
+            .unwrap_or(self.cfg.lease / 3)
+            .max(Duration::from_millis(10));
+        let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
+            self.store.clone(),
+            live.clone(),
+            self.cfg.lease,
+            beat,
+        )));
 
         // Dispatch.
         let semaphore = Arc::new(tokio::sync::Semaphore::new(self.cfg.max_concurrency));
         let mut running = tokio::task::JoinSet::new();
         let mut acquired: HashMap<usize, (Item, Lease)> = HashMap::new();
         for (i, (item, outcome)) in items.into_iter().zip(outcomes).enumerate() {
+            let outcome = match outcome {
+                Ok(o) => o,
+                Err(e) => {
+                    self.store_refused(item, &e).await;
+                    continue;
+                }
+            };
             match outcome {
                 ClaimOutcome::Acquired(lease) => {
                     if lease.takeover {
@@ -428,6 +498,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                             .increment(1);
                         tracing::info!(key = %item.key, attempt = lease.attempt, "took over an expired lease");
                     }
+                    live.insert(item.key.clone(), lease.token);
                     let msg = ClaimedMessage {
                         envelope: item.delivery.envelope.clone(),
                         key: item.key.clone(),
@@ -436,33 +507,33 @@ impl<H: Handler> IdempotentConsumer<H> {
                         takeover: lease.takeover,
                     };
                     let handler = self.handler.clone();
-                    let store = self.store.clone();
                     let sem = semaphore.clone();
-                    let lease_len = self.cfg.lease;
-                    let beat = self
-                        .cfg
-                        .heartbeat
-                        .unwrap_or(self.cfg.lease / 3)
-                        .max(Duration::from_millis(10));
+                    let limit = self.cfg.handler_timeout;
                     let span = tracing::info_span!("idemq.handle", broker = %msg.envelope.broker, source = %msg.envelope.source.name, key = %msg.key, attempt = msg.attempt);
                     running.spawn(
                         async move {
                             let _permit = sem.acquire_owned().await;
-                            let key = msg.key.clone();
-                            let token = msg.token;
                             let work = AssertUnwindSafe(handler.handle(msg)).catch_unwind();
-                            let (res, lost) =
-                                with_heartbeat(store, key, token, lease_len, beat, work).await;
-                            (i, res, lost)
+                            let res = match limit {
+                                Some(t) => match tokio::time::timeout(t, work).await {
+                                    Ok(r) => r.map_err(|_| HandlerFailure::Panicked),
+                                    Err(_) => Err(HandlerFailure::TimedOut(t)),
+                                },
+                                None => work.await.map_err(|_| HandlerFailure::Panicked),
+                            };
+                            (i, res)
                         }
                         .instrument(span),
                     );
                     acquired.insert(i, (item, lease));
                 }
-                ClaimOutcome::Duplicate(_) => {
+                ClaimOutcome::Duplicate(record) => {
                     let n = 1 + item.followers.len() as u64;
                     metrics::counter!(m::DUPLICATES, "topic" => item.delivery.envelope.source.name.clone(), "group" => group.clone()).increment(n);
                     tracing::debug!(key = %item.key, "duplicate skipped");
+                    self.handler
+                        .on_duplicate(&item.delivery.envelope, &record)
+                        .await;
                     self.settle_all(
                         item,
                         Settlement::Ack,
@@ -476,7 +547,8 @@ impl<H: Handler> IdempotentConsumer<H> {
                         .increment(1);
                     let wait =
                         Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64)
-                            .clamp(Duration::from_millis(50), self.cfg.in_flight_delay_max);
+                            .min(self.cfg.in_flight_delay_max)
+                            .max(MIN_REDELIVERY_DELAY);
                     self.settle_all(
                         item,
                         Settlement::Nack(wait),
@@ -506,7 +578,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         // Collect handler results.
         let mut done: Vec<(Item, Completion)> = Vec::new();
         while let Some(joined) = running.join_next().await {
-            let (i, res, lost) = match joined {
+            let (i, res) = match joined {
                 Ok(r) => r,
                 Err(e) => {
                     // Only cancellation gets here (panics are caught in the task).
@@ -517,9 +589,6 @@ impl<H: Handler> IdempotentConsumer<H> {
             let Some((item, lease)) = acquired.remove(&i) else {
                 continue;
             };
-            if lost {
-                tracing::warn!(key = %item.key, "lease lost during handling (heartbeat fenced)");
-            }
             match res {
                 Ok(Ok(result)) => {
                     let c = Completion {
@@ -531,6 +600,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                     done.push((item, c));
                 }
                 Ok(Err(HandlerError::Permanent(e))) => {
+                    live.remove(&item.key);
                     self.release(&item.key, lease.token).await;
                     let reason = format!("handler failed permanently: {e}");
                     self.settle_all(
@@ -543,6 +613,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                 }
                 Ok(Err(HandlerError::Retryable(e))) => {
                     tracing::warn!(key = %item.key, error = %e, "handler failed; will retry");
+                    live.remove(&item.key);
                     self.release(&item.key, lease.token).await;
                     self.settle_all(
                         item,
@@ -552,8 +623,9 @@ impl<H: Handler> IdempotentConsumer<H> {
                     )
                     .await;
                 }
-                Err(_panic) => {
-                    tracing::error!(key = %item.key, "handler panicked; will retry");
+                Err(failure) => {
+                    tracing::error!(key = %item.key, %failure, "handler did not finish; will retry");
+                    live.remove(&item.key);
                     self.release(&item.key, lease.token).await;
                     self.settle_all(
                         item,
@@ -567,6 +639,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         }
         // Anything left (a cancelled task) goes back to the broker.
         for (_, (item, lease)) in acquired.drain() {
+            live.remove(&item.key);
             self.release(&item.key, lease.token).await;
             self.settle_all(
                 item,
@@ -581,11 +654,16 @@ impl<H: Handler> IdempotentConsumer<H> {
         }
 
         // Complete in one round trip, then ack: never ack before the record is durable.
+        // The effects already happened, so keep trying (the heartbeat keeps the leases)
+        // rather than nack and run them again.
         let completions: Vec<Completion> = done.iter().map(|(_, c)| c.clone()).collect();
-        match self
-            .with_store_retries("complete", || self.store.complete_batch(&completions))
-            .await
-        {
+        let result = self
+            .with_store_retries("complete", self.cfg.complete_patience, || {
+                self.store.complete_batch(&completions)
+            })
+            .await;
+        drop(_heartbeat);
+        match result {
             Ok(outs) if outs.len() == done.len() => {
                 for ((mut item, _), out) in done.into_iter().zip(outs) {
                     match out {
@@ -597,6 +675,9 @@ impl<H: Handler> IdempotentConsumer<H> {
                                 &item.delivery,
                                 1,
                             );
+                            if !followers.is_empty() {
+                                metrics::counter!(m::DUPLICATES, "topic" => item.delivery.envelope.source.name.clone(), "group" => group.clone()).increment(followers.len() as u64);
+                            }
                             settle(item.delivery, Settlement::Ack).await;
                             for f in followers {
                                 self.count(&self.counters.duplicates, m::outcome::DUPLICATE, &f, 1);
@@ -622,6 +703,11 @@ impl<H: Handler> IdempotentConsumer<H> {
             _ => {
                 // Not durable: no ack. The leases expire and the redelivery finds the keys
                 // claimable (or completed, if the write landed after all).
+                tracing::error!(
+                    count = done.len(),
+                    "completions not durable after {:?}; nacking (their handlers may run again)",
+                    self.cfg.complete_patience
+                );
                 for (item, _) in done {
                     self.settle_all(
                         item,
@@ -636,24 +722,80 @@ impl<H: Handler> IdempotentConsumer<H> {
         }
     }
 
+    async fn timed_claim(
+        &self,
+        reqs: &[ClaimRequest],
+        group: &str,
+    ) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let started = Instant::now();
+        let r = self.store.claim_batch(reqs).await;
+        if r.is_ok() {
+            metrics::histogram!(m::CLAIM_SECONDS, "group" => group.to_string())
+                .record(started.elapsed().as_secs_f64());
+        }
+        r
+    }
+
+    /// The store cannot answer for this key (a retryable error) or refuses it for good.
+    async fn store_refused(&self, item: Item, e: &StoreError) {
+        match e {
+            StoreError::KeyTooLong { .. } | StoreError::Corrupt { .. } => {
+                let reason = format!("dedup store refused the key: {e}");
+                tracing::warn!(key = %item.key, %reason, "rejecting message");
+                self.settle_all(
+                    item,
+                    Settlement::Reject(&reason),
+                    &self.counters.rejected,
+                    m::outcome::REJECTED,
+                )
+                .await;
+            }
+            _ => {
+                tracing::warn!(key = %item.key, error = %e, "claim failed; redelivering later");
+                self.settle_all(
+                    item,
+                    Settlement::Nack(self.cfg.store_backoff),
+                    &self.counters.store_unavailable,
+                    m::outcome::STORE_ERROR,
+                )
+                .await;
+            }
+        }
+    }
+
+    async fn nack_items(&self, items: Vec<Item>, delay: Duration) {
+        for it in items {
+            self.settle_all(
+                it,
+                Settlement::Nack(delay),
+                &self.counters.store_unavailable,
+                m::outcome::STORE_UNAVAILABLE,
+            )
+            .await;
+        }
+    }
+
+    /// Retries retryable store errors with back-off for at most `patience`.
     async fn with_store_retries<T, F, Fut>(
         &self,
         op: &'static str,
+        patience: Duration,
         mut call: F,
     ) -> Result<T, StoreError>
     where
         F: FnMut() -> Fut,
         Fut: Future<Output = Result<T, StoreError>>,
     {
+        let started = Instant::now();
         let mut backoff = self.cfg.store_backoff;
-        let mut attempt = 0;
+        let mut attempt = 0u32;
         loop {
             match call().await {
                 Ok(v) => return Ok(v),
                 Err(e) => {
                     metrics::counter!(m::STORE_ERRORS, "op" => op).increment(1);
                     attempt += 1;
-                    if !e.is_retryable() || attempt > self.cfg.store_retries {
+                    if !e.is_retryable() || started.elapsed() + backoff > patience {
                         tracing::error!(op, error = %e, attempt, "dedup store call failed; not acking");
                         return Err(e);
                     }
@@ -706,31 +848,92 @@ async fn settle(d: Delivery, how: Settlement<'_>) {
     }
 }
 
-/// Runs `work` while extending the lease every `beat`. Returns the work's output and whether
-/// the lease was lost (fenced) meanwhile.
-async fn with_heartbeat<F: Future>(
+/// A floor on redelivery delays, so a broker without delayed redelivery doesn't spin.
+const MIN_REDELIVERY_DELAY: Duration = Duration::from_millis(50);
+
+/// Why a handler produced no result.
+#[derive(Debug)]
+enum HandlerFailure {
+    Panicked,
+    TimedOut(Duration),
+}
+
+impl std::fmt::Display for HandlerFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HandlerFailure::Panicked => f.write_str("handler panicked"),
+            HandlerFailure::TimedOut(t) => write!(f, "handler exceeded its {t:?} timeout"),
+        }
+    }
+}
+
+/// The leases a batch holds, and whether each is still ours.
+#[derive(Default)]
+struct LiveLeases(std::sync::Mutex<HashMap<DedupKey, (FencingToken, bool)>>);
+
+impl LiveLeases {
+    fn insert(&self, key: DedupKey, token: FencingToken) {
+        if let Ok(mut m) = self.0.lock() {
+            m.insert(key, (token, true));
+        }
+    }
+    fn remove(&self, key: &DedupKey) {
+        if let Ok(mut m) = self.0.lock() {
+            m.remove(key);
+        }
+    }
+    fn owned(&self) -> Vec<(DedupKey, FencingToken)> {
+        self.0
+            .lock()
+            .map(|m| {
+                m.iter()
+                    .filter(|(_, (_, ours))| *ours)
+                    .map(|(k, (t, _))| (k.clone(), *t))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+    fn lost(&self, key: &DedupKey) {
+        if let Ok(mut m) = self.0.lock() {
+            if let Some(e) = m.get_mut(key) {
+                e.1 = false;
+            }
+        }
+    }
+}
+
+/// Aborts a task when dropped (the batch's heartbeat ends with the batch, however it ends).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Extends every lease of a batch every `beat` until aborted.
+async fn heartbeat(
     store: Arc<dyn DedupStore>,
-    key: DedupKey,
-    token: FencingToken,
+    live: Arc<LiveLeases>,
     lease: Duration,
     beat: Duration,
-    work: F,
-) -> (F::Output, bool) {
-    tokio::pin!(work);
+) {
     let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + beat, beat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut lost = false;
     loop {
-        tokio::select! {
-            out = &mut work => return (out, lost),
-            _ = tick.tick(), if !lost => match store.extend(&key, token, lease).await {
+        tick.tick().await;
+        for (key, token) in live.owned() {
+            match store.extend(&key, token, lease).await {
                 Ok(ExtendOutcome::Extended { .. }) => {}
-                Ok(ExtendOutcome::Fenced) => lost = true,
+                Ok(ExtendOutcome::Fenced) => {
+                    tracing::warn!(%key, "lease lost (heartbeat fenced): another worker took the key over");
+                    live.lost(&key);
+                }
                 Err(e) => {
                     metrics::counter!(m::STORE_ERRORS, "op" => "extend").increment(1);
                     tracing::warn!(%key, error = %e, "heartbeat failed");
                 }
-            },
+            }
         }
     }
 }

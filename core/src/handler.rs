@@ -6,7 +6,7 @@
 
 use crate::envelope::Envelope;
 use crate::key::DedupKey;
-use crate::store::FencingToken;
+use crate::store::{DedupRecord, FencingToken};
 use async_trait::async_trait;
 use bytes::Bytes;
 use std::future::Future;
@@ -61,6 +61,11 @@ impl HandlerError {
 pub trait Handler: Send + Sync + 'static {
     /// Handles one claimed message.
     async fn handle(&self, msg: ClaimedMessage) -> HandlerResult;
+
+    /// Called for a message the store knows as completed, before it is acked, with the
+    /// stored record (its `result` is what `handle` returned). Request/reply consumers answer
+    /// the duplicate from it. The default does nothing.
+    async fn on_duplicate(&self, _envelope: &Envelope, _record: &DedupRecord) {}
 }
 
 #[async_trait]

@@ -94,7 +94,7 @@ impl DedupStore for MemoryStore {
             };
             let lease = Lease {
                 token: FencingToken::random(),
-                until_ms: now + duration_ms(req.lease),
+                until_ms: now.saturating_add(duration_ms(req.lease)),
                 attempt,
                 takeover,
             };
@@ -128,14 +128,20 @@ impl DedupStore for MemoryStore {
         Ok(items
             .iter()
             .map(|c| match map.get_mut(&c.key) {
-                Some(r) if r.token == c.token && r.status == RecordStatus::InProgress => {
+                Some(r)
+                    if r.token == c.token
+                        && r.status == RecordStatus::InProgress
+                        && !r.is_released() =>
+                {
                     r.status = RecordStatus::Completed;
                     r.result = c.result.clone();
                     r.completed_ms = Some(now);
                     r.expires_ms = Some(now.saturating_add(duration_ms(c.retention)));
                     CompleteOutcome::Completed
                 }
-                Some(r) if r.token == c.token => CompleteOutcome::Completed,
+                Some(r) if r.token == c.token && r.status == RecordStatus::Completed => {
+                    CompleteOutcome::Completed
+                }
                 _ => CompleteOutcome::Fenced,
             })
             .collect())
@@ -148,7 +154,9 @@ impl DedupStore for MemoryStore {
     ) -> Result<ReleaseOutcome, StoreError> {
         let mut map = self.lock()?;
         match map.get_mut(key) {
-            Some(r) if r.token == token && r.status == RecordStatus::InProgress => {
+            Some(r)
+                if r.token == token && r.status == RecordStatus::InProgress && !r.is_released() =>
+            {
                 r.lease_until_ms = 0;
                 Ok(ReleaseOutcome::Released)
             }
@@ -165,8 +173,10 @@ impl DedupStore for MemoryStore {
         let mut map = self.lock()?;
         let now = now_ms();
         match map.get_mut(key) {
-            Some(r) if r.token == token && r.status == RecordStatus::InProgress => {
-                r.lease_until_ms = now + duration_ms(lease);
+            Some(r)
+                if r.token == token && r.status == RecordStatus::InProgress && !r.is_released() =>
+            {
+                r.lease_until_ms = now.saturating_add(duration_ms(lease));
                 Ok(ExtendOutcome::Extended {
                     until_ms: r.lease_until_ms,
                 })

@@ -44,4 +44,6 @@ pub mod outcome {
     pub const FENCED: &str = "fenced";
     /// The store was unavailable; redelivered later.
     pub const STORE_UNAVAILABLE: &str = "store_unavailable";
+    /// The store answered one key with an error other than unavailability; redelivered later.
+    pub const STORE_ERROR: &str = "store_error";
 }

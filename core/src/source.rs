@@ -2,18 +2,22 @@
 //!
 //! A [`Source`] yields batches of [`Delivery`]s; each delivery is settled exactly once with
 //! [`Delivery::ack`], [`Delivery::nack`] (redeliver later) or [`Delivery::reject`] (dead-letter,
-//! no redelivery). The engine settles every delivery it receives, always after the dedup
-//! record is durable. How a broker maps the three is the adapter's business:
+//! no redelivery). The engine settles every delivery it receives, and acks only after the
+//! dedup record is durable. How a broker maps the three is the adapter's business:
 //!
 //! - Kafka commits one offset per partition: the adapter commits only the contiguous prefix
 //!   of acked offsets, and a nack seeks the partition back so the message is polled again.
 //! - RabbitMQ acks each delivery tag; nack requeues (after the delay, to avoid a hot loop);
 //!   reject goes to the queue's dead-letter exchange.
+//!   After a seek the adapter filters out offsets it already settled.
 //! - RocketMQ's listener returns one status per batch: the adapter waits for every delivery
-//!   of the batch and answers `RECONSUME_LATER` if any was nacked.
+//!   of the batch and answers `RECONSUME_LATER` if any was nacked; a reject is a send to the
+//!   group's DLQ topic followed by success for that message.
 //!
-//! Dropping a [`Delivery`] without settling it is allowed (the broker redelivers it when the
-//! consumer goes away) but it is logged, since it usually means a bug.
+//! A failed settlement must leave the message redeliverable (Kafka: seek back; RabbitMQ: the
+//! channel closes and requeues). `nack` must return promptly and schedule the delay itself.
+//! Dropping a [`Delivery`] unsettled calls [`Settle::abandon`], which adapters implement as a
+//! nack without delay, since on a live connection the broker would otherwise wait forever.
 
 use crate::envelope::Envelope;
 use async_trait::async_trait;
@@ -42,6 +46,9 @@ pub trait Settle: Send + Sync {
     async fn nack(&mut self, redeliver_after: Duration) -> Result<(), SourceError>;
     /// Never deliver it again here; dead-letter it with `reason` where the broker can.
     async fn reject(&mut self, reason: &str) -> Result<(), SourceError>;
+    /// The delivery was dropped unsettled (a cancelled batch): make it redeliverable without
+    /// blocking. The default does nothing, for brokers that redeliver on disconnect anyway.
+    fn abandon(&mut self) {}
 }
 
 /// One received message and the means to settle it.
@@ -81,10 +88,19 @@ impl Delivery {
             None => Ok(()),
         }
     }
-    /// Dead-letters with a reason.
+    /// Dead-letters with a reason. If the broker cannot take the reject (say, the DLQ
+    /// produce fails), the message is nacked instead, so it is not lost.
     pub async fn reject(mut self, reason: &str) -> Result<(), SourceError> {
         match self.settle.take() {
-            Some(mut s) => s.reject(reason).await,
+            Some(mut s) => match s.reject(reason).await {
+                Ok(()) => Ok(()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "reject failed; nacking instead so the message is kept");
+                    s.nack(std::time::Duration::from_secs(1))
+                        .await
+                        .map_err(|_| e)
+                }
+            },
             None => Ok(()),
         }
     }
@@ -92,11 +108,12 @@ impl Delivery {
 
 impl Drop for Delivery {
     fn drop(&mut self) {
-        if self.settle.is_some() {
-            tracing::debug!(
+        if let Some(mut s) = self.settle.take() {
+            tracing::warn!(
                 source = %self.envelope.source.name,
-                "delivery dropped unsettled; the broker will redeliver it"
+                "delivery dropped unsettled; abandoning it for redelivery"
             );
+            s.abandon();
         }
     }
 }

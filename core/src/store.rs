@@ -9,8 +9,9 @@
 //!   is reported instead of being silently skipped.
 //!
 //! [`DedupStore::complete`] marks a key done only while the caller's token still owns it; a
-//! worker whose lease expired and was taken over gets [`CompleteOutcome::Fenced`], never a
-//! silent double commit. Completion is idempotent for the token that owns a completed record,
+//! worker whose lease expired and was taken over, or who released the key, gets
+//! [`CompleteOutcome::Fenced`], never a silent double commit. (A lease that ended but was not
+//! taken over still belongs to its token: nobody else ran the message.) Completion is idempotent for the token that owns a completed record,
 //! so a handler may complete inside its own database transaction and the engine's later
 //! `complete` still answers `Completed`.
 //!
@@ -147,6 +148,10 @@ pub struct DedupRecord {
 }
 
 impl DedupRecord {
+    /// Whether the record was released (its lease set to 0): its token owns nothing.
+    pub fn is_released(&self) -> bool {
+        self.status == RecordStatus::InProgress && self.lease_until_ms == 0
+    }
     /// Whether the record is in progress with a lease that has ended at `now`.
     pub fn is_lease_expired(&self, now: i64) -> bool {
         self.status == RecordStatus::InProgress && self.lease_until_ms <= now
@@ -401,6 +406,11 @@ pub fn evaluate_claim(
     if rec.is_retention_expired(now) {
         return ClaimVerdict::AcquireFresh;
     }
+    // An ended lease (crash or release) is taken over whatever payload it had: a corrected
+    // resend after a failure must not be stuck behind the failed one's hash.
+    if rec.is_lease_expired(now) {
+        return ClaimVerdict::TakeOver;
+    }
     if let (Some(stored), Some(given)) = (rec.payload_hash.as_ref(), payload_hash) {
         if stored != given {
             return ClaimVerdict::Answer(ClaimOutcome::PayloadConflict(rec.clone()));
@@ -408,12 +418,9 @@ pub fn evaluate_claim(
     }
     match rec.status {
         RecordStatus::Completed => ClaimVerdict::Answer(ClaimOutcome::Duplicate(rec.clone())),
-        RecordStatus::InProgress if rec.lease_until_ms > now => {
-            ClaimVerdict::Answer(ClaimOutcome::InFlight {
-                until_ms: rec.lease_until_ms,
-            })
-        }
-        RecordStatus::InProgress => ClaimVerdict::TakeOver,
+        RecordStatus::InProgress => ClaimVerdict::Answer(ClaimOutcome::InFlight {
+            until_ms: rec.lease_until_ms,
+        }),
     }
 }
 

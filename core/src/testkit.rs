@@ -220,6 +220,24 @@ pub async fn release_makes_the_key_claimable(h: &Handles) {
         s.release(&k, l.token).await.expect("release"),
         ReleaseOutcome::Released
     );
+    // A released token owns nothing, even before anyone claims the key again.
+    assert_eq!(
+        s.complete(&k, l.token, None, RETAIN)
+            .await
+            .expect("complete"),
+        CompleteOutcome::Fenced,
+        "complete after release is fenced"
+    );
+    assert_eq!(
+        s.extend(&k, l.token, LONG).await.expect("extend"),
+        ExtendOutcome::Fenced,
+        "extend after release is fenced"
+    );
+    assert_eq!(
+        s.release(&k, l.token).await.expect("release"),
+        ReleaseOutcome::Fenced,
+        "a second release is fenced"
+    );
     let again = acquire(&h[h.len() - 1], &k, LONG).await;
     assert_eq!(again.attempt, 2, "attempts count across releases");
     assert!(!again.takeover, "claiming a released key is not a takeover");
@@ -335,6 +353,49 @@ pub async fn payload_conflict_is_reported(h: &Handles) {
         s.claim(&req(&k, LONG)).await.expect("claim"),
         ClaimOutcome::Duplicate(_)
     ));
+    // After a failure (release) or a crash (lease ended), a corrected resend with another
+    // payload is acquired, not stuck behind the failed attempt's hash.
+    for crash in [false, true] {
+        let k = key(
+            &g,
+            if crash {
+                "fixed-after-crash"
+            } else {
+                "fixed-after-failure"
+            },
+        );
+        let lease = if crash {
+            Duration::from_millis(1)
+        } else {
+            LONG
+        };
+        let first = match s
+            .claim(&req(&k, lease).with_payload_hash(a))
+            .await
+            .expect("claim")
+        {
+            ClaimOutcome::Acquired(l) => l,
+            o => panic!("fresh key: {o:?}"),
+        };
+        if crash {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        } else {
+            s.release(&k, first.token).await.expect("release");
+        }
+        match s
+            .claim(&req(&k, LONG).with_payload_hash(b))
+            .await
+            .expect("claim")
+        {
+            ClaimOutcome::Acquired(l) => assert_eq!(l.attempt, 2),
+            o => panic!(
+                "corrected resend after {} must be acquired, got {o:?}",
+                if crash { "a crash" } else { "a failure" }
+            ),
+        }
+        let rec = s.get(&k).await.expect("get").expect("record");
+        assert_eq!(rec.payload_hash, Some(b), "the new attempt's hash is kept");
+    }
 }
 
 /// The stored result comes back with the duplicate; completion is idempotent for its token.

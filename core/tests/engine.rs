@@ -168,8 +168,8 @@ async fn a_store_outage_means_no_ack_and_processing_resumes_after_it() {
 }
 
 #[tokio::test]
-async fn a_store_outage_after_the_effect_does_not_ack_and_the_lease_stays_with_the_worker() {
-    // The handler applies its effect and then the store goes down before completion.
+async fn a_store_outage_after_the_effect_is_waited_out_and_the_effect_is_not_repeated() {
+    // The handler applies its effect, then the store goes down for 300ms before completion.
     let broker = MemoryBroker::new();
     broker.publish(payment("p1"));
     let store = Arc::new(MemoryStore::new());
@@ -184,6 +184,11 @@ async fn a_store_outage_after_the_effect_does_not_ack_and_the_lease_stays_with_t
                 .entry(m.key.to_string())
                 .or_default() += 1;
             store.set_available(false);
+            let back = store.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                back.set_available(true);
+            });
             Ok::<_, HandlerError>(None)
         }
     };
@@ -193,20 +198,117 @@ async fn a_store_outage_after_the_effect_does_not_ack_and_the_lease_stays_with_t
         .await
         .expect("poll")
         .expect("batch");
-    assert!(c.process_batch(batch).await);
+    assert!(
+        !c.process_batch(batch).await,
+        "the completion landed once the store returned"
+    );
+    assert_eq!(broker.acked(), 1, "acked after the completion was durable");
+    assert_eq!(
+        counts(&effects).values().copied().collect::<Vec<_>>(),
+        vec![1]
+    );
+    let key = keys().derive(&payment("p1")).expect("key");
+    let rec = store.get(&key).await.expect("get").expect("record");
+    assert_eq!(rec.status, idemq_core::RecordStatus::Completed);
+}
+
+#[tokio::test]
+async fn a_store_that_stays_down_after_the_effect_means_no_ack() {
+    let broker = MemoryBroker::new();
+    broker.publish(payment("p1"));
+    let store = Arc::new(MemoryStore::new());
+    let s2 = store.clone();
+    let handler = move |_m: ClaimedMessage| {
+        let store = s2.clone();
+        async move {
+            store.set_available(false);
+            Ok::<_, HandlerError>(None)
+        }
+    };
+    let c = IdempotentConsumer::new(store.clone(), keys(), handler).with_config(ConsumerConfig {
+        complete_patience: Duration::from_millis(150),
+        ..fast()
+    });
+    let mut src = broker.subscribe();
+    let batch = idemq_core::Source::poll(&mut src, 10)
+        .await
+        .expect("poll")
+        .expect("batch");
+    assert!(c.process_batch(batch).await, "reports the store as down");
     assert_eq!(
         broker.acked(),
         0,
         "not acked: the completion was not durable"
     );
-    assert_eq!(broker.pending(), 1);
-    store.set_available(true);
-    let key = keys().derive(&payment("p1")).expect("key");
-    let rec = store.get(&key).await.expect("get").expect("record");
+    assert_eq!(broker.pending(), 1, "nothing lost");
+    assert_eq!(c.stats().store_unavailable, 1);
+}
+
+#[tokio::test]
+async fn a_handler_over_its_timeout_is_cancelled_released_and_retried() {
+    let broker = MemoryBroker::new();
+    broker.publish(payment("hangs-once"));
+    let effects: Effects = Arc::default();
+    let e2 = effects.clone();
+    let handler = move |m: ClaimedMessage| {
+        let e = e2.clone();
+        async move {
+            if m.attempt == 1 {
+                std::future::pending::<()>().await;
+            }
+            *e.lock()
+                .expect("lock")
+                .entry(m.key.to_string())
+                .or_default() += 1;
+            Ok::<_, HandlerError>(None)
+        }
+    };
+    let c = IdempotentConsumer::new(Arc::new(MemoryStore::new()), keys(), handler).with_config(
+        ConsumerConfig {
+            handler_timeout: Some(Duration::from_millis(100)),
+            ..fast()
+        },
+    );
+    c.run_until_idle(&mut broker.subscribe())
+        .await
+        .expect("run");
     assert_eq!(
-        rec.status,
-        idemq_core::RecordStatus::InProgress,
-        "still owned by the lease"
+        counts(&effects).values().copied().collect::<Vec<_>>(),
+        vec![1]
+    );
+    assert_eq!(c.stats().retried, 1);
+    assert_eq!(c.stats().takeovers, 0, "released, not left to expire");
+}
+
+#[tokio::test]
+async fn a_duplicate_is_answered_from_the_stored_result() {
+    struct Replier(Arc<Mutex<Vec<String>>>);
+    #[async_trait::async_trait]
+    impl idemq_core::Handler for Replier {
+        async fn handle(&self, m: ClaimedMessage) -> idemq_core::HandlerResult {
+            Ok(Some(format!("receipt for {}", m.key).into()))
+        }
+        async fn on_duplicate(&self, _e: &Envelope, r: &idemq_core::DedupRecord) {
+            let text = String::from_utf8_lossy(r.result.as_deref().unwrap_or_default()).to_string();
+            self.0.lock().expect("lock").push(text);
+        }
+    }
+    let broker = MemoryBroker::new();
+    broker.publish(payment("p9"));
+    let replies = Arc::new(Mutex::new(Vec::new()));
+    let c = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        keys(),
+        Replier(replies.clone()),
+    )
+    .with_config(fast());
+    let mut src = broker.subscribe();
+    c.run_until_idle(&mut src).await.expect("run");
+    broker.publish(payment("p9"));
+    c.run_until_idle(&mut src).await.expect("run");
+    assert_eq!(
+        *replies.lock().expect("lock"),
+        vec!["receipt for billing:p9".to_string()]
     );
 }
 
@@ -435,4 +537,20 @@ async fn unsafe_settings_are_refused_before_consuming_anything() {
     assert!(err.to_string().contains("heartbeat"), "{err}");
     assert_eq!(broker.pending(), 1, "nothing consumed");
     assert_eq!(broker.acked(), 0);
+}
+
+#[tokio::test]
+async fn an_in_flight_delay_below_the_floor_is_refused() {
+    let broker = MemoryBroker::new();
+    let c = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        keys(),
+        recording(Arc::default()),
+    )
+    .with_config(ConsumerConfig {
+        in_flight_delay_max: Duration::from_millis(1),
+        ..fast()
+    });
+    let err = c.run_until_idle(&mut broker.subscribe()).await.unwrap_err();
+    assert!(err.to_string().contains("in_flight_delay_max"), "{err}");
 }

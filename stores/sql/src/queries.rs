@@ -38,7 +38,7 @@ pub(crate) const ACQUIRED_KINDS: &[Kind] =
     &[Kind::Text, Kind::I64, Kind::I64, Kind::I64, Kind::I64];
 
 /// The conflict clause of the SQLite / PostgreSQL claim. `SET` expressions read the old row
-/// (`t.*`); the `WHERE` lets only new keys, ended leases without a payload conflict, and
+/// (`t.*`); the `WHERE` lets only new keys, ended leases (whatever their payload), and
 /// completed records past retention through. Binds `?now ?now`.
 const UPSERT_TAIL: &str = " ON CONFLICT (dedup_key) DO UPDATE SET \
      attempts = CASE WHEN t.status = 0 THEN t.attempts + 1 ELSE 1 END, \
@@ -48,8 +48,7 @@ const UPSERT_TAIL: &str = " ON CONFLICT (dedup_key) DO UPDATE SET \
      payload_hash = excluded.payload_hash, result = NULL, completed_ms = NULL, \
      expires_ms = NULL, worker = excluded.worker \
      WHERE (t.status = 1 AND t.expires_ms <= ?) \
-     OR (t.status = 0 AND t.lease_until_ms <= ? AND (t.payload_hash IS NULL \
-     OR excluded.payload_hash IS NULL OR t.payload_hash = excluded.payload_hash)) \
+     OR (t.status = 0 AND t.lease_until_ms <= ?) \
      RETURNING dedup_key, token, lease_until_ms, attempts, took_over";
 
 /// A stored record plus the flag telling whether its latest acquisition was a takeover.
@@ -217,14 +216,16 @@ impl Queries {
             table: t.to_owned(),
             get: p(format!("SELECT {RECORD_COLS} FROM {t} WHERE dedup_key = ?")),
             release: p(format!(
-                "UPDATE {t} SET lease_until_ms = 0 WHERE dedup_key = ? AND token = ? AND status = 0"
+                "UPDATE {t} SET lease_until_ms = 0 WHERE dedup_key = ? AND token = ? AND status = 0 \
+                 AND lease_until_ms > 0"
             )),
             extend: p(format!(
-                "UPDATE {t} SET lease_until_ms = ? WHERE dedup_key = ? AND token = ? AND status = 0"
+                "UPDATE {t} SET lease_until_ms = ? WHERE dedup_key = ? AND token = ? AND status = 0 \
+                 AND lease_until_ms > 0"
             )),
             complete_one: p(format!(
                 "UPDATE {t} SET status = 1, result = ?, completed_ms = ?, expires_ms = ? \
-                 WHERE dedup_key = ? AND token = ? AND status = 0"
+                 WHERE dedup_key = ? AND token = ? AND status = 0 AND lease_until_ms > 0"
             )),
             probe: p(format!(
                 "SELECT token, status FROM {t} WHERE dedup_key = ?{}",
@@ -384,9 +385,8 @@ impl Queries {
              j_token BIGINT PATH '$[1]', j_until BIGINT PATH '$[2]', j_hash VARCHAR(64) PATH '$[3]', \
              j_worker TEXT CHARACTER SET utf8mb4 PATH '$[4]')) AS v \
              ON DUPLICATE KEY UPDATE \
-             token = IF((status = 1 AND expires_ms <= ?) OR (status = 0 AND lease_until_ms <= ? \
-             AND (payload_hash IS NULL OR VALUES(payload_hash) IS NULL \
-             OR payload_hash = VALUES(payload_hash))), VALUES(token), token), \
+             token = IF((status = 1 AND expires_ms <= ?) OR (status = 0 AND lease_until_ms <= ?), \
+             VALUES(token), token), \
              attempts = IF(token = VALUES(token), IF(status = 0, attempts + 1, 1), attempts), \
              took_over = IF(token = VALUES(token), IF(status = 0 AND lease_until_ms > 0, 1, 0), took_over), \
              first_seen_ms = IF(token = VALUES(token), IF(status = 0, first_seen_ms, VALUES(first_seen_ms)), first_seen_ms), \
@@ -510,7 +510,7 @@ impl Queries {
                     "UPDATE {t} AS t SET status = 1, result = v.res, completed_ms = ?, \
                      expires_ms = v.exp FROM UNNEST(?::text[], ?::bigint[], ?::bytea[], \
                      ?::bigint[]) AS v(k, tok, res, exp) WHERE t.dedup_key = v.k \
-                     AND t.token = v.tok AND t.status = 0 RETURNING t.dedup_key, t.token"
+                     AND t.token = v.tok AND t.status = 0 AND t.lease_until_ms > 0 RETURNING t.dedup_key, t.token"
                 ));
                 args.push(Val::I64(Some(now)));
                 args.push(Val::TextArray(
@@ -545,7 +545,7 @@ impl Queries {
                 }
                 sql.push_str(&format!(
                     ") AS v WHERE {t}.dedup_key = v.column1 AND {t}.token = v.column2 \
-                     AND {t}.status = 0 RETURNING dedup_key, token"
+                     AND {t}.status = 0 AND {t}.lease_until_ms > 0 RETURNING dedup_key, token"
                 ));
             }
             Dialect::MySql => {
@@ -581,7 +581,7 @@ impl Queries {
                     }
                     sql.push_str(" END");
                 }
-                sql.push_str(" WHERE status = 0 AND dedup_key IN (");
+                sql.push_str(" WHERE status = 0 AND lease_until_ms > 0 AND dedup_key IN (");
                 for (i, it) in items.iter().enumerate() {
                     sql.push_str(if i == 0 { "?" } else { ", ?" });
                     args.push(Val::Key(it.key.as_str().to_owned()));
