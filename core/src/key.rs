@@ -180,6 +180,11 @@ pub enum KeySource {
     /// A header / property, e.g. `x-idempotency-key`.
     Header(String),
     /// The broker message key (Kafka key, RocketMQ `keys`, AMQP `message_id`).
+    ///
+    /// Only when the producer sets it per *message*. A Kafka record key is usually an
+    /// *entity* key (all events of order 42 share it, for partitioning): used as a dedup key
+    /// it would make the second event of order 42 a duplicate (or, with the payload check,
+    /// a conflict). Use a header or payload field for Kafka.
     MessageKey,
     /// A JSON pointer (RFC 6901) into a JSON payload, e.g. `/payment/id`.
     JsonPointer(String),
@@ -252,7 +257,7 @@ impl KeyStrategy {
     pub fn header(group: &str, name: &str) -> Result<Self, KeyError> {
         Self::new(group, KeySource::Header(name.to_string()))
     }
-    /// Key from the broker message key.
+    /// Key from the broker message key (see the caveat on [`KeySource::MessageKey`]).
     pub fn message_key(group: &str) -> Result<Self, KeyError> {
         Self::new(group, KeySource::MessageKey)
     }
