@@ -1,0 +1,819 @@
+//! [`LayeredStore`]: local cache → (pre-filter) → authoritative store → (fallback store).
+
+use crate::cache::CompletedCache;
+use crate::filter::{Novelty, PreFilter};
+use async_trait::async_trait;
+use idemq_core::store::{check_distinct_keys, duration_ms};
+use idemq_core::{
+    now_ms, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupKey, DedupRecord,
+    DedupStore, ExtendOutcome, FencingToken, PayloadHash, RecordStatus, ReleaseOutcome, StoreError,
+};
+use moka::sync::Cache;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Default number of completed keys kept in the local cache (seed 003: 100k entries).
+pub const DEFAULT_CACHE_CAPACITY: u64 = 100_000;
+/// Default upper bound on how long a completed key stays cached (seed 003: 5 minutes).
+pub const DEFAULT_CACHE_TTL: Duration = Duration::from_secs(300);
+/// Default delay suggested to the caller for keys refused during an outage.
+pub const DEFAULT_OUTAGE_RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// Which keys a [`LayeredStore`] sends to its fallback store while the primary is
+/// [`StoreError::Unavailable`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FallbackGate {
+    /// Every key goes to the fallback. Highest availability, weakest guarantee: a key the
+    /// primary completed (or still holds in flight) before the outage is processed again
+    /// if it is redelivered during the outage and this process's cache does not know it.
+    AllKeys,
+    /// Only keys the [`PreFilter`] proves *never seen* go to the fallback; the others are
+    /// answered [`ClaimOutcome::InFlight`] (not acked, redelivered later) until the primary
+    /// is back. Requires a pre-filter. Sound for every key that was inserted into the
+    /// filter before it reached the primary: the layered store inserts each key before its
+    /// primary claim, so this covers all keys claimed through layered stores sharing that
+    /// filter (a shared RedisBloom filter on a server other than the primary, or a single
+    /// consumer process with a [`LocalBloom`](crate::LocalBloom)). Keys written to the
+    /// primary by anything else are not covered.
+    NeverSeenKeys,
+}
+
+#[derive(Clone)]
+struct Fallback {
+    store: Arc<dyn DedupStore>,
+    gate: FallbackGate,
+}
+
+/// What this store remembers about a claim it handed out.
+#[derive(Debug, Clone)]
+struct ClaimInfo {
+    token: FencingToken,
+    on_fallback: bool,
+    attempt: u32,
+    lease_until_ms: i64,
+    first_seen_ms: i64,
+    payload_hash: Option<PayloadHash>,
+    worker: Option<String>,
+}
+
+/// Counters of what the layers answered (for tests, benchmarks and dashboards).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct LayerStats {
+    /// Claims answered by the local cache without a round trip.
+    pub cache_hits: u64,
+    /// Claims sent to the primary store.
+    pub primary_claims: u64,
+    /// Claims sent to the fallback store during an outage.
+    pub fallback_claims: u64,
+    /// Claims refused during an outage because the pre-filter may have seen the key.
+    pub refused_during_outage: u64,
+    /// Primary acquisitions turned into duplicates because the fallback had completed the key.
+    pub reconciled: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    cache_hits: AtomicU64,
+    primary_claims: AtomicU64,
+    fallback_claims: AtomicU64,
+    refused: AtomicU64,
+    reconciled: AtomicU64,
+}
+
+/// Builds a [`LayeredStore`]; see its docs for what each layer guarantees.
+pub struct LayeredStoreBuilder {
+    primary: Arc<dyn DedupStore>,
+    cache_capacity: u64,
+    cache_ttl: Duration,
+    cache_on_complete: bool,
+    filter: Option<Arc<dyn PreFilter>>,
+    fallback: Option<Fallback>,
+    outage_retry_after: Duration,
+    reconcile: bool,
+}
+
+impl LayeredStoreBuilder {
+    /// Size and time bound of the cache of completed keys (`capacity` 0 disables it).
+    pub fn cache(mut self, capacity: u64, ttl: Duration) -> Self {
+        self.cache_capacity = capacity;
+        self.cache_ttl = ttl;
+        self
+    }
+
+    /// No local cache: every claim goes to the authoritative store.
+    pub fn no_cache(self) -> Self {
+        self.cache(0, Duration::ZERO)
+    }
+
+    /// Whether a key completed through this store is cached at once (default `true`), so
+    /// even its first redelivery is answered locally. Otherwise only duplicates reported
+    /// by the authoritative store are cached.
+    pub fn cache_on_complete(mut self, on: bool) -> Self {
+        self.cache_on_complete = on;
+        self
+    }
+
+    /// A never-seen-only pre-filter: consulted only to gate the fallback store (see
+    /// [`FallbackGate::NeverSeenKeys`]); keys are inserted into it before every primary
+    /// claim (one extra round trip per batch for a remote filter such as RedisBloom).
+    pub fn prefilter(mut self, filter: Arc<dyn PreFilter>) -> Self {
+        self.filter = Some(filter);
+        self
+    }
+
+    /// A fallback store used while the primary answers [`StoreError::Unavailable`]
+    /// (seed 003 §3.2 degrade). See [`FallbackGate`] for what each gate guarantees.
+    pub fn fallback(mut self, store: Arc<dyn DedupStore>, gate: FallbackGate) -> Self {
+        self.fallback = Some(Fallback { store, gate });
+        self
+    }
+
+    /// How far in the future the `until_ms` of a refused key lies (default 1 s).
+    pub fn outage_retry_after(mut self, d: Duration) -> Self {
+        self.outage_retry_after = d;
+        self
+    }
+
+    /// After an outage, check each key the primary hands out against the fallback: if the
+    /// fallback completed it, copy the completion to the primary and answer
+    /// [`ClaimOutcome::Duplicate`] (default `false`). Costs one fallback `get` per acquired
+    /// key, so use it with an in-process or local fallback. Closes the post-outage hole
+    /// for keys completed on *this* fallback.
+    pub fn reconcile_after_outage(mut self, on: bool) -> Self {
+        self.reconcile = on;
+        self
+    }
+
+    /// Checks the configuration and builds the store.
+    pub fn build(self) -> Result<LayeredStore, StoreError> {
+        if let Some(fb) = &self.fallback {
+            if fb.gate == FallbackGate::NeverSeenKeys && self.filter.is_none() {
+                return Err(StoreError::Config(
+                    "FallbackGate::NeverSeenKeys needs a pre-filter: call .prefilter(..) or use FallbackGate::AllKeys".into(),
+                ));
+            }
+        }
+        if self.reconcile && self.fallback.is_none() {
+            return Err(StoreError::Config(
+                "reconcile_after_outage needs a fallback store".into(),
+            ));
+        }
+        Ok(self.assemble())
+    }
+
+    fn assemble(self) -> LayeredStore {
+        let cache = (self.cache_capacity > 0 && !self.cache_ttl.is_zero())
+            .then(|| CompletedCache::new(self.cache_capacity, self.cache_ttl));
+        let claims = Cache::builder()
+            .max_capacity(self.cache_capacity.max(100_000))
+            .time_to_live(Duration::from_secs(24 * 3600))
+            .build();
+        LayeredStore {
+            primary: self.primary,
+            cache,
+            cache_ttl: self.cache_ttl,
+            cache_on_complete: self.cache_on_complete,
+            claims,
+            filter: self.filter,
+            filter_trusted: AtomicBool::new(true),
+            fallback: self.fallback,
+            outage_retry_after: self.outage_retry_after,
+            reconcile: self.reconcile,
+            counters: Counters::default(),
+        }
+    }
+}
+
+/// A [`DedupStore`] in layers: an in-process cache of completed keys, an optional
+/// never-seen-only pre-filter, the authoritative store, and an optional fallback store.
+///
+/// # What each layer may answer
+///
+/// - **Cache** (moka): holds only keys the authoritative store (or the fallback) reported
+///   completed, with their record and result, and answers [`ClaimOutcome::Duplicate`] (or
+///   [`ClaimOutcome::PayloadConflict`] for a different payload hash) without a round trip.
+///   A key never completed is never in it, so a fresh message is never answered from the
+///   cache. An entry lives no longer than the cache TTL and no longer than the record's
+///   retention (`expires_ms`, measured on this process's clock). Not seen by the cache:
+///   a `forget` made through *another* process; this process keeps answering `Duplicate`
+///   for such a key until the entry expires.
+/// - **Pre-filter** (bloom): never short-circuits a claim. "Never seen" still needs the
+///   authoritative claim (a fresh key needs a lease: two racing redeliveries would both be
+///   "never seen"), and "maybe seen" means nothing. Keys are inserted before each primary
+///   claim; the insert's answer decides only the outage path ([`FallbackGate`]). If an
+///   insert ever fails, the filter may miss keys the primary knows, so from then on this
+///   store treats every key as "maybe seen".
+/// - **Primary**: the authority; every claim not answered by the cache goes there.
+/// - **Fallback** (optional): used only when the primary answers
+///   [`StoreError::Unavailable`]. Claims made on it are completed, released and extended
+///   on it. Every other primary error is returned as is.
+///
+/// # Guarantees by mode
+///
+/// | mode | primary down | what can go wrong |
+/// |---|---|---|
+/// | no fallback (default) | every claim fails `Unavailable`: no ack, retry later | nothing: exactly-once effects as strong as the primary's |
+/// | [`FallbackGate::AllKeys`] | claims go to the fallback | a key completed or in flight on the primary is processed again if redelivered during the outage (unless cached here); after recovery, a key completed on the fallback is processed again on the primary (unless cached here or [`reconcile_after_outage`](LayeredStoreBuilder::reconcile_after_outage)) |
+/// | [`FallbackGate::NeverSeenKeys`] | keys the filter never saw go to the fallback, others answer `InFlight` | only keys that reached the primary without passing through this filter; after recovery, as above |
+///
+/// In both fallback modes, one more case: a primary call that failed *after* the primary
+/// applied it (reply lost as the server died) leaves a lease nobody holds. The key may then
+/// be processed on the fallback and, once that orphan lease expires, taken over and
+/// processed again on the primary — unless the completion is still cached here or
+/// reconciliation finds it on the fallback.
+///
+/// Without a fallback none of this applies: an unavailable primary is an error, the message
+/// is not acked, and the broker redelivers it later. Pick a fallback only where an
+/// occasional second execution during an outage is cheaper than stopping.
+///
+/// Batch claims answer exactly what single claims would, key by key.
+pub struct LayeredStore {
+    primary: Arc<dyn DedupStore>,
+    cache: Option<CompletedCache>,
+    cache_ttl: Duration,
+    cache_on_complete: bool,
+    claims: Cache<DedupKey, ClaimInfo>,
+    filter: Option<Arc<dyn PreFilter>>,
+    filter_trusted: AtomicBool,
+    fallback: Option<Fallback>,
+    outage_retry_after: Duration,
+    reconcile: bool,
+    counters: Counters,
+}
+
+impl std::fmt::Debug for LayeredStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LayeredStore")
+            .field("cache", &self.cache.as_ref().map(|c| c.entry_count()))
+            .field("cache_ttl", &self.cache_ttl)
+            .field("filter", &self.filter.as_ref().map(|f| f.describe()))
+            .field("fallback", &self.fallback.as_ref().map(|f| f.gate))
+            .finish_non_exhaustive()
+    }
+}
+
+enum Route {
+    Primary,
+    Fallback,
+}
+
+impl LayeredStore {
+    /// A builder over the authoritative store, with a cache of
+    /// [`DEFAULT_CACHE_CAPACITY`] entries for at most [`DEFAULT_CACHE_TTL`], no filter and
+    /// no fallback.
+    pub fn builder(primary: Arc<dyn DedupStore>) -> LayeredStoreBuilder {
+        LayeredStoreBuilder {
+            primary,
+            cache_capacity: DEFAULT_CACHE_CAPACITY,
+            cache_ttl: DEFAULT_CACHE_TTL,
+            cache_on_complete: true,
+            filter: None,
+            fallback: None,
+            outage_retry_after: DEFAULT_OUTAGE_RETRY_AFTER,
+            reconcile: false,
+        }
+    }
+
+    /// A layered store with the default cache and nothing else.
+    pub fn new(primary: Arc<dyn DedupStore>) -> Self {
+        Self::builder(primary).assemble()
+    }
+
+    /// The authoritative store.
+    pub fn primary(&self) -> &Arc<dyn DedupStore> {
+        &self.primary
+    }
+
+    /// Answers from the local cache alone: `Some(Duplicate | PayloadConflict)` for a key
+    /// known completed, `None` otherwise (which means "ask the store", never "fresh").
+    #[inline]
+    pub fn check_local(
+        &self,
+        key: &DedupKey,
+        payload_hash: Option<&PayloadHash>,
+    ) -> Option<ClaimOutcome> {
+        self.cache
+            .as_ref()?
+            .with(key, |rec| match (rec.payload_hash.as_ref(), payload_hash) {
+                (Some(stored), Some(given)) if stored != given => {
+                    ClaimOutcome::PayloadConflict(rec.clone())
+                }
+                _ => ClaimOutcome::Duplicate(rec.clone()),
+            })
+    }
+
+    /// Whether the local cache holds `key` as completed (the cheapest duplicate check).
+    #[inline]
+    pub fn is_cached_duplicate(&self, key: &DedupKey) -> bool {
+        self.cache
+            .as_ref()
+            .is_some_and(|c| c.with(key, |_| ()).is_some())
+    }
+
+    /// Whether the pre-filter is still trusted to gate the fallback (false after an insert failed).
+    pub fn filter_trusted(&self) -> bool {
+        self.filter.is_some() && self.filter_trusted.load(Ordering::Acquire)
+    }
+
+    /// What the layers answered so far.
+    pub fn stats(&self) -> LayerStats {
+        let c = &self.counters;
+        LayerStats {
+            cache_hits: c.cache_hits.load(Ordering::Relaxed),
+            primary_claims: c.primary_claims.load(Ordering::Relaxed),
+            fallback_claims: c.fallback_claims.load(Ordering::Relaxed),
+            refused_during_outage: c.refused.load(Ordering::Relaxed),
+            reconciled: c.reconciled.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Drops every cached completion (e.g. after records were forgotten elsewhere).
+    pub fn clear_cache(&self) {
+        if let Some(c) = &self.cache {
+            c.clear();
+        }
+    }
+
+    fn cache_record(&self, rec: &DedupRecord) {
+        let Some(cache) = &self.cache else { return };
+        if rec.status != RecordStatus::Completed {
+            return;
+        }
+        let Some(expires) = rec.expires_ms else {
+            return;
+        };
+        let left = expires.saturating_sub(now_ms());
+        if left <= 0 {
+            return;
+        }
+        cache.insert(rec.clone(), Duration::from_millis(left as u64));
+    }
+
+    fn uncache(&self, key: &DedupKey) {
+        if let Some(c) = &self.cache {
+            c.invalidate(key);
+        }
+    }
+
+    fn note_acquired(
+        &self,
+        req: &ClaimRequest,
+        lease: &idemq_core::Lease,
+        on_fallback: bool,
+        now: i64,
+    ) {
+        self.claims.insert(
+            req.key.clone(),
+            ClaimInfo {
+                token: lease.token,
+                on_fallback,
+                attempt: lease.attempt,
+                lease_until_ms: lease.until_ms,
+                first_seen_ms: now,
+                payload_hash: req.payload_hash,
+                worker: req.worker.clone(),
+            },
+        );
+    }
+
+    /// Where the holder of `token` for `key` claimed it.
+    fn route(&self, key: &DedupKey, token: FencingToken) -> Route {
+        match self.claims.get(key) {
+            Some(info) if info.token == token && info.on_fallback && self.fallback.is_some() => {
+                Route::Fallback
+            }
+            _ => Route::Primary,
+        }
+    }
+
+    /// Inserts keys into the filter; `None` when there is no filter.
+    async fn filter_insert(&self, reqs: &[ClaimRequest]) -> Option<Vec<Novelty>> {
+        let filter = self.filter.as_ref()?;
+        let keys: Vec<DedupKey> = reqs.iter().map(|r| r.key.clone()).collect();
+        match filter.insert(&keys).await {
+            Ok(v) if v.len() == keys.len() => Some(v),
+            Ok(v) => {
+                self.distrust_filter(&format!(
+                    "{} answered {} novelties for {} keys",
+                    filter.describe(),
+                    v.len(),
+                    keys.len()
+                ));
+                Some(vec![Novelty::MaybeSeen; keys.len()])
+            }
+            Err(e) => {
+                self.distrust_filter(&format!("{} insert failed: {e}", filter.describe()));
+                Some(vec![Novelty::MaybeSeen; keys.len()])
+            }
+        }
+    }
+
+    fn distrust_filter(&self, why: &str) {
+        if self.filter_trusted.swap(false, Ordering::AcqRel) {
+            tracing::error!(
+                reason = why,
+                "pre-filter no longer trusted: it may miss keys the primary knows; \
+                 every key now counts as maybe seen for the fallback gate"
+            );
+        }
+    }
+
+    async fn claim_remote(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let novelty = self.filter_insert(reqs).await;
+        self.counters
+            .primary_claims
+            .fetch_add(reqs.len() as u64, Ordering::Relaxed);
+        match self.primary.claim_batch(reqs).await {
+            Ok(out) => {
+                if out.len() != reqs.len() {
+                    return Err(StoreError::Backend(format!(
+                        "primary answered {} outcomes for {} claims",
+                        out.len(),
+                        reqs.len()
+                    )));
+                }
+                self.after_primary(reqs, out).await
+            }
+            Err(StoreError::Unavailable(msg)) => match &self.fallback {
+                None => Err(StoreError::Unavailable(msg)),
+                Some(fb) => self.degraded(fb, reqs, novelty, msg).await,
+            },
+            Err(e) => Err(e),
+        }
+    }
+
+    async fn after_primary(
+        &self,
+        reqs: &[ClaimRequest],
+        mut out: Vec<ClaimOutcome>,
+    ) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let now = now_ms();
+        for (req, o) in reqs.iter().zip(out.iter_mut()) {
+            match o {
+                ClaimOutcome::Duplicate(rec) => self.cache_record(rec),
+                ClaimOutcome::Acquired(lease) => {
+                    let lease = *lease;
+                    if self.reconcile {
+                        if let Some(dup) = self.reconcile_one(req, &lease).await? {
+                            *o = dup;
+                            continue;
+                        }
+                    }
+                    self.note_acquired(req, &lease, false, now);
+                }
+                _ => {}
+            }
+        }
+        Ok(out)
+    }
+
+    /// The primary handed out `req.key`: if the fallback completed it during an outage,
+    /// copy the completion to the primary and answer Duplicate.
+    async fn reconcile_one(
+        &self,
+        req: &ClaimRequest,
+        lease: &idemq_core::Lease,
+    ) -> Result<Option<ClaimOutcome>, StoreError> {
+        let Some(fb) = &self.fallback else {
+            return Ok(None);
+        };
+        let rec = match fb.store.get(&req.key).await {
+            Ok(Some(r)) => r,
+            Ok(None) => return Ok(None),
+            Err(e) => {
+                // Unsure whether the fallback completed it: give the key back, retry later.
+                if let Err(e2) = self.primary.release(&req.key, lease.token).await {
+                    tracing::warn!(key = %req.key, error = %e2, "release after failed reconcile");
+                }
+                return Err(e);
+            }
+        };
+        let now = now_ms();
+        if rec.status != RecordStatus::Completed || rec.is_retention_expired(now) {
+            return Ok(None);
+        }
+        let left = rec.expires_ms.unwrap_or(now).saturating_sub(now).max(1);
+        let done = self
+            .primary
+            .complete(
+                &req.key,
+                lease.token,
+                rec.result.clone(),
+                Duration::from_millis(left as u64),
+            )
+            .await?;
+        if done != CompleteOutcome::Completed {
+            return Ok(None);
+        }
+        self.counters.reconciled.fetch_add(1, Ordering::Relaxed);
+        tracing::info!(key = %req.key, "completion made on the fallback copied to the primary");
+        self.cache_record(&rec);
+        Ok(Some(
+            match (rec.payload_hash.as_ref(), req.payload_hash.as_ref()) {
+                (Some(a), Some(b)) if a != b => ClaimOutcome::PayloadConflict(rec),
+                _ => ClaimOutcome::Duplicate(rec),
+            },
+        ))
+    }
+
+    async fn degraded(
+        &self,
+        fb: &Fallback,
+        reqs: &[ClaimRequest],
+        novelty: Option<Vec<Novelty>>,
+        primary_error: String,
+    ) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let allowed: Vec<bool> = match fb.gate {
+            FallbackGate::AllKeys => vec![true; reqs.len()],
+            FallbackGate::NeverSeenKeys => match novelty {
+                Some(v) if self.filter_trusted.load(Ordering::Acquire) => {
+                    v.iter().map(|n| n.is_never_seen()).collect()
+                }
+                _ => vec![false; reqs.len()],
+            },
+        };
+        let pass: Vec<ClaimRequest> = reqs
+            .iter()
+            .zip(&allowed)
+            .filter(|(_, ok)| **ok)
+            .map(|(r, _)| r.clone())
+            .collect();
+        tracing::warn!(
+            error = %primary_error,
+            to_fallback = pass.len(),
+            refused = reqs.len() - pass.len(),
+            "primary dedup store unavailable: degrading"
+        );
+        let mut fb_out = if pass.is_empty() {
+            Vec::new()
+        } else {
+            self.counters
+                .fallback_claims
+                .fetch_add(pass.len() as u64, Ordering::Relaxed);
+            fb.store.claim_batch(&pass).await?
+        };
+        if fb_out.len() != pass.len() {
+            return Err(StoreError::Backend(format!(
+                "fallback answered {} outcomes for {} claims",
+                fb_out.len(),
+                pass.len()
+            )));
+        }
+        let now = now_ms();
+        let until_ms = now.saturating_add(duration_ms(self.outage_retry_after));
+        let mut fb_iter = fb_out.drain(..);
+        let mut out = Vec::with_capacity(reqs.len());
+        for (req, ok) in reqs.iter().zip(allowed) {
+            if !ok {
+                self.counters.refused.fetch_add(1, Ordering::Relaxed);
+                out.push(ClaimOutcome::InFlight { until_ms });
+                continue;
+            }
+            let Some(o) = fb_iter.next() else {
+                return Err(StoreError::Backend("fallback answer ended early".into()));
+            };
+            match &o {
+                ClaimOutcome::Acquired(lease) => self.note_acquired(req, lease, true, now),
+                ClaimOutcome::Duplicate(rec) => self.cache_record(rec),
+                _ => {}
+            }
+            out.push(o);
+        }
+        Ok(out)
+    }
+
+    fn cache_completion(&self, c: &Completion, store_now: i64) {
+        if !self.cache_on_complete || self.cache.is_none() {
+            return;
+        }
+        let Some(info) = self.claims.get(&c.key) else {
+            return;
+        };
+        // First-seen is only known for a first acquisition; otherwise let the store answer.
+        if info.token != c.token || info.attempt != 1 {
+            return;
+        }
+        let rec = DedupRecord {
+            key: c.key.clone(),
+            status: RecordStatus::Completed,
+            token: c.token,
+            lease_until_ms: info.lease_until_ms,
+            attempts: info.attempt,
+            payload_hash: info.payload_hash,
+            result: c.result.clone(),
+            first_seen_ms: info.first_seen_ms,
+            completed_ms: Some(store_now),
+            expires_ms: Some(store_now.saturating_add(duration_ms(c.retention))),
+            worker: info.worker.clone(),
+        };
+        self.cache_record(&rec);
+    }
+}
+
+#[async_trait]
+impl DedupStore for LayeredStore {
+    async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
+        if let Some(o) = self.check_local(&req.key, req.payload_hash.as_ref()) {
+            self.counters.cache_hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(o);
+        }
+        // Boxed apart, so the future of a cache hit stays small (async_trait boxes it).
+        let mut v = Box::pin(self.claim_remote(std::slice::from_ref(req))).await?;
+        v.pop()
+            .ok_or_else(|| StoreError::Backend("claim_batch returned no outcome".into()))
+    }
+
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        check_distinct_keys(reqs)?;
+        let mut local: Vec<Option<ClaimOutcome>> = Vec::with_capacity(reqs.len());
+        let mut hits = 0usize;
+        for r in reqs {
+            let o = self.check_local(&r.key, r.payload_hash.as_ref());
+            hits += usize::from(o.is_some());
+            local.push(o);
+        }
+        self.counters
+            .cache_hits
+            .fetch_add(hits as u64, Ordering::Relaxed);
+        if hits == 0 {
+            return self.claim_remote(reqs).await;
+        }
+        let remote: Vec<ClaimRequest> = reqs
+            .iter()
+            .zip(&local)
+            .filter(|(_, o)| o.is_none())
+            .map(|(r, _)| r.clone())
+            .collect();
+        let mut remote_out = if remote.is_empty() {
+            Vec::new()
+        } else {
+            self.claim_remote(&remote).await?
+        }
+        .into_iter();
+        let mut out = Vec::with_capacity(reqs.len());
+        for o in local {
+            match o {
+                Some(o) => out.push(o),
+                None => out.push(remote_out.next().ok_or_else(|| {
+                    StoreError::Backend("remote claim answer ended early".into())
+                })?),
+            }
+        }
+        Ok(out)
+    }
+
+    async fn complete_batch(
+        &self,
+        items: &[Completion],
+    ) -> Result<Vec<CompleteOutcome>, StoreError> {
+        let routes: Vec<Route> = items.iter().map(|c| self.route(&c.key, c.token)).collect();
+        let (mut prim, mut fbk) = (Vec::new(), Vec::new());
+        for (c, r) in items.iter().zip(&routes) {
+            match r {
+                Route::Primary => prim.push(c.clone()),
+                Route::Fallback => fbk.push(c.clone()),
+            }
+        }
+        let mut prim_out = if prim.is_empty() {
+            Vec::new()
+        } else {
+            self.primary.complete_batch(&prim).await?
+        };
+        let mut fb_out = if fbk.is_empty() {
+            Vec::new()
+        } else {
+            match &self.fallback {
+                Some(fb) => fb.store.complete_batch(&fbk).await?,
+                None => vec![CompleteOutcome::Fenced; fbk.len()],
+            }
+        };
+        // A token unknown to the primary may belong to a fallback claim this store forgot.
+        if let Some(fb) = &self.fallback {
+            let retry: Vec<usize> = prim_out
+                .iter()
+                .enumerate()
+                .filter(|(_, o)| **o == CompleteOutcome::Fenced)
+                .map(|(i, _)| i)
+                .collect();
+            if !retry.is_empty() {
+                let again: Vec<Completion> = retry.iter().map(|&i| prim[i].clone()).collect();
+                if let Ok(ans) = fb.store.complete_batch(&again).await {
+                    for (&i, a) in retry.iter().zip(ans) {
+                        prim_out[i] = a;
+                    }
+                }
+            }
+        }
+        let now = now_ms();
+        let (mut pi, mut fi) = (prim_out.drain(..), fb_out.drain(..));
+        let mut out = Vec::with_capacity(items.len());
+        for (c, r) in items.iter().zip(routes) {
+            let o = match r {
+                Route::Primary => pi.next(),
+                Route::Fallback => fi.next(),
+            }
+            .ok_or_else(|| StoreError::Backend("complete answer ended early".into()))?;
+            if o == CompleteOutcome::Completed {
+                self.cache_completion(c, now);
+                self.claims.invalidate(&c.key);
+            }
+            out.push(o);
+        }
+        Ok(out)
+    }
+
+    async fn release(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        let out = match (self.route(key, token), &self.fallback) {
+            (Route::Fallback, Some(fb)) => fb.store.release(key, token).await?,
+            (_, fb) => match self.primary.release(key, token).await? {
+                ReleaseOutcome::Fenced => match fb {
+                    Some(fb) => fb
+                        .store
+                        .release(key, token)
+                        .await
+                        .unwrap_or(ReleaseOutcome::Fenced),
+                    None => ReleaseOutcome::Fenced,
+                },
+                r => r,
+            },
+        };
+        if out == ReleaseOutcome::Released {
+            self.claims.invalidate(key);
+        }
+        Ok(out)
+    }
+
+    async fn extend(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<ExtendOutcome, StoreError> {
+        match (self.route(key, token), &self.fallback) {
+            (Route::Fallback, Some(fb)) => fb.store.extend(key, token, lease).await,
+            (_, fb) => match self.primary.extend(key, token, lease).await? {
+                ExtendOutcome::Fenced => match fb {
+                    Some(fb) => Ok(fb
+                        .store
+                        .extend(key, token, lease)
+                        .await
+                        .unwrap_or(ExtendOutcome::Fenced)),
+                    None => Ok(ExtendOutcome::Fenced),
+                },
+                r => Ok(r),
+            },
+        }
+    }
+
+    async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
+        match self.primary.get(key).await {
+            Err(StoreError::Unavailable(msg)) => match &self.fallback {
+                Some(fb) => fb.store.get(key).await,
+                None => Err(StoreError::Unavailable(msg)),
+            },
+            r => r,
+        }
+    }
+
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        let n = self.primary.purge_expired(limit).await?;
+        let rest = limit.saturating_sub(usize::try_from(n).unwrap_or(usize::MAX));
+        let m = match &self.fallback {
+            Some(fb) if rest > 0 => fb.store.purge_expired(rest).await?,
+            _ => 0,
+        };
+        Ok(n + m)
+    }
+
+    async fn list_stuck(
+        &self,
+        stale_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<DedupRecord>, StoreError> {
+        let mut v = self.primary.list_stuck(stale_for, limit).await?;
+        if let Some(fb) = &self.fallback {
+            v.extend(fb.store.list_stuck(stale_for, limit).await?);
+            v.sort_by(|a, b| (a.lease_until_ms, &a.key).cmp(&(b.lease_until_ms, &b.key)));
+            v.truncate(limit);
+        }
+        Ok(v)
+    }
+
+    async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
+        self.uncache(key);
+        self.claims.invalidate(key);
+        let existed = self.primary.forget(key).await?;
+        let fb_existed = match &self.fallback {
+            Some(fb) => fb.store.forget(key).await.unwrap_or(false),
+            None => false,
+        };
+        // A claim racing with the forget may have re-cached it; drop it again.
+        self.uncache(key);
+        Ok(existed || fb_existed)
+    }
+}

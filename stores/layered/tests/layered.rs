@@ -1,0 +1,497 @@
+//! LayeredStore over the in-memory store: the contract kit, and what each layer may answer.
+
+use async_trait::async_trait;
+use idemq_core::{
+    ClaimOutcome, ClaimRequest, CompleteOutcome, ConsumerGroup, DedupKey, DedupStore, FencingToken,
+    MemoryStore, PayloadHash, StoreError,
+};
+use idemq_layered::{
+    BloomSizing, FallbackGate, LayeredStore, LeaseLost, LeaseState, LeaseWatchdog, LocalBloom,
+    Novelty, PreFilter,
+};
+use std::sync::Arc;
+use std::time::Duration;
+
+const LONG: Duration = Duration::from_secs(60);
+const RETAIN: Duration = Duration::from_secs(3600);
+
+mod kit_two_layers_over_one_memory_store {
+    use super::*;
+    idemq_core::store_contract_tests!(async {
+        let mem: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+        let a: Arc<dyn DedupStore> = Arc::new(LayeredStore::new(mem.clone()));
+        let b: Arc<dyn DedupStore> = Arc::new(LayeredStore::new(mem));
+        Some(vec![a.clone(), b.clone(), a, b])
+    });
+}
+
+/// Over SQLite: two layers (each its own cache) on one SQLite store.
+mod kit_two_layers_over_sqlite {
+    use super::*;
+    idemq_core::store_contract_tests!(async {
+        let sqlite = idemq_sql::SqliteStore::connect("sqlite::memory:", Default::default())
+            .await
+            .expect("in-memory SQLite");
+        let sqlite: Arc<dyn DedupStore> = Arc::new(sqlite);
+        let a: Arc<dyn DedupStore> = Arc::new(LayeredStore::new(sqlite.clone()));
+        let b: Arc<dyn DedupStore> = Arc::new(LayeredStore::new(sqlite));
+        Some(vec![a.clone(), b.clone(), a, b])
+    });
+}
+
+mod kit_one_layer_with_filter_and_fallback {
+    use super::*;
+    idemq_core::store_contract_tests!(async {
+        let mem: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+        let s = LayeredStore::builder(mem)
+            .prefilter(Arc::new(LocalBloom::new(100_000, 0.01)))
+            .fallback(Arc::new(MemoryStore::new()), FallbackGate::NeverSeenKeys)
+            .reconcile_after_outage(true)
+            .build()
+            .expect("valid config");
+        let s: Arc<dyn DedupStore> = Arc::new(s);
+        Some(vec![s.clone(), s])
+    });
+}
+
+fn group() -> ConsumerGroup {
+    ConsumerGroup::new(&format!("g-{:x}", FencingToken::random().0)).unwrap()
+}
+
+fn key(g: &ConsumerGroup, k: &str) -> DedupKey {
+    DedupKey::new(g, k).unwrap()
+}
+
+fn req(k: &DedupKey) -> ClaimRequest {
+    ClaimRequest::new(k.clone(), LONG).with_worker("t")
+}
+
+async fn process(s: &dyn DedupStore, k: &DedupKey) {
+    match s.claim(&req(k)).await.unwrap() {
+        ClaimOutcome::Acquired(l) => {
+            assert_eq!(
+                s.complete(k, l.token, Some("ok".into()), RETAIN)
+                    .await
+                    .unwrap(),
+                CompleteOutcome::Completed
+            );
+        }
+        o => panic!("{k} should be fresh, got {o:?}"),
+    }
+}
+
+/// A filter that answers "maybe seen" for everything: the worst false-positive rate.
+struct AlwaysMaybe;
+
+#[async_trait]
+impl PreFilter for AlwaysMaybe {
+    async fn insert(&self, keys: &[DedupKey]) -> Result<Vec<Novelty>, StoreError> {
+        Ok(vec![Novelty::MaybeSeen; keys.len()])
+    }
+    async fn check(&self, keys: &[DedupKey]) -> Result<Vec<Novelty>, StoreError> {
+        Ok(vec![Novelty::MaybeSeen; keys.len()])
+    }
+    fn describe(&self) -> String {
+        "always maybe".into()
+    }
+}
+
+/// A filter whose inserts fail.
+struct Broken;
+
+#[async_trait]
+impl PreFilter for Broken {
+    async fn insert(&self, _: &[DedupKey]) -> Result<Vec<Novelty>, StoreError> {
+        Err(StoreError::Unavailable("filter down".into()))
+    }
+    async fn check(&self, _: &[DedupKey]) -> Result<Vec<Novelty>, StoreError> {
+        Err(StoreError::Unavailable("filter down".into()))
+    }
+    fn describe(&self) -> String {
+        "broken".into()
+    }
+}
+
+fn saturated_bloom() -> Arc<LocalBloom> {
+    let f = LocalBloom::with_sizing(BloomSizing {
+        bits: 64,
+        hashes: 2,
+    });
+    let mut i = 0;
+    while f.fill_ratio() < 1.0 {
+        f.insert_str(&format!("filler-{i}"));
+        i += 1;
+    }
+    Arc::new(f)
+}
+
+/// A saturated bloom filter (every query positive) never skips a fresh message: with the
+/// primary up every fresh key is acquired; during an outage the gate refuses them
+/// (`InFlight`: no ack, redelivered) instead of calling them duplicates.
+#[tokio::test]
+async fn a_saturated_bloom_filter_never_skips_a_fresh_message() {
+    let bloom = saturated_bloom();
+    let g = group();
+    for i in 0..1000 {
+        assert_eq!(
+            bloom.check_str(&format!("{}:fresh-{i}", g.as_str())),
+            Novelty::MaybeSeen
+        );
+    }
+    let filters: [Arc<dyn PreFilter>; 2] = [bloom, Arc::new(AlwaysMaybe)];
+    for filter in filters {
+        let primary = Arc::new(MemoryStore::new());
+        let s = LayeredStore::builder(primary.clone())
+            .prefilter(filter)
+            .fallback(Arc::new(MemoryStore::new()), FallbackGate::NeverSeenKeys)
+            .build()
+            .unwrap();
+        let keys: Vec<DedupKey> = (0..1000).map(|i| key(&g, &format!("fresh-{i}"))).collect();
+        // Primary up: each fresh message is acquired and processed, single and batched.
+        for k in &keys[..500] {
+            process(&s, k).await;
+        }
+        let reqs: Vec<ClaimRequest> = keys[500..].iter().map(req).collect();
+        for o in s.claim_batch(&reqs).await.unwrap() {
+            assert!(
+                matches!(o, ClaimOutcome::Acquired(_)),
+                "fresh key skipped: {o:?}"
+            );
+        }
+        // Primary down: a fresh key is refused for now, never answered Duplicate.
+        primary.set_available(false);
+        let g2 = group();
+        let outage: Vec<DedupKey> = (0..100).map(|i| key(&g2, &format!("o-{i}"))).collect();
+        for k in &outage {
+            match s.claim(&req(k)).await.unwrap() {
+                ClaimOutcome::InFlight { until_ms } => assert!(until_ms > idemq_core::now_ms()),
+                o => panic!("outage + saturated filter must refuse, got {o:?}"),
+            }
+        }
+        // Primary back: the refused keys are processed.
+        primary.set_available(true);
+        for k in &outage {
+            process(&s, k).await;
+        }
+        assert_eq!(s.stats().refused_during_outage, 100);
+        assert_eq!(s.stats().fallback_claims, 0);
+    }
+}
+
+/// The cache holds only keys reported completed: a fresh key is never answered from it.
+#[tokio::test]
+async fn a_fresh_message_is_never_answered_duplicate_by_the_cache() {
+    let primary = Arc::new(MemoryStore::new());
+    let s = LayeredStore::new(primary.clone());
+    let g = group();
+    for i in 0..2000 {
+        process(&s, &key(&g, &format!("done-{i}"))).await;
+    }
+    // Every completed key is a duplicate, answered without the primary.
+    let before = s.stats().primary_claims;
+    for i in 0..2000 {
+        let k = key(&g, &format!("done-{i}"));
+        assert!(s.is_cached_duplicate(&k));
+        assert!(matches!(
+            s.claim(&req(&k)).await.unwrap(),
+            ClaimOutcome::Duplicate(_)
+        ));
+    }
+    assert_eq!(
+        s.stats().primary_claims,
+        before,
+        "duplicates answered locally"
+    );
+    // Look-alike fresh keys (same group, near names, other groups) are never duplicates.
+    let g2 = group();
+    let mut fresh = Vec::new();
+    for i in 0..2000 {
+        fresh.push(key(&g, &format!("done-{i}x")));
+        fresh.push(key(&g, &format!("xdone-{i}")));
+        fresh.push(key(&g2, &format!("done-{i}")));
+    }
+    for k in &fresh {
+        assert!(
+            s.check_local(k, None).is_none(),
+            "{k} answered from the cache"
+        );
+    }
+    for chunk in fresh.chunks(100) {
+        let reqs: Vec<ClaimRequest> = chunk.iter().map(req).collect();
+        for (k, o) in chunk.iter().zip(s.claim_batch(&reqs).await.unwrap()) {
+            assert!(matches!(o, ClaimOutcome::Acquired(_)), "{k}: {o:?}");
+        }
+    }
+}
+
+/// A cached completion never outlives the record's retention.
+#[tokio::test]
+async fn cached_duplicates_expire_with_the_retention() {
+    let primary = Arc::new(MemoryStore::new());
+    let s = LayeredStore::new(primary.clone());
+    let k = key(&group(), "short");
+    let ClaimOutcome::Acquired(l) = s.claim(&req(&k)).await.unwrap() else {
+        panic!()
+    };
+    s.complete(&k, l.token, None, Duration::from_millis(200))
+        .await
+        .unwrap();
+    assert!(s.is_cached_duplicate(&k));
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    assert!(!s.is_cached_duplicate(&k));
+    match s.claim(&req(&k)).await.unwrap() {
+        ClaimOutcome::Acquired(l) => assert_eq!(l.attempt, 1),
+        o => panic!("retention over: a new lifecycle, got {o:?}"),
+    }
+}
+
+/// `forget` through the layered store drops the cached completion too.
+#[tokio::test]
+async fn forget_invalidates_the_cache() {
+    let s = LayeredStore::new(Arc::new(MemoryStore::new()));
+    let k = key(&group(), "f");
+    process(&s, &k).await;
+    assert!(s.is_cached_duplicate(&k));
+    assert!(s.forget(&k).await.unwrap());
+    assert!(!s.is_cached_duplicate(&k));
+    assert!(matches!(
+        s.claim(&req(&k)).await.unwrap(),
+        ClaimOutcome::Acquired(_)
+    ));
+}
+
+/// Without a fallback, an outage is an error (no ack, retry), never "not a duplicate".
+#[tokio::test]
+async fn without_fallback_an_outage_is_an_error() {
+    let primary = Arc::new(MemoryStore::new());
+    let s = LayeredStore::new(primary.clone());
+    let k = key(&group(), "x");
+    process(&s, &k).await;
+    let fresh = key(&group(), "y");
+    primary.set_available(false);
+    // Known duplicates are still answered from the cache...
+    assert!(matches!(
+        s.claim(&req(&k)).await.unwrap(),
+        ClaimOutcome::Duplicate(_)
+    ));
+    // ...anything else fails retryably.
+    let err = s.claim(&req(&fresh)).await.unwrap_err();
+    assert!(err.is_retryable(), "{err:?}");
+    let err = s.claim_batch(&[req(&k), req(&fresh)]).await.unwrap_err();
+    assert!(err.is_retryable(), "{err:?}");
+}
+
+/// AllKeys: the fallback takes every claim during an outage; completions are routed back
+/// to it; after recovery, reconciliation copies its completions to the primary.
+#[tokio::test]
+async fn fallback_all_keys_with_reconciliation() {
+    for reconcile in [false, true] {
+        let primary = Arc::new(MemoryStore::new());
+        let fallback = Arc::new(MemoryStore::new());
+        let s = LayeredStore::builder(primary.clone())
+            .fallback(fallback.clone(), FallbackGate::AllKeys)
+            .reconcile_after_outage(reconcile)
+            .build()
+            .unwrap();
+        let k = key(&group(), "during-outage");
+        primary.set_available(false);
+        process(&s, &k).await; // claimed and completed on the fallback
+        assert_eq!(s.stats().fallback_claims, 1);
+        assert!(fallback.get(&k).await.unwrap().is_some());
+        assert!(matches!(
+            s.claim(&req(&k)).await.unwrap(),
+            ClaimOutcome::Duplicate(_)
+        ));
+        primary.set_available(true);
+        s.clear_cache();
+        let after = s.claim(&req(&k)).await.unwrap();
+        if reconcile {
+            assert!(
+                matches!(after, ClaimOutcome::Duplicate(ref r) if r.result.as_deref() == Some(&b"ok"[..])),
+                "{after:?}"
+            );
+            let on_primary = primary
+                .get(&k)
+                .await
+                .unwrap()
+                .expect("copied to the primary");
+            assert_eq!(on_primary.status, idemq_core::RecordStatus::Completed);
+            assert_eq!(s.stats().reconciled, 1);
+        } else {
+            // The documented hole of AllKeys without reconciliation.
+            assert!(matches!(after, ClaimOutcome::Acquired(_)), "{after:?}");
+        }
+    }
+}
+
+/// NeverSeenKeys: during an outage only keys the filter never saw go to the fallback.
+#[tokio::test]
+async fn fallback_gate_refuses_keys_the_primary_may_know() {
+    let primary = Arc::new(MemoryStore::new());
+    let s = LayeredStore::builder(primary.clone())
+        .prefilter(Arc::new(LocalBloom::new(10_000, 0.001)))
+        .fallback(Arc::new(MemoryStore::new()), FallbackGate::NeverSeenKeys)
+        .build()
+        .unwrap();
+    let g = group();
+    let done = key(&g, "done");
+    let busy = key(&g, "busy");
+    process(&s, &done).await;
+    let ClaimOutcome::Acquired(_) = s.claim(&req(&busy)).await.unwrap() else {
+        panic!()
+    };
+    s.clear_cache();
+    primary.set_available(false);
+    let new = key(&g, "new");
+    let out = s
+        .claim_batch(&[req(&done), req(&busy), req(&new)])
+        .await
+        .unwrap();
+    assert!(
+        matches!(out[0], ClaimOutcome::InFlight { .. }),
+        "{:?}",
+        out[0]
+    );
+    assert!(
+        matches!(out[1], ClaimOutcome::InFlight { .. }),
+        "{:?}",
+        out[1]
+    );
+    let ClaimOutcome::Acquired(l) = out[2] else {
+        panic!("{:?}", out[2])
+    };
+    assert_eq!(
+        s.complete(&new, l.token, None, RETAIN).await.unwrap(),
+        CompleteOutcome::Completed
+    );
+    assert_eq!(s.stats().fallback_claims, 1);
+    assert_eq!(s.stats().refused_during_outage, 2);
+}
+
+/// A filter whose insert failed is no longer trusted: the gate refuses every key.
+#[tokio::test]
+async fn a_failed_filter_insert_makes_the_gate_refuse_everything() {
+    let primary = Arc::new(MemoryStore::new());
+    let s = LayeredStore::builder(primary.clone())
+        .prefilter(Arc::new(Broken))
+        .fallback(Arc::new(MemoryStore::new()), FallbackGate::NeverSeenKeys)
+        .build()
+        .unwrap();
+    process(&s, &key(&group(), "a")).await; // the primary still works
+    assert!(!s.filter_trusted());
+    primary.set_available(false);
+    assert!(matches!(
+        s.claim(&req(&key(&group(), "b"))).await.unwrap(),
+        ClaimOutcome::InFlight { .. }
+    ));
+}
+
+#[tokio::test]
+async fn a_gate_without_a_filter_is_a_config_error() {
+    let err = LayeredStore::builder(Arc::new(MemoryStore::new()))
+        .fallback(Arc::new(MemoryStore::new()), FallbackGate::NeverSeenKeys)
+        .build()
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Config(_)), "{err:?}");
+}
+
+/// Cached duplicates answer a payload conflict like the store would.
+#[tokio::test]
+async fn the_cache_reports_payload_conflicts() {
+    let s = LayeredStore::new(Arc::new(MemoryStore::new()));
+    let k = key(&group(), "p");
+    let a = PayloadHash::of(b"a");
+    let ClaimOutcome::Acquired(l) = s.claim(&req(&k).with_payload_hash(a)).await.unwrap() else {
+        panic!()
+    };
+    s.complete(&k, l.token, None, RETAIN).await.unwrap();
+    assert!(matches!(
+        s.check_local(&k, Some(&PayloadHash::of(b"b"))),
+        Some(ClaimOutcome::PayloadConflict(_))
+    ));
+    assert!(matches!(
+        s.check_local(&k, Some(&a)),
+        Some(ClaimOutcome::Duplicate(_))
+    ));
+}
+
+/// The watchdog keeps a short lease alive past its end, and reports a takeover.
+#[tokio::test]
+async fn watchdog_extends_and_reports_loss() {
+    let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+    let k = key(&group(), "long");
+    let lease_len = Duration::from_millis(300);
+    let ClaimOutcome::Acquired(lease) = store
+        .claim(&ClaimRequest::new(k.clone(), lease_len))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let mut dog = LeaseWatchdog::spawn(store.clone(), k.clone(), lease, lease_len);
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    match dog.state() {
+        LeaseState::Held { until_ms } => assert!(until_ms > lease.until_ms + 400),
+        s => panic!("{s:?}"),
+    }
+    assert!(matches!(
+        store
+            .claim(&ClaimRequest::new(k.clone(), lease_len))
+            .await
+            .unwrap(),
+        ClaimOutcome::InFlight { .. }
+    ));
+    // An operator forgets the key and another worker claims it: the old holder is fenced.
+    store.forget(&k).await.unwrap();
+    let ClaimOutcome::Acquired(_) = store
+        .claim(&ClaimRequest::new(k.clone(), LONG))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let lost = tokio::time::timeout(Duration::from_secs(2), dog.lost())
+        .await
+        .unwrap();
+    assert_eq!(lost, LeaseLost::Fenced);
+}
+
+/// Renewals failing until the lease ends report `Expired`; dropping stops the renewals.
+#[tokio::test]
+async fn watchdog_reports_expiry_when_the_store_stays_down_and_stops_on_drop() {
+    let mem = Arc::new(MemoryStore::new());
+    let store: Arc<dyn DedupStore> = mem.clone();
+    let k = key(&group(), "down");
+    let lease_len = Duration::from_millis(200);
+    let ClaimOutcome::Acquired(lease) = store
+        .claim(&ClaimRequest::new(k.clone(), lease_len))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let mut dog = LeaseWatchdog::spawn(store.clone(), k.clone(), lease, lease_len);
+    mem.set_available(false);
+    let lost = tokio::time::timeout(Duration::from_secs(2), dog.lost())
+        .await
+        .unwrap();
+    assert_eq!(lost, LeaseLost::Expired);
+    mem.set_available(true);
+
+    // Dropped: no more extensions, the lease ends.
+    let k2 = key(&group(), "dropped");
+    let ClaimOutcome::Acquired(lease) = store
+        .claim(&ClaimRequest::new(k2.clone(), lease_len))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let dog = LeaseWatchdog::spawn(store.clone(), k2.clone(), lease, lease_len);
+    drop(dog);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert!(matches!(
+        store.claim(&ClaimRequest::new(k2, LONG)).await.unwrap(),
+        ClaimOutcome::Acquired(l) if l.takeover
+    ));
+}

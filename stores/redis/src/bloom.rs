@@ -1,0 +1,209 @@
+//! [`RedisBloomFilter`]: a shared never-seen-only pre-filter on the RedisBloom module.
+
+use crate::store::{map_redis_error, validate_prefix};
+use async_trait::async_trait;
+use idemq_core::{DedupKey, FencingToken, StoreError};
+use idemq_layered::{Novelty, PreFilter};
+use redis::aio::ConnectionManager;
+use redis::Value;
+use std::sync::LazyLock;
+
+/// Items per script call (Lua's `unpack` has a bounded stack).
+const CHUNK: usize = 1000;
+
+/// Creates the filter once and records its incarnation next to it.
+const OPEN: &str = r#"
+local inc = redis.call('GET', KEYS[2])
+local exists = redis.call('EXISTS', KEYS[1]) == 1
+if inc then
+  if exists then return inc end
+  return redis.error_reply('IDEMQ_FILTER_LOST filter data is gone but its incarnation marker remains')
+end
+if not exists then redis.call('BF.RESERVE', KEYS[1], ARGV[1], ARGV[2]) end
+redis.call('SET', KEYS[2], ARGV[3])
+return ARGV[3]
+"#;
+
+/// `BF.MEXISTS` / `BF.MADD` guarded by the incarnation, so a filter wiped by a restart
+/// (which `BF.MEXISTS` would report as "nothing seen") is an error, never "never seen".
+const GUARDED: &str = r#"
+if redis.call('GET', KEYS[2]) ~= ARGV[1] or redis.call('EXISTS', KEYS[1]) == 0 then
+  return redis.error_reply('IDEMQ_FILTER_RESET the filter was recreated or lost since it was opened')
+end
+return redis.call(ARGV[2], KEYS[1], unpack(ARGV, 3))
+"#;
+
+static GUARDED_SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(GUARDED));
+
+/// Whether the server has the RedisBloom module loaded (`MODULE LIST` names `bf`).
+pub async fn redisbloom_loaded(conn: &ConnectionManager) -> Result<bool, StoreError> {
+    let mut con = conn.clone();
+    let v: Value = redis::cmd("MODULE")
+        .arg("LIST")
+        .query_async(&mut con)
+        .await
+        .map_err(|e| map_redis_error(&e))?;
+    fn text(v: &Value) -> Option<String> {
+        match v {
+            Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+            Value::SimpleString(s) => Some(s.clone()),
+            _ => None,
+        }
+    }
+    let modules = match v {
+        Value::Array(m) | Value::Set(m) => m,
+        _ => return Ok(false),
+    };
+    for m in modules {
+        let pairs: Vec<(Value, Value)> = match m {
+            Value::Array(kv) => kv
+                .chunks(2)
+                .filter_map(|c| match c {
+                    [k, v] => Some((k.clone(), v.clone())),
+                    _ => None,
+                })
+                .collect(),
+            Value::Map(kv) => kv,
+            _ => continue,
+        };
+        for (k, v) in pairs {
+            if text(&k).as_deref() == Some("name")
+                && matches!(text(&v).as_deref(), Some("bf" | "bloom" | "ReBloom"))
+            {
+                return Ok(true);
+            }
+        }
+    }
+    Ok(false)
+}
+
+/// A bloom filter shared by every worker, kept in Redis by the RedisBloom module
+/// (`BF.RESERVE`, `BF.MADD`, `BF.MEXISTS`). Implements
+/// [`PreFilter`]: it can only prove that a key was *never* inserted.
+///
+/// [`RedisBloomFilter::open`] refuses a server without the module (detected with
+/// `MODULE LIST`). Next to the filter it keeps an incarnation marker; every call checks it,
+/// so a filter lost in a restart (`BF.MEXISTS` on a missing filter says "absent" for
+/// everything) fails instead of calling every key new. A filter only covers keys inserted
+/// since it was created: create it no later than the records of the store it guards.
+///
+/// For gating a fallback ([`FallbackGate::NeverSeenKeys`](idemq_layered::FallbackGate)),
+/// put the filter on a different server than the primary store: if both are down
+/// together, every key counts as "maybe seen" and nothing goes to the fallback.
+#[derive(Clone)]
+pub struct RedisBloomFilter {
+    conn: ConnectionManager,
+    filter_key: String,
+    marker_key: String,
+    incarnation: String,
+}
+
+impl std::fmt::Debug for RedisBloomFilter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisBloomFilter")
+            .field("filter_key", &self.filter_key)
+            .field("incarnation", &self.incarnation)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisBloomFilter {
+    /// Opens (creating if needed) the filter `name` (same character rules as a key
+    /// prefix), sized for `capacity` items at `error_rate` (RedisBloom scales it beyond).
+    ///
+    /// Errors: [`StoreError::Config`] if the server lacks RedisBloom or the arguments are
+    /// invalid; [`StoreError::Backend`] if the filter's data was lost while its marker
+    /// remains (delete `{name}:incarnation` to start a new filter knowingly).
+    pub async fn open(
+        conn: ConnectionManager,
+        name: &str,
+        capacity: u64,
+        error_rate: f64,
+    ) -> Result<Self, StoreError> {
+        validate_prefix(name)?;
+        if !(error_rate > 0.0 && error_rate < 1.0) || capacity == 0 {
+            return Err(StoreError::Config(format!(
+                "bloom filter needs 0 < error_rate < 1 and capacity > 0 (got {error_rate}, {capacity})"
+            )));
+        }
+        if !redisbloom_loaded(&conn).await? {
+            return Err(StoreError::Config(
+                "the Redis server has no RedisBloom module (MODULE LIST has no `bf`): \
+                 load redisbloom.so or use idemq_layered::LocalBloom"
+                    .into(),
+            ));
+        }
+        let filter_key = format!("{{{name}}}:bf");
+        let marker_key = format!("{{{name}}}:incarnation");
+        let mut con = conn.clone();
+        let incarnation: String = redis::Script::new(OPEN)
+            .key(&filter_key)
+            .key(&marker_key)
+            .arg(error_rate)
+            .arg(capacity)
+            .arg(FencingToken::random().to_string())
+            .invoke_async(&mut con)
+            .await
+            .map_err(|e| map_redis_error(&e))?;
+        tracing::debug!(filter = %filter_key, %incarnation, "redisbloom filter opened");
+        Ok(Self {
+            conn,
+            filter_key,
+            marker_key,
+            incarnation,
+        })
+    }
+
+    /// The Redis key of the filter.
+    pub fn filter_key(&self) -> &str {
+        &self.filter_key
+    }
+
+    async fn guarded(&self, command: &str, keys: &[DedupKey]) -> Result<Vec<Novelty>, StoreError> {
+        let mut out = Vec::with_capacity(keys.len());
+        let mut con = self.conn.clone();
+        // BF.MADD: 1 = newly added (was absent). BF.MEXISTS: 1 = maybe present.
+        let added_means_new = command == "BF.MADD";
+        for chunk in keys.chunks(CHUNK) {
+            let mut call = GUARDED_SCRIPT.prepare_invoke();
+            call.key(&self.filter_key)
+                .key(&self.marker_key)
+                .arg(&self.incarnation)
+                .arg(command);
+            for k in chunk {
+                call.arg(k.as_str());
+            }
+            let bits: Vec<i64> = call
+                .invoke_async(&mut con)
+                .await
+                .map_err(|e| map_redis_error(&e))?;
+            if bits.len() != chunk.len() {
+                return Err(StoreError::Backend(format!(
+                    "{command} answered {} items for {}",
+                    bits.len(),
+                    chunk.len()
+                )));
+            }
+            out.extend(bits.into_iter().map(|b| match (added_means_new, b) {
+                (true, 1) | (false, 0) => Novelty::NeverSeen,
+                _ => Novelty::MaybeSeen,
+            }));
+        }
+        Ok(out)
+    }
+}
+
+#[async_trait]
+impl PreFilter for RedisBloomFilter {
+    async fn insert(&self, keys: &[DedupKey]) -> Result<Vec<Novelty>, StoreError> {
+        self.guarded("BF.MADD", keys).await
+    }
+
+    async fn check(&self, keys: &[DedupKey]) -> Result<Vec<Novelty>, StoreError> {
+        self.guarded("BF.MEXISTS", keys).await
+    }
+
+    fn describe(&self) -> String {
+        format!("redisbloom {}", self.filter_key)
+    }
+}

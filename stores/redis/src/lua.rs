@@ -1,0 +1,207 @@
+//! The Lua scripts. Each one runs atomically on the server, so a read-decide-write cannot
+//! interleave with another worker's.
+//!
+//! Record encoding (one Redis string per key, see [`crate::codec`]):
+//!
+//! ```text
+//! i1|<status 0|1>|<token>|<payload hex?>|<worker len?>|<worker>|<lease_until>|<attempts>|<first_seen>|<completed?>|<expires?>|<'-' | '+'<result bytes>>
+//! ```
+//!
+//! The identity part (token, payload hash, worker) comes first, so every rewrite keeps it
+//! as one substring. Times are milliseconds since the Unix epoch, read by the client
+//! process (`idemq_core::now_ms`) and passed to every script as `ARGV[1]`: the fresh-claim
+//! fast path writes whole records without a script, so scripts use the same clock.
+
+use std::sync::LazyLock;
+
+const PRELUDE: &str = r#"
+local now = tonumber(ARGV[1])
+local function fmt(n) return string.format('%d', n) end
+-- body: 'token|payload|wlen|worker|' (identity, kept by every rewrite); tail: result marker
+local function parse(v)
+  local st, tok, ph, wl, wpos = string.match(v, '^i1|([01])|(%d+)|(%x*)|(%d*)|()')
+  if not st then return nil end
+  local tpos = wpos + (tonumber(wl) or 0)
+  local lu, att, fs, cm, ex, rpos = string.match(v, '^|(%d+)|(%d+)|(%d+)|(%d*)|(%d*)|()', tpos)
+  if not lu then return nil end
+  return { st = st, tok = tok, ph = ph, body = string.sub(v, 6, tpos), lus = lu,
+           lu = tonumber(lu), atts = att, att = tonumber(att), fs = fs, cm = cm, ex = ex,
+           tail = string.sub(v, rpos) }
+end
+"#;
+
+/// The whole claim, atomically: `idemq_core::evaluate_claim`'s rules in Lua (retention
+/// over → fresh; lease ended, by crash or release → takeover whatever the payload;
+/// payload differs → conflict; completed → duplicate; else in flight).
+///
+/// `KEYS` = the keys; `ARGV[1]` = now, `ARGV[2]` = in-progress grace ms; then per key its
+/// lease ms and the identity part of its fresh record,
+/// `i1|0|<token>|<payload hex or empty>|<worker len or empty>|<worker>|`.
+///
+/// Reply: a flat list `[i, code, payload, ...]` naming only the keys that were *not*
+/// acquired fresh (`i` is the 1-based key index): code 1 re-acquired after release
+/// (payload attempt), 2 takeover (payload attempt), 3 duplicate (payload record), 4 in
+/// flight (payload lease end), 5 conflict (payload record), 9 unreadable value (payload
+/// reason; nothing written for that key). Every key not named was acquired, attempt 1.
+const CLAIM_BODY: &str = r#"
+local grace = tonumber(ARGV[2])
+local nows = fmt(now)
+local out = {}
+local n = 0
+for i = 1, #KEYS do
+  local k = KEYS[i]
+  local lease = tonumber(ARGV[1 + 2 * i])
+  local id = ARGV[2 + 2 * i]
+  local lumid = fmt(now + lease) .. '|'
+  local px = lease + grace
+  local fresh = id .. lumid .. '1|' .. nows .. '|||-'
+  if not redis.call('SET', k, fresh, 'NX', 'PX', px) then
+    local v = redis.pcall('GET', k)
+    local r = nil
+    if type(v) == 'string' then r = parse(v) end
+    local code, payload = nil, nil
+    if not r then
+      code = 9
+      if type(v) == 'table' and v.err then payload = v.err else payload = 'not an idemq record' end
+    elseif r.st == '1' and r.ex ~= '' and tonumber(r.ex) <= now then
+      redis.call('SET', k, fresh, 'PX', px)
+    elseif r.st == '0' and r.lu <= now then
+      -- An ended lease (crash or release) is taken over whatever payload it had.
+      local att = r.att + 1
+      redis.call('SET', k, id .. lumid .. fmt(att) .. '|' .. r.fs .. '|||-', 'PX', px)
+      if r.lu > 0 then code = 2 else code = 1 end
+      payload = att
+    else
+      local ph = string.match(id, '^i1|0|%d+|(%x*)|') or ''
+      if r.ph ~= '' and ph ~= '' and r.ph ~= ph then
+        code, payload = 5, v
+      elseif r.st == '1' then
+        code, payload = 3, v
+      else
+        code, payload = 4, r.lu
+      end
+    end
+    if code then
+      out[n + 1] = i
+      out[n + 2] = code
+      out[n + 3] = payload
+      n = n + 3
+    end
+  end
+end
+return out
+"#;
+
+/// `KEYS` = the keys; `ARGV[1]` = now, `ARGV[2]` = completed grace ms; then per key:
+/// token, retention ms, result field (`-` or `+<bytes>`). Reply: one integer per key,
+/// 1 completed (idempotent for the owning token), 0 fenced (another token, released, or
+/// gone), 9 unreadable value.
+const COMPLETE_BODY: &str = r#"
+local nows = fmt(now)
+local grace = tonumber(ARGV[2])
+local out = {}
+for i = 1, #KEYS do
+  local k = KEYS[i]
+  local b = 2 + (i - 1) * 3
+  local tok = ARGV[b + 1]
+  local ret = tonumber(ARGV[b + 2])
+  local res = ARGV[b + 3]
+  local v = redis.pcall('GET', k)
+  if type(v) ~= 'string' then
+    if type(v) == 'table' then out[i] = 9 else out[i] = 0 end
+  else
+    local r = parse(v)
+    if not r then
+      out[i] = 9
+    elseif r.tok ~= tok then
+      out[i] = 0
+    elseif r.st == '1' then
+      out[i] = 1
+    elseif r.lu == 0 then
+      out[i] = 0 -- released: the token owns nothing
+    else
+      local nv = 'i1|1|' .. r.body .. r.lus .. '|' .. r.atts .. '|' .. r.fs .. '|' ..
+        nows .. '|' .. fmt(now + ret) .. '|' .. res
+      redis.call('SET', k, nv, 'PX', ret + grace)
+      out[i] = 1
+    end
+  end
+end
+return out
+"#;
+
+/// `KEYS[1]`; `ARGV` = now, token, in-progress grace ms. Reply 1 released, 0 fenced (not
+/// the token's, completed, or already released), 9 unreadable.
+const RELEASE_BODY: &str = r#"
+local v = redis.pcall('GET', KEYS[1])
+if type(v) == 'table' then return 9 end
+if not v then return 0 end
+local r = parse(v)
+if not r then return 9 end
+if r.tok ~= ARGV[2] or r.st ~= '0' or r.lu == 0 then return 0 end
+local nv = 'i1|0|' .. r.body .. '0|' .. r.atts .. '|' .. r.fs .. '|' .. r.cm .. '|' .. r.ex ..
+  '|' .. r.tail
+redis.call('SET', KEYS[1], nv, 'PX', tonumber(ARGV[3]))
+return 1
+"#;
+
+/// `KEYS[1]`; `ARGV` = now, token, lease ms, in-progress grace ms. Reply: new lease end,
+/// 0 fenced (not the token's, completed, or released), -1 unreadable. An ended lease not
+/// taken over still belongs to its token and can be extended.
+const EXTEND_BODY: &str = r#"
+local v = redis.pcall('GET', KEYS[1])
+if type(v) == 'table' then return -1 end
+if not v then return 0 end
+local r = parse(v)
+if not r then return -1 end
+if r.tok ~= ARGV[2] or r.st ~= '0' or r.lu == 0 then return 0 end
+local lease = tonumber(ARGV[3])
+local lu = now + lease
+local nv = 'i1|0|' .. r.body .. fmt(lu) .. '|' .. r.atts .. '|' .. r.fs .. '|' .. r.cm ..
+  '|' .. r.ex .. '|' .. r.tail
+redis.call('SET', KEYS[1], nv, 'PX', lease + tonumber(ARGV[4]))
+return lu
+"#;
+
+/// `KEYS` = candidate keys from a SCAN; `ARGV` = now, how many may still be deleted.
+/// Deletes completed records whose retention ended; replies with the count.
+const PURGE_BODY: &str = r#"
+local lim = tonumber(ARGV[2])
+local n = 0
+for i = 1, #KEYS do
+  if n >= lim then break end
+  local v = redis.pcall('GET', KEYS[i])
+  if type(v) == 'string' then
+    local r = parse(v)
+    if r and r.st == '1' and r.ex ~= '' and tonumber(r.ex) <= now then
+      redis.call('DEL', KEYS[i])
+      n = n + 1
+    end
+  end
+end
+return n
+"#;
+
+/// A script: its source and SHA1, for `EVALSHA` with a `SCRIPT LOAD` after `NOSCRIPT`.
+pub(crate) struct Lua {
+    pub(crate) name: &'static str,
+    pub(crate) sha: String,
+    pub(crate) src: String,
+}
+
+fn lua(name: &'static str, body: &str) -> Lua {
+    let src = format!("{PRELUDE}{body}");
+    let sha = redis::Script::new(&src).get_hash().to_string();
+    Lua { name, sha, src }
+}
+
+pub(crate) static CLAIM: LazyLock<Lua> = LazyLock::new(|| lua("claim", CLAIM_BODY));
+pub(crate) static COMPLETE: LazyLock<Lua> = LazyLock::new(|| lua("complete", COMPLETE_BODY));
+pub(crate) static RELEASE: LazyLock<Lua> = LazyLock::new(|| lua("release", RELEASE_BODY));
+pub(crate) static EXTEND: LazyLock<Lua> = LazyLock::new(|| lua("extend", EXTEND_BODY));
+pub(crate) static PURGE: LazyLock<Lua> = LazyLock::new(|| lua("purge", PURGE_BODY));
+
+/// Every script, for loading them up front.
+pub(crate) fn all() -> [&'static Lua; 5] {
+    [&CLAIM, &COMPLETE, &RELEASE, &EXTEND, &PURGE]
+}

@@ -1,0 +1,1106 @@
+//! [`RedisStore`]: the claim contract as Lua scripts over one Redis string per key.
+
+use crate::codec::{claim_identity, decode_record, result_field, write_identity};
+use crate::lua::{self, Lua};
+use async_trait::async_trait;
+use idemq_core::store::{check_distinct_keys, duration_ms};
+use idemq_core::{
+    evaluate_claim, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome, Completion,
+    DedupKey, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease, RecordStatus,
+    ReleaseOutcome, StoreError,
+};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::{Cmd, RedisError, Value};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The key prefix used unless configured.
+pub const DEFAULT_PREFIX: &str = "idemq";
+/// The longest key prefix accepted.
+pub const MAX_PREFIX_LEN: usize = 64;
+/// How long an in-progress record stays in Redis after its lease ends (so a crashed
+/// worker's key can be taken over with its attempt count and shows in `list_stuck`).
+pub const DEFAULT_IN_PROGRESS_GRACE: Duration = Duration::from_secs(24 * 3600);
+/// How long a completed record stays in Redis after its retention ends (visible to
+/// `get` and deleted by `purge_expired`; Redis drops it by itself afterwards).
+pub const DEFAULT_COMPLETED_GRACE: Duration = Duration::from_secs(600);
+/// Keys per script invocation; larger batches become several invocations in one pipeline.
+pub const DEFAULT_MAX_KEYS_PER_SCRIPT: usize = 512;
+
+/// Longest duration passed to Redis (1000 years): keeps every timestamp exact in Lua's
+/// doubles and far from `i64` overflow.
+const MAX_MS: i64 = 1000 * 365 * 24 * 3600 * 1000;
+
+fn clamp_ms(d: Duration) -> i64 {
+    duration_ms(d).clamp(0, MAX_MS)
+}
+
+/// Checks a key prefix: 1 to 64 characters of `A-Z a-z 0-9 _ . -`.
+///
+/// Anything else could break the `SCAN MATCH <prefix>:*` pattern (`*`, `?`, `[`), the hash
+/// tag (`{`, `}`), or the key layout (`:`, spaces, newlines).
+///
+/// ```
+/// use idemq_redis::validate_prefix;
+/// assert!(validate_prefix("idemq.payments-v2").is_ok());
+/// for bad in ["", "a b", "x*", "{", "a\nb", "a:b"] {
+///     assert!(validate_prefix(bad).is_err());
+/// }
+/// ```
+pub fn validate_prefix(prefix: &str) -> Result<(), StoreError> {
+    let ok = !prefix.is_empty()
+        && prefix.len() <= MAX_PREFIX_LEN
+        && prefix
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::Config(format!(
+            "invalid Redis key prefix {prefix:?}: use 1 to {MAX_PREFIX_LEN} characters from A-Z a-z 0-9 _ . -"
+        )))
+    }
+}
+
+/// Maps a Redis client error: connection, IO, timeout and transient server states are
+/// [`StoreError::Unavailable`] (back off, retry, never ack); the rest is
+/// [`StoreError::Backend`].
+pub fn map_redis_error(e: &RedisError) -> StoreError {
+    use redis::ErrorKind as K;
+    let transient = e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || matches!(
+            e.kind(),
+            K::BusyLoadingError
+                | K::TryAgain
+                | K::ClusterDown
+                | K::MasterDown
+                | K::ReadOnly
+                | K::ClusterConnectionNotFound
+        )
+        || matches!(e.code(), Some("OOM" | "LOADING" | "BUSY"));
+    if transient {
+        StoreError::Unavailable(format!("redis: {e}"))
+    } else {
+        StoreError::Backend(format!("redis: {e}"))
+    }
+}
+
+/// The same script call as `EVAL <source>` instead of `EVALSHA <sha>`.
+fn with_source(cmd: &Cmd, s: &Lua) -> Cmd {
+    let mut c = redis::cmd("EVAL");
+    c.arg(&s.src);
+    for a in cmd.args_iter().skip(2) {
+        if let redis::Arg::Simple(bytes) = a {
+            c.arg(bytes);
+        }
+    }
+    c
+}
+
+fn store_err(e: RedisError) -> StoreError {
+    map_redis_error(&e)
+}
+
+/// The settings of a [`RedisStore`] (see the [`RedisStoreBuilder`] methods for each).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RedisStoreOptions {
+    /// Key prefix (default [`DEFAULT_PREFIX`]); validated by [`validate_prefix`].
+    pub prefix: String,
+    /// Hash-tag the consumer group (default `false`).
+    pub hash_tag: bool,
+    /// How long in-progress records outlive their lease (default [`DEFAULT_IN_PROGRESS_GRACE`]).
+    pub in_progress_grace: Duration,
+    /// How long completed records outlive their retention (default [`DEFAULT_COMPLETED_GRACE`]).
+    pub completed_grace: Duration,
+    /// Timeout of each connection attempt (default 2 s).
+    pub connect_timeout: Duration,
+    /// Timeout of each request (default 5 s).
+    pub response_timeout: Duration,
+    /// Reconnection attempts before a request fails while Redis is down (default 2).
+    pub reconnect_retries: usize,
+    /// Keys per script invocation (default [`DEFAULT_MAX_KEYS_PER_SCRIPT`]).
+    pub max_keys_per_script: usize,
+    /// `COUNT` hint of the `SCAN`s (default 1000).
+    pub scan_count: usize,
+    /// `SCAN` work one `purge_expired` call may do, in slots examined (each `SCAN` counts
+    /// its `COUNT`); default unlimited: one full sweep at most per call.
+    pub purge_scan_budget: usize,
+    /// `SET NX GET` claim fast path on Redis >= 7.0 (default `true`).
+    pub fast_claims: bool,
+}
+
+impl Default for RedisStoreOptions {
+    fn default() -> Self {
+        Self {
+            prefix: DEFAULT_PREFIX.into(),
+            hash_tag: false,
+            in_progress_grace: DEFAULT_IN_PROGRESS_GRACE,
+            completed_grace: DEFAULT_COMPLETED_GRACE,
+            connect_timeout: Duration::from_secs(2),
+            response_timeout: Duration::from_secs(5),
+            reconnect_retries: 2,
+            max_keys_per_script: DEFAULT_MAX_KEYS_PER_SCRIPT,
+            scan_count: 1000,
+            purge_scan_budget: usize::MAX,
+            fast_claims: true,
+        }
+    }
+}
+
+/// Configures and connects a [`RedisStore`].
+#[derive(Debug, Clone)]
+pub struct RedisStoreBuilder {
+    url: String,
+    opts: RedisStoreOptions,
+}
+
+impl RedisStoreBuilder {
+    /// Replaces every setting at once.
+    pub fn options(mut self, opts: RedisStoreOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+
+    /// Key prefix (default [`DEFAULT_PREFIX`]); validated by [`validate_prefix`] at connect.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.opts.prefix = prefix.into();
+        self
+    }
+
+    /// Put the consumer group in a hash tag, `<prefix>:{<group>}:<key>`, so a Redis Cluster
+    /// keeps a group's keys in one slot (default off: `<prefix>:<group>:<key>`). Batches
+    /// are then split per group, one script per group, still in one round trip.
+    pub fn hash_tag(mut self, on: bool) -> Self {
+        self.opts.hash_tag = on;
+        self
+    }
+
+    /// How long in-progress records outlive their lease (default
+    /// [`DEFAULT_IN_PROGRESS_GRACE`]; at least 1 ms).
+    pub fn in_progress_grace(mut self, d: Duration) -> Self {
+        self.opts.in_progress_grace = d;
+        self
+    }
+
+    /// How long completed records outlive their retention (default
+    /// [`DEFAULT_COMPLETED_GRACE`]; at least 1 ms). Claims treat them as gone as soon as
+    /// the retention ends; the grace only keeps them visible to `get` and `purge_expired`.
+    pub fn completed_grace(mut self, d: Duration) -> Self {
+        self.opts.completed_grace = d;
+        self
+    }
+
+    /// Timeout of each connection attempt (default 2 s).
+    pub fn connect_timeout(mut self, d: Duration) -> Self {
+        self.opts.connect_timeout = d;
+        self
+    }
+
+    /// Timeout of each request (default 5 s); a timeout is [`StoreError::Unavailable`].
+    pub fn response_timeout(mut self, d: Duration) -> Self {
+        self.opts.response_timeout = d;
+        self
+    }
+
+    /// Reconnection attempts before a request fails while Redis is down (default 2; the
+    /// next request starts a new round). Keep it small: the caller retries anyway.
+    pub fn reconnect_retries(mut self, n: usize) -> Self {
+        self.opts.reconnect_retries = n;
+        self
+    }
+
+    /// Keys per script invocation (default [`DEFAULT_MAX_KEYS_PER_SCRIPT`]).
+    pub fn max_keys_per_script(mut self, n: usize) -> Self {
+        self.opts.max_keys_per_script = n.max(1);
+        self
+    }
+
+    /// Claim fresh keys with a pipelined `SET key record NX GET PX ttl` (default `true`,
+    /// used only when the server is Redis 7.0 or newer): fresh, duplicate, in-flight and
+    /// conflict answers then cost what a raw `SET NX` costs, in one round trip; the keys
+    /// whose record must be rewritten (takeover after a crash, retention over) go through
+    /// the claim script in a second round trip. `false`: every batch is one script call,
+    /// always one round trip, about 1.5x the server CPU per key.
+    pub fn fast_claims(mut self, on: bool) -> Self {
+        self.opts.fast_claims = on;
+        self
+    }
+
+    /// `COUNT` hint of the `SCAN`s behind `purge_expired`, `list_stuck` (default 1000).
+    pub fn scan_count(mut self, n: usize) -> Self {
+        self.opts.scan_count = n.max(1);
+        self
+    }
+
+    /// Bounds the `SCAN` work of one `purge_expired` call, in slots examined (each `SCAN`
+    /// counts its `COUNT`; default unlimited, i.e. at most one full sweep per call); the
+    /// next call resumes the sweep where this one stopped. `SCAN MATCH` walks the whole
+    /// database, so the cost follows the database's size, not the prefix's.
+    pub fn purge_scan_budget(mut self, n: usize) -> Self {
+        self.opts.purge_scan_budget = n.max(1);
+        self
+    }
+
+    fn settings(&self) -> Result<Settings, StoreError> {
+        validate_prefix(&self.opts.prefix)?;
+        Ok(Settings {
+            prefix: self.opts.prefix.clone(),
+            pattern: format!("{}:*", self.opts.prefix),
+            hash_tag: self.opts.hash_tag,
+            in_progress_grace_ms: clamp_ms(self.opts.in_progress_grace).max(1),
+            completed_grace_ms: clamp_ms(self.opts.completed_grace).max(1),
+            max_keys_per_script: self.opts.max_keys_per_script,
+            scan_count: self.opts.scan_count,
+            purge_scan_budget: self.opts.purge_scan_budget.max(1),
+        })
+    }
+
+    /// Validates the configuration, connects (a [`ConnectionManager`] of its own, which
+    /// reconnects after a Redis restart) and loads the scripts.
+    pub async fn connect(self) -> Result<RedisStore, StoreError> {
+        let settings = self.settings()?;
+        let client = redis::Client::open(self.url.as_str())
+            .map_err(|e| StoreError::Config(format!("invalid Redis URL: {e}")))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(self.opts.connect_timeout)
+            .set_response_timeout(self.opts.response_timeout)
+            .set_number_of_retries(self.opts.reconnect_retries)
+            .set_factor(50)
+            .set_max_delay(250);
+        let conn = ConnectionManager::new_with_config(client, config)
+            .await
+            .map_err(store_err)?;
+        RedisStore::from_parts(conn, settings, self.opts.fast_claims).await
+    }
+
+    /// Like [`RedisStoreBuilder::connect`] over an existing connection (shared with other
+    /// users; its own timeouts and reconnection apply). The URL is ignored.
+    pub async fn with_connection(self, conn: ConnectionManager) -> Result<RedisStore, StoreError> {
+        let settings = self.settings()?;
+        RedisStore::from_parts(conn, settings, self.opts.fast_claims).await
+    }
+}
+
+#[derive(Debug)]
+struct Settings {
+    prefix: String,
+    pattern: String,
+    hash_tag: bool,
+    in_progress_grace_ms: i64,
+    completed_grace_ms: i64,
+    max_keys_per_script: usize,
+    scan_count: usize,
+    purge_scan_budget: usize,
+}
+
+/// A [`DedupStore`] on Redis: each record is one string at `<prefix>:<dedup key>` (or
+/// `<prefix>:{<group>}:<key>` with [hash tags](RedisStoreBuilder::hash_tag)). A record is
+/// only ever created by `SET NX` and only ever changed by a Lua script, so every
+/// read-decide-write is atomic.
+///
+/// - **claim** (batch = one round trip): a pipelined `SET key record NX GET PX ttl` per
+///   key. Nil = acquired fresh; otherwise the existing record comes back and
+///   [`idemq_core::evaluate_claim`] itself answers duplicate / in flight / conflict (a
+///   snapshot read: no write, nothing to race). Only the keys whose record must be
+///   rewritten — an expired lease to take over (attempt + 1), a completed record past its
+///   retention — go through the claim script, which applies the same rules atomically in
+///   Lua (a second round trip, on the crash-recovery path only). With
+///   [`fast_claims(false)`](RedisStoreBuilder::fast_claims), or on Redis < 7.0, every batch
+///   is one script call instead.
+/// - **complete**: compare-token-and-set, idempotent for the owning token, else `Fenced`;
+///   **release**: compare-token, lease set to 0; **extend**: compare-token, new lease.
+///   Batches are one script call per group with hash tags, in one pipeline.
+/// - **TTL**: an in-progress key lives `lease + in_progress_grace`, a completed key
+///   `retention + completed_grace`. Claims go by the stored timestamps, so a completed key
+///   is claimable afresh exactly when its retention ends; the grace only keeps it around
+///   for `get` / `purge_expired`. Redis deletes it by itself afterwards, so purging is
+///   optional on Redis.
+/// - **time**: milliseconds since the epoch from this process's clock
+///   ([`idemq_core::now_ms`]), for the fast path and every script alike; as the contract
+///   says, lease margins must exceed the clock skew between workers.
+/// - **errors**: connection refused, IO and timeouts are [`StoreError::Unavailable`]; the
+///   [`ConnectionManager`] reconnects in the background after a restart, and scripts are
+///   reloaded after `NOSCRIPT`. A reply lost in a crash can leave a claim made and
+///   unanswered: the key then answers `InFlight` until its lease ends and is taken over —
+///   late, never lost, never doubled.
+/// - **scope**: one standalone Redis (or a proxy). Hash tags prepare the keyspace for a
+///   Cluster, but the connection is not cluster-aware, and `purge_expired`, `list_stuck`
+///   scan one node.
+///
+/// ```no_run
+/// # async fn demo() -> Result<(), idemq_core::StoreError> {
+/// use idemq_redis::RedisStore;
+/// let store = RedisStore::builder("redis://127.0.0.1:6379/")
+///     .prefix("payments")
+///     .hash_tag(true)
+///     .connect()
+///     .await?;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct RedisStore {
+    conn: ConnectionManager,
+    cfg: Arc<Settings>,
+    fast_claims: bool,
+    /// Where the next `purge_expired` resumes its `SCAN`.
+    purge_cursor: Arc<AtomicU64>,
+}
+
+impl std::fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.cfg.prefix)
+            .field("hash_tag", &self.cfg.hash_tag)
+            .field("fast_claims", &self.fast_claims)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One decoded claim answer, before errors are settled for the whole batch.
+type ClaimAnswer = Result<ClaimOutcome, StoreError>;
+
+impl RedisStore {
+    /// A builder for `url` (`redis://[user:password@]host:port/db`).
+    pub fn builder(url: impl Into<String>) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            url: url.into(),
+            opts: RedisStoreOptions::default(),
+        }
+    }
+
+    /// Connects to `url` with `options` (`RedisStoreOptions::default()` for the defaults).
+    pub async fn connect(url: &str, options: RedisStoreOptions) -> Result<Self, StoreError> {
+        Self::builder(url).options(options).connect().await
+    }
+
+    async fn from_parts(
+        conn: ConnectionManager,
+        cfg: Settings,
+        fast_claims: bool,
+    ) -> Result<Self, StoreError> {
+        let mut store = Self {
+            conn,
+            cfg: Arc::new(cfg),
+            fast_claims: false,
+            purge_cursor: Arc::new(AtomicU64::new(0)),
+        };
+        for s in lua::all() {
+            store.load(s).await?;
+        }
+        if fast_claims {
+            // `SET ... NX GET` needs Redis 7.0.
+            let version = store.server_version().await?;
+            store.fast_claims = version >= (7, 0);
+            if !store.fast_claims {
+                tracing::info!(
+                    ?version,
+                    "redis older than 7.0: every claim goes through the claim script"
+                );
+            }
+        }
+        tracing::debug!(
+            prefix = %store.cfg.prefix,
+            hash_tag = store.cfg.hash_tag,
+            fast_claims = store.fast_claims,
+            "redis dedup store ready"
+        );
+        Ok(store)
+    }
+
+    async fn server_version(&self) -> Result<(u32, u32), StoreError> {
+        let mut con = self.conn.clone();
+        let info: String = redis::cmd("INFO")
+            .arg("server")
+            .query_async(&mut con)
+            .await
+            .map_err(store_err)?;
+        let v = info
+            .lines()
+            .find_map(|l| l.strip_prefix("redis_version:"))
+            .unwrap_or("0.0");
+        let mut it = v.trim().split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+        Ok((it.next().unwrap_or(0), it.next().unwrap_or(0)))
+    }
+
+    /// Whether fresh claims use the `SET NX GET` fast path (see
+    /// [`RedisStoreBuilder::fast_claims`]).
+    pub fn fast_claims(&self) -> bool {
+        self.fast_claims
+    }
+
+    /// The key prefix.
+    pub fn prefix(&self) -> &str {
+        &self.cfg.prefix
+    }
+
+    /// The connection (cheap to clone; shares the socket), e.g. for a
+    /// [`RedisBloomFilter`](crate::RedisBloomFilter) on the same server.
+    pub fn connection(&self) -> ConnectionManager {
+        self.conn.clone()
+    }
+
+    /// The Redis key holding `key`'s record.
+    pub fn redis_key(&self, key: &DedupKey) -> String {
+        let mut out = Vec::with_capacity(self.cfg.prefix.len() + key.as_str().len() + 3);
+        self.write_redis_key(&mut out, key);
+        // Prefix and key are UTF-8, and only ASCII is added.
+        String::from_utf8(out)
+            .unwrap_or_else(|e| String::from_utf8_lossy(e.as_bytes()).into_owned())
+    }
+
+    fn write_redis_key(&self, out: &mut Vec<u8>, key: &DedupKey) {
+        out.extend_from_slice(self.cfg.prefix.as_bytes());
+        out.push(b':');
+        if self.cfg.hash_tag {
+            if let Some((group, rest)) = key.as_str().split_once(':') {
+                out.push(b'{');
+                out.extend_from_slice(group.as_bytes());
+                out.extend_from_slice(b"}:");
+                out.extend_from_slice(rest.as_bytes());
+                return;
+            }
+        }
+        out.extend_from_slice(key.as_str().as_bytes());
+    }
+
+    /// The dedup key stored at a Redis key of this store's keyspace.
+    pub fn dedup_key_of(&self, redis_key: &[u8]) -> Option<DedupKey> {
+        let s = std::str::from_utf8(redis_key).ok()?;
+        let rest = s
+            .strip_prefix(self.cfg.prefix.as_str())?
+            .strip_prefix(':')?;
+        if self.cfg.hash_tag {
+            if let Some(tagged) = rest.strip_prefix('{') {
+                if let Some((group, key)) = tagged.split_once("}:") {
+                    return Some(DedupKey::from_stored(format!("{group}:{key}")));
+                }
+            }
+        }
+        Some(DedupKey::from_stored(rest))
+    }
+
+    async fn load(&self, s: &Lua) -> Result<(), StoreError> {
+        let mut con = self.conn.clone();
+        let sha: String = redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(&s.src)
+            .query_async(&mut con)
+            .await
+            .map_err(store_err)?;
+        if sha != s.sha {
+            return Err(StoreError::Backend(format!(
+                "SCRIPT LOAD of {} returned {sha}, expected {}",
+                s.name, s.sha
+            )));
+        }
+        Ok(())
+    }
+
+    /// Runs `EVALSHA` commands in one round trip. Commands answered `NOSCRIPT` (a
+    /// restarted or flushed server) are re-sent once as `EVAL` with the source, which
+    /// works whatever the script cache holds and caches the script again.
+    async fn eval_many(&self, s: &Lua, cmds: &[Cmd]) -> Result<Vec<Value>, StoreError> {
+        let mut con = self.conn.clone();
+        let mut out: Vec<Option<Value>> = vec![None; cmds.len()];
+        let noscript = self.send_scripts(&mut con, cmds.iter(), &mut out).await?;
+        if !noscript.is_empty() {
+            tracing::info!(
+                script = s.name,
+                "redis lost its script cache (restart or SCRIPT FLUSH); sending the source"
+            );
+            let by_source: Vec<Cmd> = noscript.iter().map(|&i| with_source(&cmds[i], s)).collect();
+            let mut again: Vec<Option<Value>> = vec![None; by_source.len()];
+            let still = self
+                .send_scripts(&mut con, by_source.iter(), &mut again)
+                .await?;
+            if !still.is_empty() {
+                return Err(StoreError::Backend(format!(
+                    "EVAL of script {} answered NOSCRIPT",
+                    s.name
+                )));
+            }
+            for (i, v) in noscript.into_iter().zip(again) {
+                out[i] = v;
+            }
+        }
+        out.into_iter()
+            .map(|v| v.ok_or_else(|| StoreError::Backend("missing script reply".into())))
+            .collect()
+    }
+
+    /// Sends `cmds` in one round trip, filling `out`; returns the positions that got
+    /// `NOSCRIPT`.
+    async fn send_scripts<'c>(
+        &self,
+        con: &mut ConnectionManager,
+        cmds: impl ExactSizeIterator<Item = &'c Cmd>,
+        out: &mut [Option<Value>],
+    ) -> Result<Vec<usize>, StoreError> {
+        let n = cmds.len();
+        let replies: Vec<Value> = if n == 1 {
+            let mut cmds = cmds;
+            let Some(only) = cmds.next() else {
+                return Ok(Vec::new());
+            };
+            match con.req_packed_command(only).await {
+                Ok(v) => vec![v],
+                Err(e) if e.kind() == redis::ErrorKind::NoScriptError => return Ok(vec![0]),
+                Err(e) => return Err(store_err(e)),
+            }
+        } else {
+            let mut pipe = redis::pipe();
+            for c in cmds {
+                pipe.add_command(c.clone());
+            }
+            con.req_packed_commands(&pipe, 0, n)
+                .await
+                .map_err(store_err)?
+        };
+        if replies.len() != n {
+            return Err(StoreError::Backend(format!(
+                "redis answered {} replies to {n} commands",
+                replies.len()
+            )));
+        }
+        let mut noscript = Vec::new();
+        for (i, v) in replies.into_iter().enumerate() {
+            match v {
+                Value::ServerError(e) if e.code() == "NOSCRIPT" => noscript.push(i),
+                Value::ServerError(e) => return Err(store_err(e.into())),
+                v => out[i] = Some(v),
+            }
+        }
+        Ok(noscript)
+    }
+
+    /// Splits keys into script invocations: per group with hash tags (one slot each), and
+    /// at most `max_keys_per_script` keys each. Returns positions in `keys`, in order.
+    fn partition<'a>(&self, keys: impl Iterator<Item = &'a DedupKey>) -> Vec<Vec<usize>> {
+        let max = self.cfg.max_keys_per_script;
+        let mut parts: Vec<(&str, Vec<usize>)> = Vec::new();
+        for (i, k) in keys.enumerate() {
+            let g = if self.cfg.hash_tag { k.group() } else { "" };
+            match parts
+                .iter_mut()
+                .rev()
+                .find(|(pg, v)| *pg == g && v.len() < max)
+            {
+                Some((_, v)) => v.push(i),
+                None => parts.push((g, vec![i])),
+            }
+        }
+        parts.into_iter().map(|(_, v)| v).collect()
+    }
+
+    fn corrupt(key: &DedupKey, reason: impl std::fmt::Display) -> StoreError {
+        StoreError::Corrupt {
+            key: key.to_string(),
+            reason: reason.to_string(),
+        }
+    }
+
+    fn decode(key: &DedupKey, v: &Value) -> Result<DedupRecord, StoreError> {
+        match v {
+            Value::BulkString(b) => {
+                decode_record(key.clone(), b).map_err(|e| Self::corrupt(key, e))
+            }
+            other => Err(Self::corrupt(
+                key,
+                format!("unexpected script reply {other:?}"),
+            )),
+        }
+    }
+
+    fn int(v: &Value) -> Result<i64, StoreError> {
+        match v {
+            Value::Int(i) => Ok(*i),
+            other => Err(StoreError::Backend(format!(
+                "unexpected script reply {other:?}, expected an integer"
+            ))),
+        }
+    }
+
+    async fn scan_chunk(&self, cursor: u64) -> Result<(u64, Vec<Vec<u8>>), StoreError> {
+        let mut con = self.conn.clone();
+        redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(&self.cfg.pattern)
+            .arg("COUNT")
+            .arg(self.cfg.scan_count)
+            .query_async(&mut con)
+            .await
+            .map_err(store_err)
+    }
+
+    /// The fast path, one round trip: `SET key record NX GET PX ttl` per key, pipelined.
+    /// A nil reply is a fresh acquisition; an existing record is judged by
+    /// [`evaluate_claim`] itself. Returns the keys whose record must be rewritten
+    /// (takeover, retention over), which go through the claim script.
+    async fn claim_fast(
+        &self,
+        reqs: &[ClaimRequest],
+        tokens: &[FencingToken],
+        leases: &[i64],
+        answers: &mut [Option<ClaimAnswer>],
+    ) -> Result<Vec<usize>, StoreError> {
+        let now = now_ms();
+        let mut pipe = redis::pipe();
+        // One scratch buffer for every key and record: the pipeline copies the bytes.
+        let (mut k, mut v) = (Vec::with_capacity(128), Vec::with_capacity(256));
+        for (i, r) in reqs.iter().enumerate() {
+            use std::io::Write;
+            k.clear();
+            self.write_redis_key(&mut k, &r.key);
+            v.clear();
+            write_identity(
+                &mut v,
+                tokens[i],
+                r.payload_hash.as_ref(),
+                r.worker.as_deref(),
+            );
+            // Writing into a Vec cannot fail.
+            let _ = write!(v, "{}|1|{now}|||-", now + leases[i]);
+            pipe.cmd("SET")
+                .arg(&k[..])
+                .arg(&v[..])
+                .arg("NX")
+                .arg("GET")
+                .arg("PX")
+                .arg(leases[i] + self.cfg.in_progress_grace_ms);
+        }
+        let mut con = self.conn.clone();
+        let vals = con
+            .req_packed_commands(&pipe, 0, reqs.len())
+            .await
+            .map_err(store_err)?;
+        if vals.len() != reqs.len() {
+            return Err(StoreError::Backend(format!(
+                "redis answered {} replies to {} claims",
+                vals.len(),
+                reqs.len()
+            )));
+        }
+        let mut scripted = Vec::new();
+        for (i, v) in vals.into_iter().enumerate() {
+            let r = &reqs[i];
+            answers[i] = match v {
+                Value::Nil => Some(Ok(ClaimOutcome::Acquired(Lease {
+                    token: tokens[i],
+                    until_ms: now + leases[i],
+                    attempt: 1,
+                    takeover: false,
+                }))),
+                Value::BulkString(b) => match decode_record(r.key.clone(), &b) {
+                    Ok(rec) => match evaluate_claim(Some(&rec), r.payload_hash.as_ref(), now) {
+                        ClaimVerdict::Answer(o) => Some(Ok(o)),
+                        ClaimVerdict::AcquireFresh | ClaimVerdict::TakeOver => {
+                            scripted.push(i);
+                            None
+                        }
+                    },
+                    Err(e) => Some(Err(Self::corrupt(&r.key, e))),
+                },
+                Value::ServerError(e) if e.code() == "WRONGTYPE" => Some(Err(Self::corrupt(
+                    &r.key,
+                    "not an idemq record (wrong type)",
+                ))),
+                Value::ServerError(e) => Some(Err(store_err(e.into()))),
+                other => Some(Err(StoreError::Backend(format!(
+                    "unexpected SET reply {other:?}"
+                )))),
+            };
+        }
+        Ok(scripted)
+    }
+
+    /// The claim script over the keys `idx`: the whole decision and write, atomically.
+    async fn claim_scripted(
+        &self,
+        reqs: &[ClaimRequest],
+        tokens: &[FencingToken],
+        leases: &[i64],
+        idx: &[usize],
+        answers: &mut [Option<ClaimAnswer>],
+    ) -> Result<(), StoreError> {
+        let now = now_ms();
+        let parts: Vec<Vec<usize>> = self
+            .partition(idx.iter().map(|&i| &reqs[i].key))
+            .into_iter()
+            .map(|p| p.into_iter().map(|j| idx[j]).collect())
+            .collect();
+        let cmds: Vec<Cmd> = parts
+            .iter()
+            .map(|part| {
+                let mut c = redis::cmd("EVALSHA");
+                c.arg(&lua::CLAIM.sha).arg(part.len());
+                for &i in part {
+                    c.arg(self.redis_key(&reqs[i].key));
+                }
+                c.arg(now).arg(self.cfg.in_progress_grace_ms);
+                for &i in part {
+                    let r = &reqs[i];
+                    c.arg(leases[i]).arg(claim_identity(
+                        tokens[i],
+                        r.payload_hash.as_ref(),
+                        r.worker.as_deref(),
+                    ));
+                }
+                c
+            })
+            .collect();
+        let replies = self.eval_many(&lua::CLAIM, &cmds).await?;
+        for (part, reply) in parts.iter().zip(&replies) {
+            let lease = |i: usize, attempt: u32, takeover: bool| {
+                ClaimOutcome::Acquired(Lease {
+                    token: tokens[i],
+                    until_ms: now + leases[i],
+                    attempt,
+                    takeover,
+                })
+            };
+            // Every key not named in the reply was acquired fresh (attempt 1).
+            for &i in part {
+                answers[i] = Some(Ok(lease(i, 1, false)));
+            }
+            let vals = match reply {
+                Value::Array(v) if v.len() % 3 == 0 => v,
+                other => {
+                    for &i in part {
+                        answers[i] = Some(Err(StoreError::Backend(format!(
+                            "unexpected claim reply {other:?}"
+                        ))));
+                    }
+                    continue;
+                }
+            };
+            for t in vals.chunks_exact(3) {
+                let pos = match Self::int(&t[0]).map(usize::try_from) {
+                    Ok(Ok(p)) if (1..=part.len()).contains(&p) => p,
+                    _ => {
+                        return Err(StoreError::Backend(format!(
+                            "claim reply names no key of the call: {:?}",
+                            t[0]
+                        )))
+                    }
+                };
+                let i = part[pos - 1];
+                let key = &reqs[i].key;
+                let (code, payload) = (&t[1], &t[2]);
+                answers[i] = Some((|| {
+                    Ok(match Self::int(code)? {
+                        c @ (1 | 2) => {
+                            let attempt = u32::try_from(Self::int(payload)?)
+                                .map_err(|_| Self::corrupt(key, "attempt out of range"))?;
+                            lease(i, attempt, c == 2)
+                        }
+                        3 => ClaimOutcome::Duplicate(Self::decode(key, payload)?),
+                        4 => ClaimOutcome::InFlight {
+                            until_ms: Self::int(payload)?,
+                        },
+                        5 => ClaimOutcome::PayloadConflict(Self::decode(key, payload)?),
+                        9 => {
+                            let why = match payload {
+                                Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+                                other => format!("{other:?}"),
+                            };
+                            return Err(Self::corrupt(key, why));
+                        }
+                        c => return Err(StoreError::Backend(format!("unknown claim code {c}"))),
+                    })
+                })());
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives back the leases a failed batch acquired, so its keys do not wait for expiry.
+    async fn release_all(&self, reqs: &[ClaimRequest], answers: &[ClaimAnswer]) {
+        for (r, a) in reqs.iter().zip(answers) {
+            if let Ok(ClaimOutcome::Acquired(l)) = a {
+                if let Err(e) = self.release(&r.key, l.token).await {
+                    tracing::warn!(key = %r.key, error = %e, "could not release a lease of a failed batch");
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl DedupStore for RedisStore {
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        check_distinct_keys(reqs)?;
+        if reqs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let tokens: Vec<FencingToken> = reqs.iter().map(|_| FencingToken::random()).collect();
+        let leases: Vec<i64> = reqs.iter().map(|r| clamp_ms(r.lease)).collect();
+        let mut answers: Vec<Option<ClaimAnswer>> = (0..reqs.len()).map(|_| None).collect();
+        let scripted: Vec<usize> = if self.fast_claims {
+            self.claim_fast(reqs, &tokens, &leases, &mut answers)
+                .await?
+        } else {
+            (0..reqs.len()).collect()
+        };
+        if !scripted.is_empty() {
+            self.claim_scripted(reqs, &tokens, &leases, &scripted, &mut answers)
+                .await?;
+        }
+        let answers: Vec<ClaimAnswer> = answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(StoreError::Backend("no answer for key".into()))))
+            .collect();
+        if let Some(pos) = answers.iter().position(Result::is_err) {
+            // Settle the whole batch as failed; leases it acquired are given back.
+            self.release_all(reqs, &answers).await;
+            let mut answers = answers;
+            let err = answers.swap_remove(pos).err();
+            return Err(err.unwrap_or_else(|| StoreError::Backend("claim failed".into())));
+        }
+        Ok(answers.into_iter().filter_map(Result::ok).collect())
+    }
+
+    async fn complete_batch(
+        &self,
+        items: &[Completion],
+    ) -> Result<Vec<CompleteOutcome>, StoreError> {
+        if items.is_empty() {
+            return Ok(Vec::new());
+        }
+        let parts = self.partition(items.iter().map(|c| &c.key));
+        let cmds: Vec<Cmd> = parts
+            .iter()
+            .map(|idx| {
+                let mut c = redis::cmd("EVALSHA");
+                c.arg(&lua::COMPLETE.sha).arg(idx.len());
+                for &i in idx {
+                    c.arg(self.redis_key(&items[i].key));
+                }
+                c.arg(now_ms()).arg(self.cfg.completed_grace_ms);
+                for &i in idx {
+                    let it = &items[i];
+                    c.arg(it.token.0)
+                        .arg(clamp_ms(it.retention))
+                        .arg(result_field(it.result.as_ref()));
+                }
+                c
+            })
+            .collect();
+        let replies = self.eval_many(&lua::COMPLETE, &cmds).await?;
+        let mut out = vec![CompleteOutcome::Fenced; items.len()];
+        for (idx, reply) in parts.iter().zip(&replies) {
+            let vals = match reply {
+                Value::Array(v) if v.len() == idx.len() => v,
+                other => {
+                    return Err(StoreError::Backend(format!(
+                        "unexpected complete reply {other:?}"
+                    )))
+                }
+            };
+            for (&i, v) in idx.iter().zip(vals) {
+                out[i] = match Self::int(v)? {
+                    1 => CompleteOutcome::Completed,
+                    0 => CompleteOutcome::Fenced,
+                    _ => return Err(Self::corrupt(&items[i].key, "not an idemq record")),
+                };
+            }
+        }
+        Ok(out)
+    }
+
+    async fn release(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        let mut c = redis::cmd("EVALSHA");
+        c.arg(&lua::RELEASE.sha)
+            .arg(1)
+            .arg(self.redis_key(key))
+            .arg(now_ms())
+            .arg(token.0)
+            .arg(self.cfg.in_progress_grace_ms);
+        let v = self
+            .eval_many(&lua::RELEASE, std::slice::from_ref(&c))
+            .await?;
+        match v.first().map(Self::int).transpose()? {
+            Some(1) => Ok(ReleaseOutcome::Released),
+            Some(0) => Ok(ReleaseOutcome::Fenced),
+            _ => Err(Self::corrupt(key, "not an idemq record")),
+        }
+    }
+
+    async fn extend(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<ExtendOutcome, StoreError> {
+        let mut c = redis::cmd("EVALSHA");
+        c.arg(&lua::EXTEND.sha)
+            .arg(1)
+            .arg(self.redis_key(key))
+            .arg(now_ms())
+            .arg(token.0)
+            .arg(clamp_ms(lease))
+            .arg(self.cfg.in_progress_grace_ms);
+        let v = self
+            .eval_many(&lua::EXTEND, std::slice::from_ref(&c))
+            .await?;
+        match v.first().map(Self::int).transpose()? {
+            Some(0) => Ok(ExtendOutcome::Fenced),
+            Some(until_ms) if until_ms > 0 => Ok(ExtendOutcome::Extended { until_ms }),
+            _ => Err(Self::corrupt(key, "not an idemq record")),
+        }
+    }
+
+    async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
+        let mut con = self.conn.clone();
+        let v: Option<Vec<u8>> = redis::cmd("GET")
+            .arg(self.redis_key(key))
+            .query_async(&mut con)
+            .await
+            .map_err(store_err)?;
+        v.map(|b| decode_record(key.clone(), &b).map_err(|e| Self::corrupt(key, e)))
+            .transpose()
+    }
+
+    /// Redis drops expired records by itself (TTL = retention + completed grace); this
+    /// deletes the ones still inside their grace. Bounded: a call stops after `limit`
+    /// deletions, at the end of a sweep, or after `purge_scan_budget` slots, and the next
+    /// call resumes the `SCAN` where it stopped (re-reading a chunk cut short by `limit`).
+    /// 0 from a call that ran a whole sweep means nothing expired was left.
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        let limit = limit as u64;
+        let mut purged = 0u64;
+        let mut examined = 0usize;
+        let mut cursor = self.purge_cursor.load(Ordering::Relaxed);
+        while purged < limit && examined < self.cfg.purge_scan_budget {
+            let (next, keys) = self.scan_chunk(cursor).await?;
+            examined = examined.saturating_add(self.cfg.scan_count);
+            if !keys.is_empty() {
+                let mut c = redis::cmd("EVALSHA");
+                c.arg(&lua::PURGE.sha).arg(keys.len());
+                for k in &keys {
+                    c.arg(k);
+                }
+                c.arg(now_ms()).arg(limit - purged);
+                let v = self
+                    .eval_many(&lua::PURGE, std::slice::from_ref(&c))
+                    .await?;
+                let n = v.first().map(Self::int).transpose()?.unwrap_or(0);
+                purged += u64::try_from(n).unwrap_or(0);
+            }
+            if purged >= limit {
+                // The script may have stopped inside this chunk: re-read it next time.
+                break;
+            }
+            cursor = next;
+            if next == 0 {
+                break; // a sweep ended; the next call starts a new one
+            }
+        }
+        self.purge_cursor.store(cursor, Ordering::Relaxed);
+        tracing::debug!(purged, examined, prefix = %self.cfg.prefix, "purged expired redis records");
+        Ok(purged)
+    }
+
+    async fn list_stuck(
+        &self,
+        stale_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<DedupRecord>, StoreError> {
+        let cutoff = now_ms().saturating_sub(duration_ms(stale_for));
+        let mut found: Vec<DedupRecord> = Vec::new();
+        let mut cursor = 0u64;
+        let mut con = self.conn.clone();
+        loop {
+            let (next, keys) = self.scan_chunk(cursor).await?;
+            if !keys.is_empty() {
+                let vals: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
+                    .arg(&keys)
+                    .query_async(&mut con)
+                    .await
+                    .map_err(store_err)?;
+                for (k, v) in keys.iter().zip(vals) {
+                    let (Some(dk), Some(v)) = (self.dedup_key_of(k), v) else {
+                        continue;
+                    };
+                    match decode_record(dk.clone(), &v) {
+                        Ok(r)
+                            if r.status == RecordStatus::InProgress
+                                && r.lease_until_ms <= cutoff =>
+                        {
+                            found.push(r)
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            tracing::warn!(key = %dk, error = %e, "skipping unreadable record")
+                        }
+                    }
+                }
+                if found.len() > limit.saturating_mul(2).max(1024) {
+                    found.sort_by(|a, b| {
+                        (a.lease_until_ms, &a.key).cmp(&(b.lease_until_ms, &b.key))
+                    });
+                    found.truncate(limit);
+                }
+            }
+            if next == 0 {
+                break;
+            }
+            cursor = next;
+        }
+        found.sort_by(|a, b| (a.lease_until_ms, &a.key).cmp(&(b.lease_until_ms, &b.key)));
+        found.truncate(limit);
+        Ok(found)
+    }
+
+    async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
+        let mut con = self.conn.clone();
+        let n: i64 = redis::cmd("DEL")
+            .arg(self.redis_key(key))
+            .query_async(&mut con)
+            .await
+            .map_err(store_err)?;
+        Ok(n > 0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_are_clamped_to_exact_lua_numbers() {
+        assert_eq!(clamp_ms(Duration::MAX), MAX_MS);
+        assert!((MAX_MS as f64 + 2e12) < 9.007e15, "fits a double exactly");
+        assert_eq!(clamp_ms(Duration::from_millis(5)), 5);
+    }
+
+    #[test]
+    fn hostile_prefixes_are_config_errors() {
+        for bad in [
+            "",
+            "a b",
+            "x*",
+            "{",
+            "}",
+            "a\nb",
+            "a:b",
+            "?",
+            "[x]",
+            &"p".repeat(65),
+        ] {
+            assert!(
+                matches!(validate_prefix(bad), Err(StoreError::Config(_))),
+                "{bad:?} accepted"
+            );
+        }
+        assert!(validate_prefix(&"p".repeat(64)).is_ok());
+    }
+}

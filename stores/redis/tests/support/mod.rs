@@ -1,0 +1,134 @@
+//! Shared fixtures of the Redis integration tests.
+//!
+//! `IDEMQ_TEST_REDIS_URL` names the server (`eval "$(scripts/servers.sh env)"`). When it is
+//! unset the tests are skipped with a note on stderr, unless `IDEMQ_REQUIRE_SERVERS=1`
+//! (CI), which turns the missing server into a failure.
+#![allow(dead_code)]
+
+use idemq_core::{ConsumerGroup, DedupKey, DedupStore, FencingToken};
+use idemq_redis::{RedisStore, RedisStoreBuilder};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// The Redis URL, or `None` (skip) when none is configured and servers are not required.
+pub fn redis_url() -> Option<String> {
+    match std::env::var("IDEMQ_TEST_REDIS_URL") {
+        Ok(url) if !url.trim().is_empty() => Some(url),
+        _ => {
+            if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") {
+                panic!(
+                    "IDEMQ_REQUIRE_SERVERS=1 but IDEMQ_TEST_REDIS_URL is unset: \
+                     run `scripts/servers.sh start` and `eval \"$(scripts/servers.sh env)\"`"
+                );
+            }
+            eprintln!(
+                "skipping Redis test: IDEMQ_TEST_REDIS_URL is unset \
+                 (scripts/servers.sh start; eval \"$(scripts/servers.sh env)\")"
+            );
+            None
+        }
+    }
+}
+
+/// A unique key prefix per test run, so parallel tests and leftovers never meet.
+pub fn unique_prefix(tag: &str) -> String {
+    format!(
+        "t-{tag}-{:012x}",
+        FencingToken::random().0 & 0xffff_ffff_ffff
+    )
+}
+
+/// A store with its own connection manager.
+pub async fn store(prefix: &str, hash_tag: bool) -> Option<RedisStore> {
+    let url = redis_url()?;
+    Some(connect(&url, prefix, hash_tag).await)
+}
+
+/// Connects, failing the test with the reason if the configured server does not answer.
+pub async fn connect(url: &str, prefix: &str, hash_tag: bool) -> RedisStore {
+    RedisStore::builder(url)
+        .prefix(prefix)
+        .hash_tag(hash_tag)
+        .connect()
+        .await
+        .unwrap_or_else(|e| panic!("cannot connect to the configured Redis {url}: {e}"))
+}
+
+/// `n` handles on one keyspace, each with its own connection manager.
+pub async fn handles(n: usize, prefix: &str, hash_tag: bool) -> Option<Vec<Arc<dyn DedupStore>>> {
+    handles_with(n, |b| b.prefix(prefix).hash_tag(hash_tag)).await
+}
+
+/// `n` handles configured by `f`, each with its own connection manager.
+pub async fn handles_with(
+    n: usize,
+    f: impl Fn(RedisStoreBuilder) -> RedisStoreBuilder,
+) -> Option<Vec<Arc<dyn DedupStore>>> {
+    let url = redis_url()?;
+    let mut v: Vec<Arc<dyn DedupStore>> = Vec::with_capacity(n);
+    for _ in 0..n {
+        let s = f(RedisStore::builder(&url))
+            .connect()
+            .await
+            .unwrap_or_else(|e| panic!("cannot connect to the configured Redis {url}: {e}"));
+        v.push(Arc::new(s));
+    }
+    Some(v)
+}
+
+/// A key in a fresh random group.
+pub fn fresh_key(name: &str) -> DedupKey {
+    let g = ConsumerGroup::new(&format!("g-{:016x}", FencingToken::random().0)).expect("group");
+    DedupKey::new(&g, name).expect("key")
+}
+
+/// The workspace root, from this crate's manifest dir (`stores/redis`).
+pub fn repo_root() -> PathBuf {
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    here.ancestors()
+        .nth(2)
+        .map(PathBuf::from)
+        .expect("stores/redis has a workspace root two levels up")
+}
+
+/// Restarts the real redis-server through `scripts/servers.sh restart-redis`.
+pub fn restart_redis() {
+    let script = repo_root().join("scripts").join("servers.sh");
+    let out = std::process::Command::new(&script)
+        .arg("restart-redis")
+        .output()
+        .unwrap_or_else(|e| panic!("cannot run {}: {e}", script.display()));
+    assert!(
+        out.status.success(),
+        "{} restart-redis failed: {}\n{}",
+        script.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// A raw connection for poking at the keyspace.
+pub async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .expect("url")
+        .get_multiplexed_async_connection()
+        .await
+        .expect("raw connection")
+}
+
+/// The same server with another logical database (`/db`), for tests that need a keyspace
+/// of their own (a `SCAN` walks the whole database).
+pub fn with_db(url: &str, db: u8) -> String {
+    let base = url.trim_end_matches('/');
+    let base = match base.rsplit_once('/') {
+        Some((head, tail))
+            if !tail.is_empty()
+                && tail.bytes().all(|b| b.is_ascii_digit())
+                && head.ends_with(|c: char| c != '/') =>
+        {
+            head
+        }
+        _ => base,
+    };
+    format!("{base}/{db}")
+}
