@@ -63,6 +63,8 @@ pub async fn open_store(url: &str) -> Result<Arc<dyn DedupStore>, OpenStoreError
         .map(|(s, _)| s.to_ascii_lowercase())
         .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+'))
         .ok_or_else(|| OpenStoreError::NotAUrl(url.to_string()))?;
+    // Unused when every store feature is on.
+    #[allow(unused_variables)]
     let disabled = |feature| OpenStoreError::FeatureDisabled {
         scheme: scheme.clone(),
         feature,
