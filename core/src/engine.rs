@@ -600,54 +600,26 @@ impl<H: Handler> IdempotentConsumer<H> {
                     done.push((item, c));
                 }
                 Ok(Err(HandlerError::Permanent(e))) => {
-                    live.remove(&item.key);
-                    self.release(&item.key, lease.token).await;
                     let reason = format!("handler failed permanently: {e}");
-                    self.settle_all(
-                        item,
-                        Settlement::Reject(&reason),
-                        &self.counters.rejected,
-                        m::outcome::REJECTED,
-                    )
-                    .await;
+                    self.give_back(&live, item, lease, Settlement::Reject(&reason))
+                        .await;
                 }
                 Ok(Err(HandlerError::Retryable(e))) => {
                     tracing::warn!(key = %item.key, error = %e, "handler failed; will retry");
-                    live.remove(&item.key);
-                    self.release(&item.key, lease.token).await;
-                    self.settle_all(
-                        item,
-                        Settlement::Nack(self.cfg.retry_delay),
-                        &self.counters.retried,
-                        m::outcome::RETRIED,
-                    )
-                    .await;
+                    self.give_back(&live, item, lease, Settlement::Nack(self.cfg.retry_delay))
+                        .await;
                 }
                 Err(failure) => {
                     tracing::error!(key = %item.key, %failure, "handler did not finish; will retry");
-                    live.remove(&item.key);
-                    self.release(&item.key, lease.token).await;
-                    self.settle_all(
-                        item,
-                        Settlement::Nack(self.cfg.retry_delay),
-                        &self.counters.retried,
-                        m::outcome::RETRIED,
-                    )
-                    .await;
+                    self.give_back(&live, item, lease, Settlement::Nack(self.cfg.retry_delay))
+                        .await;
                 }
             }
         }
         // Anything left (a cancelled task) goes back to the broker.
         for (_, (item, lease)) in acquired.drain() {
-            live.remove(&item.key);
-            self.release(&item.key, lease.token).await;
-            self.settle_all(
-                item,
-                Settlement::Nack(self.cfg.retry_delay),
-                &self.counters.retried,
-                m::outcome::RETRIED,
-            )
-            .await;
+            self.give_back(&live, item, lease, Settlement::Nack(self.cfg.retry_delay))
+                .await;
         }
         if done.is_empty() {
             return false;
@@ -805,6 +777,17 @@ impl<H: Handler> IdempotentConsumer<H> {
                 }
             }
         }
+    }
+
+    /// A handler failed: stop heartbeating the key, release it, and reject or nack.
+    async fn give_back(&self, live: &LiveLeases, item: Item, lease: Lease, how: Settlement<'_>) {
+        live.remove(&item.key);
+        self.release(&item.key, lease.token).await;
+        let (counter, outcome) = match how {
+            Settlement::Reject(_) => (&self.counters.rejected, m::outcome::REJECTED),
+            _ => (&self.counters.retried, m::outcome::RETRIED),
+        };
+        self.settle_all(item, how, counter, outcome).await;
     }
 
     async fn release(&self, key: &DedupKey, token: FencingToken) {
