@@ -5,12 +5,12 @@
 #   scripts/servers.sh stop           stop all three (by pid file / the server's own command)
 #   scripts/servers.sh status         show what runs; exit 0 only if all three do
 #   scripts/servers.sh env            export lines: eval "$(scripts/servers.sh env)"
-#   scripts/servers.sh restart-redis  stop + start Redis only (same port, same module)
+#   scripts/servers.sh restart-redis  stop + start Redis only (same port, same module, same data)
 #
 # Every server gets a private data dir under $IDEMQ_STATE_DIR, listens on
 # 127.0.0.1 only, on a non-default port, so it never collides with a
 # system-wide instance or another checkout's defaults. Data is thrown away on
-# every (re)start: tests create their own tables.
+# every start (restart-redis keeps Redis's AOF): tests create their own tables.
 set -euo pipefail
 
 # CI runs with a trimmed environment; derive HOME rather than die under `set -u`.
@@ -363,21 +363,24 @@ redisbloom_so() {
   printf '%s' "$so"
 }
 
-# Start redis with module $1 (may be empty). Fails (returns 1) instead of
-# dying so that the caller can retry without the module.
+# Start redis with module $1 (may be empty); $2=keep keeps the data dir (a
+# restart), anything else starts empty. Fails (returns 1) instead of dying so
+# that the caller can retry without the module.
 launch_redis() {
-  local module=$1
-  rm -rf "$REDIS_DIR"
+  local module=$1 keep=${2:-}
+  [[ $keep == keep ]] || rm -rf "$REDIS_DIR"
   mkdir -p "$REDIS_DIR"
-  # No persistence: tests want speed, and a restart must come back empty.
+  # AOF as a dedup store should run in production: a restart keeps leases and
+  # completed records (the restart test relies on it). No RDB snapshots.
   redis-server --port "$REDIS_PORT" --bind 127.0.0.1 --dir "$REDIS_DIR" \
     --daemonize yes --pidfile "$REDIS_PID" --logfile "$REDIS_LOG" \
-    --save '' --appendonly no ${module:+--loadmodule "$module"} \
+    --save '' --appendonly yes --appendfsync everysec ${module:+--loadmodule "$module"} \
     </dev/null >"$REDIS_DIR/redis-server.out" 2>&1 9>&- || return 1
   wait_ready redis_died redis_running
 }
 
 start_redis() {
+  local keep=${1:-}
   if redis_running; then
     log "redis already running on 127.0.0.1:$REDIS_PORT"
     return 0
@@ -386,7 +389,7 @@ start_redis() {
   local module
   module=$(redisbloom_so)
   if [[ -n $module ]]; then
-    if ! launch_redis "$module"; then
+    if ! launch_redis "$module" "$keep"; then
       warn "redis did not start with $module; starting it without RedisBloom"
       tail -n 20 "$REDIS_LOG" >&2 2>/dev/null || true
       module=
@@ -395,7 +398,7 @@ start_redis() {
     warn "RedisBloom not available: starting redis without it (bloom tests will skip)"
   fi
   if [[ -z $module ]]; then
-    launch_redis "" || die_with_log "redis did not start" "$REDIS_LOG" "$REDIS_DIR/redis-server.out"
+    launch_redis "" "$keep" || die_with_log "redis did not start" "$REDIS_LOG" "$REDIS_DIR/redis-server.out"
   fi
   log "redis started on 127.0.0.1:$REDIS_PORT${module:+ with RedisBloom}"
 }
@@ -404,7 +407,8 @@ stop_redis() {
   pid_alive "$REDIS_PID" || return 0
   local pid
   pid=$(cat "$REDIS_PID")
-  redis shutdown nosave >/dev/null 2>&1 || kill -TERM "$pid" 2>/dev/null || true
+  # SHUTDOWN flushes and fsyncs the AOF, so a restart finds every acknowledged write.
+  redis shutdown >/dev/null 2>&1 || kill -TERM "$pid" 2>/dev/null || true
   wait_pid_gone "$pid" || die_with_log "redis (pid $pid) did not stop in ${TIMEOUT}s" "$REDIS_LOG"
   log "redis stopped"
 }
@@ -476,7 +480,7 @@ main() {
     restart-redis)
       take_lock
       stop_redis
-      start_redis
+      start_redis keep
       ;;
     status) cmd_status ;;
     env) cmd_env ;;
