@@ -160,17 +160,18 @@ impl VersionedEntity {
         C::Database: SqlBackend,
     {
         let d = <C::Database as SqlBackend>::DIALECT;
-        let sql = d.placeholders(format!(
-            "SELECT {} FROM {} WHERE {} = ?{}",
-            d.cast_i64(self.version_col.as_str()),
-            self.table,
-            self.id_col,
-            d.locking_read()
-        ));
-        let rows = <C::Database as SqlBackend>::fetch(conn, &sql, vec![id.val()], &[Kind::I64])
-            .await
-            .map_err(|e| map_sqlx_error::<C::Database>("read version", e))?;
-        match rows.first() {
+        let expr = d.cast_i64(self.version_col.as_str());
+        match read_column(
+            conn,
+            &self.table,
+            &self.id_col,
+            &expr,
+            id,
+            Kind::I64,
+            "read version",
+        )
+        .await?
+        {
             None => Ok(None),
             Some(r) => r.opt_i64(0).map_err(|reason| StoreError::Corrupt {
                 key: format!("{}/{id:?}", self.table),
@@ -314,17 +315,18 @@ impl StateMachine {
         C::Database: SqlBackend,
     {
         let d = <C::Database as SqlBackend>::DIALECT;
-        let sql = d.placeholders(format!(
-            "SELECT {} FROM {} WHERE {} = ?{}",
-            d.cast_text(self.status_col.as_str()),
-            self.table,
-            self.id_col,
-            d.locking_read()
-        ));
-        let rows = <C::Database as SqlBackend>::fetch(conn, &sql, vec![id.val()], &[Kind::Text])
-            .await
-            .map_err(|e| map_sqlx_error::<C::Database>("read status", e))?;
-        match rows.first() {
+        let expr = d.cast_text(self.status_col.as_str());
+        match read_column(
+            conn,
+            &self.table,
+            &self.id_col,
+            &expr,
+            id,
+            Kind::Text,
+            "read status",
+        )
+        .await?
+        {
             None => Ok(None),
             Some(r) => r
                 .opt_text(0)
@@ -335,4 +337,33 @@ impl StateMachine {
                 }),
         }
     }
+}
+
+/// Reads one column expression of one entity row (a locking read on PostgreSQL/MySQL).
+async fn read_column<C>(
+    conn: &mut C,
+    table: &Ident,
+    id_col: &Ident,
+    expr: &str,
+    id: &EntityId,
+    kind: Kind,
+    op: &str,
+) -> Result<Option<crate::backend::Row>, StoreError>
+where
+    C: sqlx::Connection,
+    C::Database: SqlBackend,
+{
+    let d = <C::Database as SqlBackend>::DIALECT;
+    let sql = d.placeholders(format!(
+        "SELECT {expr} FROM {table} WHERE {id_col} = ?{}",
+        d.locking_read()
+    ));
+    let mut rows = <C::Database as SqlBackend>::fetch(conn, &sql, vec![id.val()], &[kind])
+        .await
+        .map_err(|e| map_sqlx_error::<C::Database>(op, e))?;
+    Ok(if rows.is_empty() {
+        None
+    } else {
+        Some(rows.swap_remove(0))
+    })
 }
