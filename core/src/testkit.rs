@@ -133,6 +133,67 @@ pub async fn race_batches_exactly_one_acquired_per_key(h: &Handles) {
     }
 }
 
+/// N workers race to take over an ended lease and a completed record past retention:
+/// exactly one wins each, with a live lease and the right attempt number.
+pub async fn race_takeover_exactly_one_acquired(h: &Handles) {
+    let g = group();
+    let workers = 16usize;
+    for round in 0..4 {
+        let crashed = round % 2 == 0;
+        let k = key(&g, &format!("takeover-{round}"));
+        let l = acquire(
+            &h[0],
+            &k,
+            Duration::from_millis(if crashed { 1 } else { LONG.as_millis() as u64 }),
+        )
+        .await;
+        if !crashed {
+            h[0].complete(&k, l.token, None, Duration::from_millis(1))
+                .await
+                .expect("complete");
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        let barrier = Arc::new(tokio::sync::Barrier::new(workers));
+        let mut tasks = Vec::new();
+        for i in 0..workers {
+            let s = h[i % h.len()].clone();
+            let k = k.clone();
+            let b = barrier.clone();
+            tasks.push(tokio::spawn(async move {
+                b.wait().await;
+                s.claim(&req(&k, LONG)).await
+            }));
+        }
+        let mut won = Vec::new();
+        for t in tasks {
+            match t.await.expect("task").expect("claim") {
+                ClaimOutcome::Acquired(l) => won.push(l),
+                ClaimOutcome::InFlight { .. } => {}
+                other => panic!("racing takeover must be Acquired or InFlight, got {other:?}"),
+            }
+        }
+        assert_eq!(
+            won.len(),
+            1,
+            "exactly one of {workers} takes over {k}: {won:?}"
+        );
+        let w = won[0];
+        assert!(
+            w.until_ms > now_ms() + 1000,
+            "the winner's lease is live: {w:?}"
+        );
+        assert_eq!(w.attempt, if crashed { 2 } else { 1 }, "{w:?}");
+        let rec = h[0].get(&k).await.expect("get").expect("record");
+        assert_eq!(rec.token, w.token);
+        assert_eq!(rec.status, RecordStatus::InProgress);
+        assert_eq!(
+            rec.lease_until_ms, w.until_ms,
+            "the stored lease is the one handed out"
+        );
+        assert_eq!(rec.attempts, w.attempt);
+    }
+}
+
 /// An expired lease is taken over; the old holder is fenced on complete, release and extend.
 pub async fn lease_expiry_takeover_and_fencing(h: &Handles) {
     let g = group();
@@ -562,6 +623,7 @@ pub async fn stuck_records_are_listed_and_forgettable(h: &Handles) {
 pub async fn run_all(h: &Handles) {
     race_one_key_exactly_one_acquired(h).await;
     race_batches_exactly_one_acquired_per_key(h).await;
+    race_takeover_exactly_one_acquired(h).await;
     lease_expiry_takeover_and_fencing(h).await;
     extend_keeps_the_lease(h).await;
     release_makes_the_key_claimable(h).await;
@@ -581,6 +643,7 @@ macro_rules! store_contract_tests {
         $crate::store_contract_tests!(@case $handles;
             race_one_key_exactly_one_acquired,
             race_batches_exactly_one_acquired_per_key,
+            race_takeover_exactly_one_acquired,
             lease_expiry_takeover_and_fencing,
             extend_keeps_the_lease,
             release_makes_the_key_claimable,

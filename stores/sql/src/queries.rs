@@ -377,8 +377,17 @@ impl Queries {
     }
 
     fn claim_mysql(&self, rows: &[ClaimRow<'_>], now: i64) -> Stmt {
+        // The guarded assignments below read `token` after it was set, which needs MySQL's
+        // left-to-right evaluation; MariaDB's SIMULTANEOUS_ASSIGNMENT mode (global, or on a
+        // caller's pool) would let every other column see the old token and hand out an
+        // already-ended lease. Switch it off for this statement only.
+        let mode = if self.mariadb {
+            "SET STATEMENT sql_mode = REPLACE(@@sql_mode, 'SIMULTANEOUS_ASSIGNMENT', '') FOR "
+        } else {
+            ""
+        };
         let sql = format!(
-            "INSERT INTO {} (dedup_key, status, token, lease_until_ms, attempts, took_over, \
+            "{mode}INSERT INTO {} (dedup_key, status, token, lease_until_ms, attempts, took_over, \
              payload_hash, result, first_seen_ms, completed_ms, expires_ms, worker) \
              SELECT v.j_key, 0, v.j_token, v.j_until, 1, 0, UNHEX(v.j_hash), NULL, ?, NULL, NULL, v.j_worker \
              FROM JSON_TABLE(?, '$[*]' COLUMNS(j_key VARBINARY(257) PATH '$[0]', \

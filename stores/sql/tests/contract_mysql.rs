@@ -6,3 +6,10 @@
 mod support;
 
 idemq_core::store_contract_tests!(support::mysql_handles(8));
+
+/// The same kit on sessions in MariaDB's SIMULTANEOUS_ASSIGNMENT mode, which changes how
+/// `ON DUPLICATE KEY UPDATE` assignments see each other.
+mod simultaneous_assignment {
+    use super::support;
+    idemq_core::store_contract_tests!(support::mysql_handles_simultaneous(8));
+}

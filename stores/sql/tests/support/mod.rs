@@ -118,6 +118,45 @@ pub async fn mysql_handles(n: usize) -> Option<Vec<Arc<dyn DedupStore>>> {
     Some(v)
 }
 
+/// Like [`mysql_handles`], on pools whose sessions run MariaDB's `SIMULTANEOUS_ASSIGNMENT`
+/// mode (a caller's `from_pool` may bring any `sql_mode`); `None` when the server is not
+/// MariaDB or not configured.
+#[cfg(feature = "mysql")]
+pub async fn mysql_handles_simultaneous(n: usize) -> Option<Vec<Arc<dyn DedupStore>>> {
+    use idemq_sql::sqlx::{self, mysql::MySqlPoolOptions, Executor};
+    let url = mysql_url()?;
+    let mut v: Vec<Arc<dyn DedupStore>> = Vec::new();
+    for _ in 0..n {
+        let pool = MySqlPoolOptions::new()
+            .max_connections(3)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    conn.execute(
+                        "SET SESSION sql_mode = CONCAT(@@sql_mode, ',SIMULTANEOUS_ASSIGNMENT')",
+                    )
+                    .await?;
+                    Ok(())
+                })
+            })
+            .connect(&url)
+            .await
+            .expect("connect to mysql");
+        let (version,): (String,) = sqlx::query_as("SELECT VERSION()")
+            .fetch_one(&pool)
+            .await
+            .expect("version");
+        if !version.to_ascii_lowercase().contains("mariadb") {
+            eprintln!("skipping: SIMULTANEOUS_ASSIGNMENT is MariaDB-only (server {version})");
+            return None;
+        }
+        let s = idemq_sql::MySqlStore::from_pool(pool, options("idemq_kit_sa", 3))
+            .await
+            .expect("open store");
+        v.push(Arc::new(s));
+    }
+    Some(v)
+}
+
 /// Keeps a test's resources (a SQLite temp dir) alive.
 pub struct Guard(#[allow(dead_code)] Option<TempDir>);
 
