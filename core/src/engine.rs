@@ -147,8 +147,12 @@ impl ConsumerConfig {
         if self.retention.is_zero() {
             return Err("retention 0 forgets keys at once: every redelivery would run again; use the broker's redelivery horizon (days)".into());
         }
-        if self.worker_id.is_empty() {
-            return Err("worker_id is empty: it is kept in records for audit".into());
+        if self.worker_id.is_empty() || self.worker_id.len() > 255 || self.worker_id.contains('\0')
+        {
+            return Err(
+                "worker_id must be 1 to 255 bytes without NUL: it is kept in records for audit"
+                    .into(),
+            );
         }
         Ok(())
     }
@@ -479,6 +483,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         )));
 
         // Dispatch.
+        let half_lease_ms = crate::store::duration_ms(self.cfg.lease) / 2;
         let semaphore = Arc::new(tokio::sync::Semaphore::new(self.cfg.max_concurrency));
         let mut running = tokio::task::JoinSet::new();
         let mut acquired: HashMap<usize, (Item, Lease)> = HashMap::new();
@@ -491,6 +496,21 @@ impl<H: Handler> IdempotentConsumer<H> {
                 }
             };
             match outcome {
+                ClaimOutcome::Acquired(lease)
+                    if lease.until_ms.saturating_sub(now_ms()) < half_lease_ms =>
+                {
+                    // The claim sat blocked (a row lock, a slow store) until most of its lease
+                    // was gone: another worker could take it over mid-handler. Give it back.
+                    tracing::warn!(key = %item.key, "claim answered with less than half its lease left; releasing and redelivering");
+                    self.release(&item.key, lease.token).await;
+                    self.settle_all(
+                        item,
+                        Settlement::Nack(self.cfg.store_backoff),
+                        &self.counters.store_unavailable,
+                        m::outcome::STORE_UNAVAILABLE,
+                    )
+                    .await;
+                }
                 ClaimOutcome::Acquired(lease) => {
                     if lease.takeover {
                         self.counters.takeovers.fetch_add(1, Ordering::Relaxed);

@@ -19,7 +19,8 @@
 //!
 //! # Oversize keys
 //!
-//! A business key longer than [`KeyStrategy::max_key_bytes`] is, by default, replaced by
+//! A business key longer than [`KeyStrategy::max_key_bytes`] (or containing a NUL byte) is,
+//! by default, replaced by
 //! `sha256:` and the lowercase hex SHA-256 of its bytes (71 bytes), so the stored key is
 //! bounded whatever the producer sends. [`OversizeKey::Reject`] turns that into an error.
 
@@ -343,7 +344,11 @@ fn build_key(
     max: usize,
     oversize: OversizeKey,
 ) -> Result<DedupKey, KeyError> {
-    let business = if raw.len() > max {
+    // A NUL byte is refused by PostgreSQL text and truncates C strings elsewhere: such a key
+    // is stored hashed, like an oversize one, so every store accepts it.
+    let business = if raw.contains('\0') {
+        format!("sha256:{}", hex::encode(Sha256::digest(raw.as_bytes())))
+    } else if raw.len() > max {
         match oversize {
             OversizeKey::Reject => {
                 return Err(KeyError::TooLong {
@@ -521,6 +526,15 @@ mod tests {
                 max: 128
             })
         );
+    }
+
+    #[test]
+    fn a_key_with_a_nul_byte_is_stored_hashed() {
+        let k = KeyStrategy::header("g", "id").unwrap();
+        let key = k.derive(&env("{}").with_header("id", "a\0b")).unwrap();
+        assert!(key.as_str().starts_with("g:sha256:"), "{key}");
+        assert!(!key.as_str().contains('\0'));
+        assert_ne!(key, k.derive(&env("{}").with_header("id", "a\0c")).unwrap());
     }
 
     #[test]

@@ -554,3 +554,86 @@ async fn an_in_flight_delay_below_the_floor_is_refused() {
     let err = c.run_until_idle(&mut broker.subscribe()).await.unwrap_err();
     assert!(err.to_string().contains("in_flight_delay_max"), "{err}");
 }
+
+/// A store whose claims answer only after most of the lease is gone (a blocked row lock).
+struct SlowClaims(MemoryStore, Duration);
+
+#[async_trait::async_trait]
+impl DedupStore for SlowClaims {
+    async fn claim_batch(
+        &self,
+        reqs: &[idemq_core::ClaimRequest],
+    ) -> Result<Vec<idemq_core::ClaimOutcome>, idemq_core::StoreError> {
+        let out = self.0.claim_batch(reqs).await;
+        tokio::time::sleep(self.1).await;
+        out
+    }
+    async fn complete_batch(
+        &self,
+        items: &[idemq_core::Completion],
+    ) -> Result<Vec<idemq_core::CompleteOutcome>, idemq_core::StoreError> {
+        self.0.complete_batch(items).await
+    }
+    async fn release(
+        &self,
+        key: &idemq_core::DedupKey,
+        token: idemq_core::FencingToken,
+    ) -> Result<idemq_core::ReleaseOutcome, idemq_core::StoreError> {
+        self.0.release(key, token).await
+    }
+    async fn extend(
+        &self,
+        key: &idemq_core::DedupKey,
+        token: idemq_core::FencingToken,
+        lease: Duration,
+    ) -> Result<idemq_core::ExtendOutcome, idemq_core::StoreError> {
+        self.0.extend(key, token, lease).await
+    }
+    async fn get(
+        &self,
+        key: &idemq_core::DedupKey,
+    ) -> Result<Option<idemq_core::DedupRecord>, idemq_core::StoreError> {
+        self.0.get(key).await
+    }
+    async fn purge_expired(&self, limit: usize) -> Result<u64, idemq_core::StoreError> {
+        self.0.purge_expired(limit).await
+    }
+    async fn list_stuck(
+        &self,
+        stale_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<idemq_core::DedupRecord>, idemq_core::StoreError> {
+        self.0.list_stuck(stale_for, limit).await
+    }
+    async fn forget(&self, key: &idemq_core::DedupKey) -> Result<bool, idemq_core::StoreError> {
+        self.0.forget(key).await
+    }
+}
+
+#[tokio::test]
+async fn a_claim_answered_with_most_of_its_lease_gone_is_given_back_not_run() {
+    let broker = MemoryBroker::new();
+    broker.publish(payment("p1"));
+    let store = Arc::new(SlowClaims(MemoryStore::new(), Duration::from_millis(400)));
+    let effects: Effects = Arc::default();
+    let c = IdempotentConsumer::new(store.clone(), keys(), recording(effects.clone()))
+        .with_config(fast()); // lease 500ms
+    let mut src = broker.subscribe();
+    let batch = idemq_core::Source::poll(&mut src, 10)
+        .await
+        .expect("poll")
+        .expect("batch");
+    c.process_batch(batch).await;
+    assert!(
+        counts(&effects).is_empty(),
+        "no handler ran on a nearly expired lease"
+    );
+    assert_eq!(broker.acked(), 0);
+    assert_eq!(broker.pending(), 1, "redelivered later, not lost");
+    let rec = store
+        .get(&keys().derive(&payment("p1")).expect("key"))
+        .await
+        .expect("get")
+        .expect("record");
+    assert!(rec.is_released(), "the key was given back at once");
+}

@@ -675,11 +675,8 @@ impl DedupStore for LayeredStore {
                 Route::Fallback => fbk.push(c.clone()),
             }
         }
-        let mut prim_out = if prim.is_empty() {
-            Vec::new()
-        } else {
-            self.primary.complete_batch(&prim).await?
-        };
+        // Fallback first: a primary still down must not keep the fallback's completions
+        // from becoming durable (their leases would lapse and the handlers run again).
         let mut fb_out = if fbk.is_empty() {
             Vec::new()
         } else {
@@ -687,6 +684,11 @@ impl DedupStore for LayeredStore {
                 Some(fb) => fb.store.complete_batch(&fbk).await?,
                 None => vec![CompleteOutcome::Fenced; fbk.len()],
             }
+        };
+        let mut prim_out = if prim.is_empty() {
+            Vec::new()
+        } else {
+            self.primary.complete_batch(&prim).await?
         };
         // A token unknown to the primary may belong to a fallback claim this store forgot.
         if let Some(fb) = &self.fallback {

@@ -81,7 +81,12 @@ pub fn map_redis_error(e: &RedisError) -> StoreError {
                 | K::ReadOnly
                 | K::ClusterConnectionNotFound
         )
-        || matches!(e.code(), Some("OOM" | "LOADING" | "BUSY"));
+        // MISCONF: persistence failing, writes refused until it recovers; NOREPLICAS:
+        // min-replicas-to-write not met.
+        || matches!(
+            e.code(),
+            Some("OOM" | "LOADING" | "BUSY" | "MISCONF" | "NOREPLICAS")
+        );
     if transient {
         StoreError::Unavailable(format!("redis: {e}"))
     } else {
@@ -327,6 +332,10 @@ struct Settings {
 ///   reloaded after `NOSCRIPT`. A reply lost in a crash can leave a claim made and
 ///   unanswered: the key then answers `InFlight` until its lease ends and is taken over —
 ///   late, never lost, never doubled.
+/// - **durability**: as durable as the server's persistence. Without AOF a restart forgets
+///   leases and completed records; with `appendfsync everysec` a crash (not a shutdown) can
+///   lose the last second of completions, whose messages may then run again; use
+///   `appendfsync always` where that matters. Run with `maxmemory-policy noeviction`.
 /// - **scope**: one standalone Redis (or a proxy). Hash tags prepare the keyspace for a
 ///   Cluster, but the connection is not cluster-aware, and `purge_expired`, `list_stuck`
 ///   scan one node.
@@ -377,6 +386,31 @@ impl RedisStore {
         Self::builder(url).options(options).connect().await
     }
 
+    /// Every idemq key carries a TTL, so any `volatile-*` or `allkeys-*` eviction policy may
+    /// drop a live lease under memory pressure (a second worker then acquires it) or a
+    /// completed record (a duplicate runs again). Warn unless the server says `noeviction`;
+    /// servers that refuse `CONFIG` (managed Redis) are not checked.
+    async fn check_eviction_policy(&self) {
+        let mut conn = self.conn.clone();
+        let reply: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
+            .arg("GET")
+            .arg("maxmemory-policy")
+            .query_async(&mut conn)
+            .await;
+        match reply {
+            Ok(kv) => match kv.get(1).map(String::as_str) {
+                Some("noeviction") | None => {}
+                Some(policy) => tracing::warn!(
+                    policy,
+                    "Redis maxmemory-policy is not noeviction: under memory pressure it may evict \
+                     live leases or completed records, and a message could then be processed twice; \
+                     set maxmemory-policy noeviction for the dedup store"
+                ),
+            },
+            Err(e) => tracing::debug!(error = %e, "cannot read maxmemory-policy (CONFIG refused)"),
+        }
+    }
+
     async fn from_parts(
         conn: ConnectionManager,
         cfg: Settings,
@@ -388,6 +422,7 @@ impl RedisStore {
             fast_claims: false,
             purge_cursor: Arc::new(AtomicU64::new(0)),
         };
+        store.check_eviction_policy().await;
         for s in lua::all() {
             store.load(s).await?;
         }

@@ -510,10 +510,11 @@ mod mysql_impl {
             match number {
                 1213 => ErrorClass::RetryNow, // ER_LOCK_DEADLOCK
                 // lock wait timeout, too many connections, shutdown in progress, server gone
-                // away, lost connection, connection killed, read-only server, idle disconnect
-                1205 | 1040 | 1053 | 2006 | 2013 | 1927 | 1290 | 1836 | 4031 => {
-                    ErrorClass::Unavailable
-                }
+                // away, lost connection, connection killed, read-only server, idle disconnect,
+                // statement time limits (MariaDB 1969, MySQL 3024), query interrupted,
+                // read-only transaction, lock NOWAIT
+                1205 | 1040 | 1053 | 2006 | 2013 | 1927 | 1290 | 1836 | 4031 | 1969 | 3024
+                | 1317 | 1792 | 3572 => ErrorClass::Unavailable,
                 _ => match err.code().as_deref() {
                     Some("40001") => ErrorClass::RetryNow,
                     Some(c) if c.starts_with("08") => ErrorClass::Unavailable,
