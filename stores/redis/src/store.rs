@@ -853,6 +853,21 @@ impl RedisStore {
         Ok(())
     }
 
+    /// A batch failed part-way: give back what it acquired so far, answer `err`.
+    async fn fail_batch(
+        &self,
+        reqs: &[ClaimRequest],
+        answers: Vec<Option<ClaimAnswer>>,
+        err: StoreError,
+    ) -> StoreError {
+        let got: Vec<ClaimAnswer> = answers
+            .into_iter()
+            .map(|a| a.unwrap_or_else(|| Err(StoreError::Backend("unanswered".into()))))
+            .collect();
+        self.release_all(reqs, &got).await;
+        err
+    }
+
     /// Gives back the leases a failed batch acquired, so its keys do not wait for expiry.
     async fn release_all(&self, reqs: &[ClaimRequest], answers: &[ClaimAnswer]) {
         for (r, a) in reqs.iter().zip(answers) {
@@ -876,14 +891,20 @@ impl DedupStore for RedisStore {
         let leases: Vec<i64> = reqs.iter().map(|r| clamp_ms(r.lease)).collect();
         let mut answers: Vec<Option<ClaimAnswer>> = (0..reqs.len()).map(|_| None).collect();
         let scripted: Vec<usize> = if self.fast_claims {
-            self.claim_fast(reqs, &tokens, &leases, &mut answers)
-                .await?
+            match self.claim_fast(reqs, &tokens, &leases, &mut answers).await {
+                Ok(s) => s,
+                Err(e) => return Err(self.fail_batch(reqs, answers, e).await),
+            }
         } else {
             (0..reqs.len()).collect()
         };
         if !scripted.is_empty() {
-            self.claim_scripted(reqs, &tokens, &leases, &scripted, &mut answers)
-                .await?;
+            if let Err(e) = self
+                .claim_scripted(reqs, &tokens, &leases, &scripted, &mut answers)
+                .await
+            {
+                return Err(self.fail_batch(reqs, answers, e).await);
+            }
         }
         let answers: Vec<ClaimAnswer> = answers
             .into_iter()

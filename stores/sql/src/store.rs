@@ -717,7 +717,19 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
         let mut out: Vec<Option<ClaimOutcome>> = vec![None; reqs.len()];
         let mut conn = self.acquire().await?;
         for chunk in self.sorted_chunks(reqs.iter().map(|r| &r.key)) {
-            self.claim_chunk(&mut conn, reqs, &chunk, &mut out).await?;
+            if let Err(e) = self.claim_chunk(&mut conn, reqs, &chunk, &mut out).await {
+                // The caller gets an error and never learns the tokens: give back what this
+                // call acquired, or those keys wait a whole lease for a spurious takeover.
+                drop(conn);
+                for (r, o) in reqs.iter().zip(&out) {
+                    if let Some(ClaimOutcome::Acquired(l)) = o {
+                        if let Err(re) = self.release(&r.key, l.token).await {
+                            tracing::warn!(key = %r.key, error = %re, "could not release a claim of a failed batch");
+                        }
+                    }
+                }
+                return Err(e);
+            }
         }
         out.into_iter()
             .map(|o| o.ok_or_else(|| StoreError::Backend("claim left a key unanswered".into())))
