@@ -424,6 +424,9 @@ impl<H: Handler> IdempotentConsumer<H> {
                 lease: self.cfg.lease,
                 payload_hash: it.hash,
                 worker: Some(self.cfg.worker_id.clone()),
+                // One token per message per batch, kept across retries of the claim, so a
+                // retry after a lost reply gets back the lease it already holds.
+                token: Some(FencingToken::random()),
             })
             .collect();
         let outcomes: Vec<Result<ClaimOutcome, StoreError>> = match self

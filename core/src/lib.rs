@@ -30,9 +30,9 @@ pub use key::{ConsumerGroup, DedupKey, Field, KeyError, KeySource, KeyStrategy, 
 pub use memory::MemoryStore;
 pub use source::{Delivery, Settle, Source, SourceError};
 pub use store::{
-    evaluate_claim, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome, Completion,
-    DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease, PayloadHash, RecordStatus,
-    ReleaseOutcome, StoreError,
+    evaluate_claim, evaluate_claim_request, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict,
+    CompleteOutcome, Completion, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease,
+    PayloadHash, RecordStatus, ReleaseOutcome, StoreError,
 };
 
 #[cfg(all(test, feature = "testkit"))]

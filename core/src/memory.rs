@@ -6,7 +6,7 @@
 
 use crate::key::DedupKey;
 use crate::store::{
-    check_distinct_keys, duration_ms, evaluate_claim, now_ms, ClaimOutcome, ClaimRequest,
+    check_distinct_keys, duration_ms, evaluate_claim_request, now_ms, ClaimOutcome, ClaimRequest,
     ClaimVerdict, CompleteOutcome, Completion, DedupRecord, DedupStore, ExtendOutcome,
     FencingToken, Lease, RecordStatus, ReleaseOutcome, StoreError,
 };
@@ -81,7 +81,7 @@ impl DedupStore for MemoryStore {
         let mut out = Vec::with_capacity(reqs.len());
         for req in reqs {
             let existing = map.get(&req.key);
-            let verdict = evaluate_claim(existing, req.payload_hash.as_ref(), now);
+            let verdict = evaluate_claim_request(existing, req, now);
             let (attempt, first_seen, takeover) = match (&verdict, existing) {
                 (ClaimVerdict::Answer(o), _) => {
                     out.push(o.clone());
@@ -93,7 +93,7 @@ impl DedupStore for MemoryStore {
                 _ => (1, now, false),
             };
             let lease = Lease {
-                token: FencingToken::random(),
+                token: req.token.unwrap_or_else(FencingToken::random),
                 until_ms: now.saturating_add(duration_ms(req.lease)),
                 attempt,
                 takeover,

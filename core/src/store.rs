@@ -173,6 +173,12 @@ pub struct ClaimRequest {
     pub payload_hash: Option<PayloadHash>,
     /// Who claims (kept for audit and `list_stuck`).
     pub worker: Option<String>,
+    /// The token to acquire with, chosen by the caller so a retried claim is idempotent: a
+    /// claim whose reply was lost (it committed, then the connection died) is answered, on
+    /// retry with the same token, with the lease it already holds instead of `InFlight`
+    /// against itself. `None`: the store picks a random one. Tokens must be unique per
+    /// acquisition: use [`FencingToken::random`].
+    pub token: Option<FencingToken>,
 }
 
 impl ClaimRequest {
@@ -183,7 +189,13 @@ impl ClaimRequest {
             lease,
             payload_hash: None,
             worker: None,
+            token: None,
         }
+    }
+    /// Claims with a caller-chosen token (idempotent retries; see [`ClaimRequest::token`]).
+    pub fn with_token(mut self, t: FencingToken) -> Self {
+        self.token = Some(t);
+        self
     }
     /// Adds the payload hash.
     pub fn with_payload_hash(mut self, h: PayloadHash) -> Self {
@@ -422,6 +434,30 @@ pub fn evaluate_claim(
             until_ms: rec.lease_until_ms,
         }),
     }
+}
+
+/// [`evaluate_claim`] for a request: a live lease already held under the request's own
+/// token (a retried claim whose first reply was lost) is answered `Acquired` with that lease.
+pub fn evaluate_claim_request(
+    existing: Option<&DedupRecord>,
+    req: &ClaimRequest,
+    now: i64,
+) -> ClaimVerdict {
+    if let (Some(rec), Some(token)) = (existing, req.token) {
+        if rec.token == token
+            && rec.status == RecordStatus::InProgress
+            && !rec.is_released()
+            && rec.lease_until_ms > now
+        {
+            return ClaimVerdict::Answer(ClaimOutcome::Acquired(Lease {
+                token,
+                until_ms: rec.lease_until_ms,
+                attempt: rec.attempts,
+                takeover: false,
+            }));
+        }
+    }
+    evaluate_claim(existing, req.payload_hash.as_ref(), now)
 }
 
 /// Rejects batches that name a key twice: the answer for the second would depend on order.

@@ -246,6 +246,58 @@ pub async fn lease_expiry_takeover_and_fencing(h: &Handles) {
     ));
 }
 
+/// A claim retried with the same token (its first reply was lost) gets back the lease it
+/// holds, not `InFlight` against itself; another claimer still sees `InFlight`.
+pub async fn retried_claim_with_its_token_is_idempotent(h: &Handles) {
+    let g = group();
+    let s = &h[0];
+    let k = key(&g, "retried");
+    let t = FencingToken::random();
+    let first = match s.claim(&req(&k, LONG).with_token(t)).await.expect("claim") {
+        ClaimOutcome::Acquired(l) => l,
+        o => panic!("fresh key: {o:?}"),
+    };
+    assert_eq!(first.token, t, "the store acquires with the caller's token");
+    match h[h.len() - 1]
+        .claim(&req(&k, LONG).with_token(t))
+        .await
+        .expect("claim")
+    {
+        ClaimOutcome::Acquired(l) => {
+            assert_eq!(l.token, t);
+            assert_eq!(l.until_ms, first.until_ms, "the same lease, not a new one");
+            assert_eq!(l.attempt, 1);
+        }
+        o => panic!("a retried claim with its own token must be Acquired, got {o:?}"),
+    }
+    // The batch form answers the same.
+    let again = s
+        .claim_batch(&[req(&k, LONG).with_token(t)])
+        .await
+        .expect("claim_batch");
+    assert!(
+        matches!(again[0], ClaimOutcome::Acquired(l) if l.token == t),
+        "{again:?}"
+    );
+    assert!(matches!(
+        s.claim(&req(&k, LONG).with_token(FencingToken::random()))
+            .await
+            .expect("claim"),
+        ClaimOutcome::InFlight { .. }
+    ));
+    assert_eq!(
+        s.complete(&k, t, None, RETAIN).await.expect("complete"),
+        CompleteOutcome::Completed
+    );
+    assert!(
+        matches!(
+            s.claim(&req(&k, LONG).with_token(t)).await.expect("claim"),
+            ClaimOutcome::Duplicate(_)
+        ),
+        "once completed, even the owner's token sees a duplicate"
+    );
+}
+
 /// A heartbeat keeps the lease alive past its first end.
 pub async fn extend_keeps_the_lease(h: &Handles) {
     let g = group();
@@ -625,6 +677,7 @@ pub async fn run_all(h: &Handles) {
     race_batches_exactly_one_acquired_per_key(h).await;
     race_takeover_exactly_one_acquired(h).await;
     lease_expiry_takeover_and_fencing(h).await;
+    retried_claim_with_its_token_is_idempotent(h).await;
     extend_keeps_the_lease(h).await;
     release_makes_the_key_claimable(h).await;
     retention_expiry_and_purge(h).await;
@@ -645,6 +698,7 @@ macro_rules! store_contract_tests {
             race_batches_exactly_one_acquired_per_key,
             race_takeover_exactly_one_acquired,
             lease_expiry_takeover_and_fencing,
+            retried_claim_with_its_token_is_idempotent,
             extend_keeps_the_lease,
             release_makes_the_key_claimable,
             retention_expiry_and_purge,

@@ -41,7 +41,8 @@ end
 /// Reply: a flat list `[i, code, payload, ...]` naming only the keys that were *not*
 /// acquired fresh (`i` is the 1-based key index): code 1 re-acquired after release
 /// (payload attempt), 2 takeover (payload attempt), 3 duplicate (payload record), 4 in
-/// flight (payload lease end), 5 conflict (payload record), 9 unreadable value (payload
+/// flight (payload lease end), 5 conflict (payload record), 6 the caller's own live lease
+/// under the same token, a retried claim (payload record), 9 unreadable value (payload
 /// reason; nothing written for that key). Every key not named was acquired, attempt 1.
 const CLAIM_BODY: &str = r#"
 local grace = tonumber(ARGV[2])
@@ -65,6 +66,9 @@ for i = 1, #KEYS do
       if type(v) == 'table' and v.err then payload = v.err else payload = 'not an idemq record' end
     elseif r.st == '1' and r.ex ~= '' and tonumber(r.ex) <= now then
       redis.call('SET', k, fresh, 'PX', px)
+    elseif r.st == '0' and r.lu > now and r.tok == string.match(id, '^i1|0|(%d+)|') then
+      -- Our own live lease (a retried claim whose first reply was lost): it is ours.
+      code, payload = 6, v
     elseif r.st == '0' and r.lu <= now then
       -- An ended lease (crash or release) is taken over whatever payload it had.
       local att = r.att + 1

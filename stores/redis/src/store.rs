@@ -5,9 +5,9 @@ use crate::lua::{self, Lua};
 use async_trait::async_trait;
 use idemq_core::store::{check_distinct_keys, duration_ms};
 use idemq_core::{
-    evaluate_claim, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome, Completion,
-    DedupKey, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease, RecordStatus,
-    ReleaseOutcome, StoreError,
+    evaluate_claim_request, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome,
+    Completion, DedupKey, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease,
+    RecordStatus, ReleaseOutcome, StoreError,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, RedisError, Value};
@@ -674,7 +674,7 @@ impl RedisStore {
 
     /// The fast path, one round trip: `SET key record NX GET PX ttl` per key, pipelined.
     /// A nil reply is a fresh acquisition; an existing record is judged by
-    /// [`evaluate_claim`] itself. Returns the keys whose record must be rewritten
+    /// [`idemq_core::evaluate_claim`] itself. Returns the keys whose record must be rewritten
     /// (takeover, retention over), which go through the claim script.
     async fn claim_fast(
         &self,
@@ -731,7 +731,7 @@ impl RedisStore {
                     takeover: false,
                 }))),
                 Value::BulkString(b) => match decode_record(r.key.clone(), &b) {
-                    Ok(rec) => match evaluate_claim(Some(&rec), r.payload_hash.as_ref(), now) {
+                    Ok(rec) => match evaluate_claim_request(Some(&rec), r, now) {
                         ClaimVerdict::Answer(o) => Some(Ok(o)),
                         ClaimVerdict::AcquireFresh | ClaimVerdict::TakeOver => {
                             scripted.push(i);
@@ -838,6 +838,15 @@ impl RedisStore {
                             until_ms: Self::int(payload)?,
                         },
                         5 => ClaimOutcome::PayloadConflict(Self::decode(key, payload)?),
+                        6 => {
+                            let rec = Self::decode(key, payload)?;
+                            ClaimOutcome::Acquired(Lease {
+                                token: rec.token,
+                                until_ms: rec.lease_until_ms,
+                                attempt: rec.attempts,
+                                takeover: false,
+                            })
+                        }
                         9 => {
                             let why = match payload {
                                 Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
@@ -887,7 +896,10 @@ impl DedupStore for RedisStore {
         if reqs.is_empty() {
             return Ok(Vec::new());
         }
-        let tokens: Vec<FencingToken> = reqs.iter().map(|_| FencingToken::random()).collect();
+        let tokens: Vec<FencingToken> = reqs
+            .iter()
+            .map(|r| r.token.unwrap_or_else(FencingToken::random))
+            .collect();
         let leases: Vec<i64> = reqs.iter().map(|r| clamp_ms(r.lease)).collect();
         let mut answers: Vec<Option<ClaimAnswer>> = (0..reqs.len()).map(|_| None).collect();
         let scripted: Vec<usize> = if self.fast_claims {

@@ -377,7 +377,10 @@ impl Queries {
     }
 
     fn claim_mysql(&self, rows: &[ClaimRow<'_>], now: i64) -> Stmt {
-        // The guarded assignments below read `token` after it was set, which needs MySQL's
+        // The first assignment marks a win by storing the *negated* new token (tokens are
+        // positive), the guarded ones test for that mark, and the last one stores the token
+        // itself. A retry under the caller's own token (already stored, positive) thus
+        // rewrites nothing. The guards read `token` after it was set, which needs MySQL's
         // left-to-right evaluation; MariaDB's SIMULTANEOUS_ASSIGNMENT mode (global, or on a
         // caller's pool) would let every other column see the old token and hand out an
         // already-ended lease. Switch it off for this statement only.
@@ -395,17 +398,18 @@ impl Queries {
              j_worker TEXT CHARACTER SET utf8mb4 PATH '$[4]')) AS v \
              ON DUPLICATE KEY UPDATE \
              token = IF((status = 1 AND expires_ms <= ?) OR (status = 0 AND lease_until_ms <= ?), \
-             VALUES(token), token), \
-             attempts = IF(token = VALUES(token), IF(status = 0, attempts + 1, 1), attempts), \
-             took_over = IF(token = VALUES(token), IF(status = 0 AND lease_until_ms > 0, 1, 0), took_over), \
-             first_seen_ms = IF(token = VALUES(token), IF(status = 0, first_seen_ms, VALUES(first_seen_ms)), first_seen_ms), \
-             lease_until_ms = IF(token = VALUES(token), VALUES(lease_until_ms), lease_until_ms), \
-             status = IF(token = VALUES(token), 0, status), \
-             payload_hash = IF(token = VALUES(token), VALUES(payload_hash), payload_hash), \
-             result = IF(token = VALUES(token), NULL, result), \
-             completed_ms = IF(token = VALUES(token), NULL, completed_ms), \
-             expires_ms = IF(token = VALUES(token), NULL, expires_ms), \
-             worker = IF(token = VALUES(token), VALUES(worker), worker)",
+             -VALUES(token), token), \
+             attempts = IF(token = -VALUES(token), IF(status = 0, attempts + 1, 1), attempts), \
+             took_over = IF(token = -VALUES(token), IF(status = 0 AND lease_until_ms > 0, 1, 0), took_over), \
+             first_seen_ms = IF(token = -VALUES(token), IF(status = 0, first_seen_ms, VALUES(first_seen_ms)), first_seen_ms), \
+             lease_until_ms = IF(token = -VALUES(token), VALUES(lease_until_ms), lease_until_ms), \
+             status = IF(token = -VALUES(token), 0, status), \
+             payload_hash = IF(token = -VALUES(token), VALUES(payload_hash), payload_hash), \
+             result = IF(token = -VALUES(token), NULL, result), \
+             completed_ms = IF(token = -VALUES(token), NULL, completed_ms), \
+             expires_ms = IF(token = -VALUES(token), NULL, expires_ms), \
+             worker = IF(token = -VALUES(token), VALUES(worker), worker), \
+             token = IF(token = -VALUES(token), VALUES(token), token)",
             self.table
         );
         Stmt {

@@ -484,7 +484,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
                     let r = &reqs[i];
                     ClaimRow {
                         key: &r.key,
-                        token: FencingToken::random(),
+                        token: r.token.unwrap_or_else(FencingToken::random),
                         until_ms: now.saturating_add(duration_ms(r.lease)),
                         payload_hash: r.payload_hash.as_ref(),
                         worker: r.worker.as_deref().map(bounded_worker),
