@@ -239,6 +239,13 @@ async fn backoff(attempt: u32) {
 
 /// Runs an autocommit statement, retrying at once (with jitter) after a deadlock or
 /// serialization failure, which roll back only that statement.
+/// Statement arguments that move into the first attempt; a retry (rare: a deadlock or a
+/// serialization failure) rebuilds them.
+fn first_then(first: Vec<Val>, rebuild: impl Fn() -> Vec<Val>) -> impl FnMut() -> Vec<Val> {
+    let mut first = Some(first);
+    move || first.take().unwrap_or_else(&rebuild)
+}
+
 macro_rules! retry_now {
     ($op:expr, $call:expr) => {{
         let mut attempt = 0u32;
@@ -501,12 +508,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
                 // that exist already take the general path below, with fresh tokens.
                 fresh_first = false;
                 let Stmt { sql, args } = self.q.claim_fresh_mariadb(&rows, now);
-                let mut first = Some(args);
-                let mut args = || {
-                    first
-                        .take()
-                        .unwrap_or_else(|| self.q.claim_fresh_mariadb(&rows, now).args)
-                };
+                let mut args = first_then(args, || self.q.claim_fresh_mariadb(&rows, now).args);
                 let returned = retry_now!("claim", DB::fetch(conn, &sql, args(), ACQUIRED_KINDS))?;
                 take_acquired(&returned, &tokens, out)?;
                 pending.retain(|&i| out[i].is_none());
@@ -515,14 +517,8 @@ impl<DB: SqlBackend> SqlStore<DB> {
                 }
                 continue;
             }
-            // Arguments move into the first attempt; retries rebuild them.
             let Stmt { sql, args } = self.q.claim(&rows, now);
-            let mut first = Some(args);
-            let mut args = || {
-                first
-                    .take()
-                    .unwrap_or_else(|| self.q.claim(&rows, now).args)
-            };
+            let mut args = first_then(args, || self.q.claim(&rows, now).args);
             if self.q.claim_returns_rows() {
                 let returned = retry_now!("claim", DB::fetch(conn, &sql, args(), ACQUIRED_KINDS))?;
                 take_acquired(&returned, &tokens, out)?;
@@ -538,16 +534,15 @@ impl<DB: SqlBackend> SqlStore<DB> {
             if rest.is_empty() {
                 return Ok(());
             }
-            let rb = self.q.read_back(rest.iter().map(|&i| &reqs[i].key));
+            let Stmt { sql, args } = self.q.read_back(rest.iter().map(|&i| &reqs[i].key));
+            let mut args = first_then(args, || {
+                self.q.read_back(rest.iter().map(|&i| &reqs[i].key)).args
+            });
             let rows = retry_now!(
                 "claim read-back",
-                DB::fetch(
-                    conn,
-                    &rb.sql,
-                    self.q.read_back(rest.iter().map(|&i| &reqs[i].key)).args,
-                    RECORD_KINDS
-                )
+                DB::fetch(conn, &sql, args(), RECORD_KINDS)
             )?;
+            drop(args);
             let mut found: HashMap<String, StoredRecord> = HashMap::with_capacity(rows.len());
             for row in &rows {
                 let s = decode_record(row)?;
@@ -624,12 +619,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
             })
             .collect();
         let Stmt { sql, args } = self.q.complete_batch(&rows, now);
-        let mut first = Some(args);
-        let mut args = || {
-            first
-                .take()
-                .unwrap_or_else(|| self.q.complete_batch(&rows, now).args)
-        };
+        let mut args = first_then(args, || self.q.complete_batch(&rows, now).args);
         if self.q.complete_returns_rows() {
             let done = retry_now!(
                 "complete_batch",
@@ -661,18 +651,17 @@ impl<DB: SqlBackend> SqlStore<DB> {
             return Ok(());
         }
         // Not completed by this statement: completed before by the same token, or fenced.
-        let probe = self.q.probe_many(undecided.iter().map(|&i| &items[i].key));
+        let Stmt { sql, args } = self.q.probe_many(undecided.iter().map(|&i| &items[i].key));
+        let mut args = first_then(args, || {
+            self.q
+                .probe_many(undecided.iter().map(|&i| &items[i].key))
+                .args
+        });
         let rows = retry_now!(
             "complete_batch probe",
-            DB::fetch(
-                conn,
-                &probe.sql,
-                self.q
-                    .probe_many(undecided.iter().map(|&i| &items[i].key))
-                    .args,
-                &[Kind::Text, Kind::I64, Kind::I64]
-            )
+            DB::fetch(conn, &sql, args(), &[Kind::Text, Kind::I64, Kind::I64])
         )?;
+        drop(args);
         let mut state: HashMap<String, (i64, i64)> = HashMap::with_capacity(rows.len());
         for r in &rows {
             if let (Ok(k), Ok(t), Ok(s)) = (r.text(0), r.i64(1), r.i64(2)) {
