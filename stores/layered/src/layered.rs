@@ -181,6 +181,7 @@ impl LayeredStoreBuilder {
             outage_retry_after: self.outage_retry_after,
             reconcile: self.reconcile,
             counters: Counters::default(),
+            forgets: AtomicU64::new(0),
         }
     }
 }
@@ -240,6 +241,9 @@ pub struct LayeredStore {
     outage_retry_after: Duration,
     reconcile: bool,
     counters: Counters,
+    /// Bumped by `forget`: a claim or completion that began before a forget must not
+    /// cache what it read (the operator wants the key processed again).
+    forgets: AtomicU64,
 }
 
 impl std::fmt::Debug for LayeredStore {
@@ -335,8 +339,11 @@ impl LayeredStore {
         }
     }
 
-    fn cache_record(&self, rec: &DedupRecord) {
+    fn cache_record(&self, rec: &DedupRecord, epoch: u64) {
         let Some(cache) = &self.cache else { return };
+        if self.forgets.load(Ordering::Acquire) != epoch {
+            return;
+        }
         if rec.status != RecordStatus::Completed {
             return;
         }
@@ -420,6 +427,7 @@ impl LayeredStore {
     }
 
     async fn claim_remote(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let epoch = self.forgets.load(Ordering::Acquire);
         let novelty = self.filter_insert(reqs).await;
         self.counters
             .primary_claims
@@ -433,11 +441,11 @@ impl LayeredStore {
                         reqs.len()
                     )));
                 }
-                self.after_primary(reqs, out).await
+                self.after_primary(reqs, out, epoch).await
             }
             Err(StoreError::Unavailable(msg)) => match &self.fallback {
                 None => Err(StoreError::Unavailable(msg)),
-                Some(fb) => self.degraded(fb, reqs, novelty, msg).await,
+                Some(fb) => self.degraded(fb, reqs, novelty, msg, epoch).await,
             },
             Err(e) => Err(e),
         }
@@ -447,15 +455,16 @@ impl LayeredStore {
         &self,
         reqs: &[ClaimRequest],
         mut out: Vec<ClaimOutcome>,
+        epoch: u64,
     ) -> Result<Vec<ClaimOutcome>, StoreError> {
         let now = now_ms();
         for (req, o) in reqs.iter().zip(out.iter_mut()) {
             match o {
-                ClaimOutcome::Duplicate(rec) => self.cache_record(rec),
+                ClaimOutcome::Duplicate(rec) => self.cache_record(rec, epoch),
                 ClaimOutcome::Acquired(lease) => {
                     let lease = *lease;
                     if self.reconcile {
-                        if let Some(dup) = self.reconcile_one(req, &lease).await? {
+                        if let Some(dup) = self.reconcile_one(req, &lease, epoch).await? {
                             *o = dup;
                             continue;
                         }
@@ -474,6 +483,7 @@ impl LayeredStore {
         &self,
         req: &ClaimRequest,
         lease: &idemq_core::Lease,
+        epoch: u64,
     ) -> Result<Option<ClaimOutcome>, StoreError> {
         let Some(fb) = &self.fallback else {
             return Ok(None);
@@ -508,7 +518,7 @@ impl LayeredStore {
         }
         self.counters.reconciled.fetch_add(1, Ordering::Relaxed);
         tracing::info!(key = %req.key, "completion made on the fallback copied to the primary");
-        self.cache_record(&rec);
+        self.cache_record(&rec, epoch);
         Ok(Some(
             match (rec.payload_hash.as_ref(), req.payload_hash.as_ref()) {
                 (Some(a), Some(b)) if a != b => ClaimOutcome::PayloadConflict(rec),
@@ -523,6 +533,7 @@ impl LayeredStore {
         reqs: &[ClaimRequest],
         novelty: Option<Vec<Novelty>>,
         primary_error: String,
+        epoch: u64,
     ) -> Result<Vec<ClaimOutcome>, StoreError> {
         let allowed: Vec<bool> = match fb.gate {
             FallbackGate::AllKeys => vec![true; reqs.len()],
@@ -575,7 +586,7 @@ impl LayeredStore {
             };
             match &o {
                 ClaimOutcome::Acquired(lease) => self.note_acquired(req, lease, true, now),
-                ClaimOutcome::Duplicate(rec) => self.cache_record(rec),
+                ClaimOutcome::Duplicate(rec) => self.cache_record(rec, epoch),
                 _ => {}
             }
             out.push(o);
@@ -583,7 +594,7 @@ impl LayeredStore {
         Ok(out)
     }
 
-    fn cache_completion(&self, c: &Completion, store_now: i64) {
+    fn cache_completion(&self, c: &Completion, store_now: i64, epoch: u64) {
         if !self.cache_on_complete || self.cache.is_none() {
             return;
         }
@@ -607,7 +618,7 @@ impl LayeredStore {
             expires_ms: Some(store_now.saturating_add(duration_ms(c.retention))),
             worker: info.worker.clone(),
         };
-        self.cache_record(&rec);
+        self.cache_record(&rec, epoch);
     }
 }
 
@@ -667,6 +678,7 @@ impl DedupStore for LayeredStore {
         &self,
         items: &[Completion],
     ) -> Result<Vec<CompleteOutcome>, StoreError> {
+        let epoch = self.forgets.load(Ordering::Acquire);
         let routes: Vec<Route> = items.iter().map(|c| self.route(&c.key, c.token)).collect();
         let (mut prim, mut fbk) = (Vec::new(), Vec::new());
         for (c, r) in items.iter().zip(&routes) {
@@ -717,7 +729,7 @@ impl DedupStore for LayeredStore {
             }
             .ok_or_else(|| StoreError::Backend("complete answer ended early".into()))?;
             if o == CompleteOutcome::Completed {
-                self.cache_completion(c, now);
+                self.cache_completion(c, now, epoch);
                 self.claims.invalidate(&c.key);
             }
             out.push(o);
@@ -807,6 +819,7 @@ impl DedupStore for LayeredStore {
     }
 
     async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
+        self.forgets.fetch_add(1, Ordering::AcqRel);
         self.uncache(key);
         self.claims.invalidate(key);
         let existed = self.primary.forget(key).await?;
@@ -814,7 +827,9 @@ impl DedupStore for LayeredStore {
             Some(fb) => fb.store.forget(key).await.unwrap_or(false),
             None => false,
         };
-        // A claim racing with the forget may have re-cached it; drop it again.
+        // Calls that read the record before it was deleted must not cache it now (they
+        // compare the counter), and one that cached it meanwhile is undone here.
+        self.forgets.fetch_add(1, Ordering::AcqRel);
         self.uncache(key);
         Ok(existed || fb_existed)
     }

@@ -495,3 +495,88 @@ async fn watchdog_reports_expiry_when_the_store_stays_down_and_stops_on_drop() {
         ClaimOutcome::Acquired(l) if l.takeover
     ));
 }
+
+/// A primary whose claims read the record, then wait at a gate before answering: a claim
+/// that read a record just before an operator's `forget`.
+struct GatedClaims {
+    inner: MemoryStore,
+    gate: tokio::sync::Semaphore,
+}
+
+#[async_trait]
+impl DedupStore for GatedClaims {
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let out = self.inner.claim_batch(reqs).await;
+        let _pass = self.gate.acquire().await;
+        out
+    }
+    async fn complete_batch(
+        &self,
+        items: &[idemq_core::Completion],
+    ) -> Result<Vec<CompleteOutcome>, StoreError> {
+        self.inner.complete_batch(items).await
+    }
+    async fn release(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<idemq_core::ReleaseOutcome, StoreError> {
+        self.inner.release(key, token).await
+    }
+    async fn extend(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<idemq_core::ExtendOutcome, StoreError> {
+        self.inner.extend(key, token, lease).await
+    }
+    async fn get(&self, key: &DedupKey) -> Result<Option<idemq_core::DedupRecord>, StoreError> {
+        self.inner.get(key).await
+    }
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        self.inner.purge_expired(limit).await
+    }
+    async fn list_stuck(
+        &self,
+        stale_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<idemq_core::DedupRecord>, StoreError> {
+        self.inner.list_stuck(stale_for, limit).await
+    }
+    async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
+        self.inner.forget(key).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_read_the_record_before_a_forget_does_not_cache_it() {
+    let g = group();
+    let k = key(&g, "forgotten");
+    let primary = Arc::new(GatedClaims {
+        inner: MemoryStore::new(),
+        gate: tokio::sync::Semaphore::new(0),
+    });
+    // Completed on the primary directly, so the layer has not cached it.
+    process(&primary.inner, &k).await;
+    let layered = Arc::new(LayeredStore::new(primary.clone()));
+    let racing = {
+        let (l, k) = (layered.clone(), k.clone());
+        tokio::spawn(async move { l.claim(&req(&k)).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await; // the claim has read the record
+    assert!(
+        layered.forget(&k).await.unwrap(),
+        "the operator forgets the key"
+    );
+    primary.gate.add_permits(1000);
+    let stale = racing.await.unwrap().unwrap();
+    assert!(matches!(stale, ClaimOutcome::Duplicate(_)), "{stale:?}");
+    assert!(
+        matches!(
+            layered.claim(&req(&k)).await.unwrap(),
+            ClaimOutcome::Acquired(_)
+        ),
+        "after the forget the key is processed again, not answered from the cache"
+    );
+}
