@@ -425,77 +425,53 @@ impl Queries {
 
     /// `SELECT <record> FROM t WHERE dedup_key IN (…)`.
     pub fn read_back<'a>(&self, keys: impl ExactSizeIterator<Item = &'a DedupKey>) -> Stmt {
-        if self.dialect == Dialect::Postgres {
-            return Stmt {
-                sql: format!(
-                    "SELECT {RECORD_COLS} FROM {} WHERE dedup_key = ANY($1::text[])",
-                    self.table
-                ),
-                args: vec![key_array(keys)],
-            };
-        }
-        if self.dialect == Dialect::MySql {
-            return Stmt {
-                sql: format!(
-                    "SELECT {RECORD_COLS_T} FROM {} AS t JOIN JSON_TABLE(?, '$[*]' \
-                     COLUMNS(j_key VARBINARY(257) PATH '$')) AS v ON t.dedup_key = v.j_key",
-                    self.table
-                ),
-                args: vec![key_json(keys)],
-            };
-        }
-        let n = keys.len();
-        let mut sql = format!(
-            "SELECT {RECORD_COLS} FROM {} WHERE dedup_key IN (",
-            self.table
-        );
-        let mut args = Vec::with_capacity(n);
-        for (i, k) in keys.enumerate() {
-            sql.push_str(if i == 0 { "?" } else { ", ?" });
-            args.push(Val::Key(k.as_str().to_owned()));
-        }
-        sql.push(')');
-        Stmt {
-            sql: self.dialect.placeholders(sql),
-            args,
-        }
+        self.select_by_keys(RECORD_COLS, RECORD_COLS_T, keys)
     }
 
     /// `SELECT dedup_key, token, status FROM t WHERE dedup_key IN (…)`.
     pub fn probe_many<'a>(&self, keys: impl ExactSizeIterator<Item = &'a DedupKey>) -> Stmt {
-        if self.dialect == Dialect::Postgres {
-            return Stmt {
-                sql: format!(
-                    "SELECT dedup_key, token, status FROM {} WHERE dedup_key = ANY($1::text[])",
-                    self.table
-                ),
+        self.select_by_keys(
+            "dedup_key, token, status",
+            "t.dedup_key, t.token, t.status",
+            keys,
+        )
+    }
+
+    /// `SELECT <cols> FROM t WHERE dedup_key IN (…)` in each dialect's batch form: one array
+    /// argument on PostgreSQL, a `JSON_TABLE` join on MySQL (`cols_t`: the same columns
+    /// qualified by the alias `t`), an `IN` list on SQLite.
+    fn select_by_keys<'a>(
+        &self,
+        cols: &str,
+        cols_t: &str,
+        keys: impl ExactSizeIterator<Item = &'a DedupKey>,
+    ) -> Stmt {
+        let t = &self.table;
+        match self.dialect {
+            Dialect::Postgres => Stmt {
+                sql: format!("SELECT {cols} FROM {t} WHERE dedup_key = ANY($1::text[])"),
                 args: vec![key_array(keys)],
-            };
-        }
-        if self.dialect == Dialect::MySql {
-            return Stmt {
+            },
+            Dialect::MySql => Stmt {
                 sql: format!(
-                    "SELECT t.dedup_key, t.token, t.status FROM {} AS t JOIN JSON_TABLE(?, '$[*]' \
-                     COLUMNS(j_key VARBINARY(257) PATH '$')) AS v ON t.dedup_key = v.j_key",
-                    self.table
+                    "SELECT {cols_t} FROM {t} AS t JOIN JSON_TABLE(?, '$[*]' \
+                     COLUMNS(j_key VARBINARY(257) PATH '$')) AS v ON t.dedup_key = v.j_key"
                 ),
                 args: vec![key_json(keys)],
-            };
-        }
-        let n = keys.len();
-        let mut sql = format!(
-            "SELECT dedup_key, token, status FROM {} WHERE dedup_key IN (",
-            self.table
-        );
-        let mut args = Vec::with_capacity(n);
-        for (i, k) in keys.enumerate() {
-            sql.push_str(if i == 0 { "?" } else { ", ?" });
-            args.push(Val::Key(k.as_str().to_owned()));
-        }
-        sql.push(')');
-        Stmt {
-            sql: self.dialect.placeholders(sql),
-            args,
+            },
+            Dialect::Sqlite => {
+                let mut sql = format!("SELECT {cols} FROM {t} WHERE dedup_key IN (");
+                let mut args = Vec::with_capacity(keys.len());
+                for (i, k) in keys.enumerate() {
+                    sql.push_str(if i == 0 { "?" } else { ", ?" });
+                    args.push(Val::Key(k.as_str().to_owned()));
+                }
+                sql.push(')');
+                Stmt {
+                    sql: self.dialect.placeholders(sql),
+                    args,
+                }
+            }
         }
     }
 
