@@ -250,7 +250,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         max_batch: 64,
         max_concurrency: 8,
         lease: Duration::from_secs(1),
-        retry_delay: Duration::from_millis(50),
+        retry: idemq_core::engine::RetryPolicy::fixed(Duration::from_millis(50)),
         in_flight_delay_max: Duration::from_millis(300),
         ..ConsumerConfig::default()
     };

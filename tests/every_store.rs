@@ -63,7 +63,7 @@ async fn storm(url: &str) {
     let consumer = IdempotentConsumer::new(store, keys, handler).with_config(ConsumerConfig {
         max_batch: 50,
         lease: Duration::from_secs(10),
-        retry_delay: Duration::from_millis(20),
+        retry: idemq_core::engine::RetryPolicy::fixed(Duration::from_millis(20)),
         in_flight_delay_max: Duration::from_millis(100),
         ..ConsumerConfig::default()
     });

@@ -5,9 +5,19 @@
 //! its unacked deliveries go back to the queue marked redelivered, as RabbitMQ does when a
 //! channel closes. [`Faults`] inject what real brokers do to consumers: lost acks (the broker
 //! redelivers a message the consumer acked).
+//!
+//! With [`MemoryBroker::set_ordering`] it keeps order per lane (partition or ordering key, as
+//! the engine's [`DeliveryOrder`]): a message sent back returns to its original place, and
+//! the lane's later messages wait while it is delayed or held by another subscriber, as a
+//! Kafka partition or a RocketMQ orderly queue would.
+//!
+//! It is also a [`Publisher`]: the dedup key goes into the [`DEDUP_HEADER`](crate::DEDUP_HEADER)
+//! header and `message_id`, like the AMQP adapter does.
 
+use crate::engine::DeliveryOrder;
 use crate::envelope::{BrokerKind, Envelope, Position};
-use crate::source::{Delivery, Settle, Source, SourceError};
+use crate::publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher};
+use crate::source::{Capabilities, Delivery, Settle, Source, SourceError};
 use async_trait::async_trait;
 use rand::{Rng, SeedableRng};
 use std::collections::{HashMap, VecDeque};
@@ -38,6 +48,9 @@ pub struct DeadLetter {
 struct Stored {
     envelope: Envelope,
     deliveries: u32,
+    /// Publish order: an ordered broker puts a message back at this place.
+    seq: u64,
+    lane: Option<Vec<u8>>,
 }
 
 struct State {
@@ -47,12 +60,71 @@ struct State {
     dead: Vec<DeadLetter>,
     next_tag: u64,
     next_offset: i64,
+    next_seq: u64,
     next_session: u64,
     acked: u64,
     faults: Faults,
+    ordering: DeliveryOrder,
     rng: rand::rngs::StdRng,
 }
 
+impl State {
+    fn lane_of(&self, env: &Envelope) -> Option<Vec<u8>> {
+        match self.ordering {
+            DeliveryOrder::Unordered => None,
+            DeliveryOrder::PerPartition => Some(
+                format!("{}/{}", env.source.name, env.source.partition.unwrap_or(0)).into_bytes(),
+            ),
+            DeliveryOrder::PerKey => env.effective_ordering_key().map(|k| {
+                let mut l = env.source.name.as_bytes().to_vec();
+                l.push(0);
+                l.extend_from_slice(k);
+                l
+            }),
+        }
+    }
+
+    fn store(&mut self, envelope: Envelope) {
+        let lane = self.lane_of(&envelope);
+        self.next_seq += 1;
+        self.ready.push_back(Stored {
+            envelope,
+            deliveries: 0,
+            seq: self.next_seq,
+            lane,
+        });
+    }
+
+    /// Back to ready: at its original place when ordered, else at the end.
+    fn requeue(&mut self, s: Stored) {
+        if self.ordering == DeliveryOrder::Unordered {
+            self.ready.push_back(s);
+        } else {
+            let at = self.ready.partition_point(|r| r.seq < s.seq);
+            self.ready.insert(at, s);
+        }
+    }
+
+    /// Whether `s` must wait: an earlier message of its lane is delayed, or held by another
+    /// subscriber, or still ready ahead of it.
+    fn lane_blocked(
+        &self,
+        s: &Stored,
+        session: u64,
+        blocked: &std::collections::HashSet<Vec<u8>>,
+    ) -> bool {
+        let Some(lane) = &s.lane else { return false };
+        blocked.contains(lane)
+            || self
+                .delayed
+                .iter()
+                .any(|(_, d)| d.lane.as_ref() == Some(lane))
+            || self
+                .unacked
+                .values()
+                .any(|(sess, u)| *sess != session && u.lane.as_ref() == Some(lane))
+    }
+}
 struct Shared {
     state: Mutex<State>,
     notify: Notify,
@@ -94,9 +166,11 @@ impl MemoryBroker {
                     dead: Vec::new(),
                     next_tag: 1,
                     next_offset: 0,
+                    next_seq: 0,
                     next_session: 1,
                     acked: 0,
                     faults: Faults::default(),
+                    ordering: DeliveryOrder::Unordered,
                     rng: rand::rngs::StdRng::seed_from_u64(seed),
                 }),
                 notify: Notify::new(),
@@ -109,28 +183,31 @@ impl MemoryBroker {
         self.shared.lock().faults = faults;
     }
 
-    /// Enqueues a message (its broker kind becomes `Memory`, its position the next offset).
-    pub fn publish(&self, mut envelope: Envelope) {
+    /// Keeps order per lane from now on (see the module docs); `Unordered` (the default)
+    /// redelivers sent-back messages at the end of the queue.
+    pub fn set_ordering(&self, ordering: DeliveryOrder) {
+        self.shared.lock().ordering = ordering;
+    }
+
+    /// Enqueues a message (its broker kind becomes `Memory`, its position the next offset,
+    /// which is returned).
+    pub fn publish(&self, mut envelope: Envelope) -> i64 {
         let mut st = self.shared.lock();
         envelope.broker = BrokerKind::Memory;
-        envelope.source.position = Some(Position::Offset(st.next_offset));
+        let offset = st.next_offset;
+        envelope.source.position = Some(Position::Offset(offset));
         st.next_offset += 1;
         let rate = st.faults.duplicate_publish_rate.clamp(0.0, 1.0);
         if rate > 0.0 && st.rng.gen_bool(rate) {
             let mut copy = envelope.clone();
             copy.source.position = Some(Position::Offset(st.next_offset));
             st.next_offset += 1;
-            st.ready.push_back(Stored {
-                envelope: copy,
-                deliveries: 0,
-            });
+            st.store(copy);
         }
-        st.ready.push_back(Stored {
-            envelope,
-            deliveries: 0,
-        });
+        st.store(envelope);
         drop(st);
         self.shared.notify.notify_waiters();
+        offset
     }
 
     /// A new subscriber (a consumer connection).
@@ -166,28 +243,70 @@ impl MemoryBroker {
     }
 }
 
-/// A subscription to a [`MemoryBroker`]. Dropping it requeues its unacked deliveries.
+#[async_trait]
+impl Publisher for MemoryBroker {
+    /// Stores the message at once (the broker is in-process: a confirm cannot be lost).
+    async fn publish(&self, msg: OutgoingMessage) -> Result<PublishReceipt, PublishError> {
+        if msg.destination.is_empty() {
+            return Err(PublishError::Unroutable(
+                "empty destination: name the queue".into(),
+            ));
+        }
+        let mut env = Envelope::new(
+            BrokerKind::Memory,
+            msg.destination.clone(),
+            msg.payload.clone(),
+        );
+        env.headers = msg.wire_headers();
+        env.key = msg.key.clone();
+        env.ordering_key = msg.ordering_key.clone();
+        env.message_id = msg.dedup_key.clone();
+        env.timestamp_ms = Some(crate::store::now_ms());
+        let offset = MemoryBroker::publish(self, env);
+        Ok(PublishReceipt {
+            destination: msg.destination,
+            partition: None,
+            position: Some(Position::Offset(offset)),
+            message_id: None,
+        })
+    }
+}
+
+/// A subscription to a [`MemoryBroker`]. Dropping or closing it requeues its unacked
+/// deliveries (their settlements then do nothing).
 pub struct MemorySource {
     shared: Arc<Shared>,
     session: u64,
 }
 
-impl Drop for MemorySource {
-    fn drop(&mut self) {
+impl MemorySource {
+    fn requeue_mine(&self) {
         let mut st = self.shared.lock();
-        let mine: Vec<u64> = st
+        let mut mine: Vec<u64> = st
             .unacked
             .iter()
             .filter(|(_, (s, _))| *s == self.session)
             .map(|(t, _)| *t)
             .collect();
+        // Newest first, each pushed to the front: the oldest ends up first.
+        mine.sort_unstable_by(|a, b| b.cmp(a));
         for tag in mine {
             if let Some((_, stored)) = st.unacked.remove(&tag) {
-                st.ready.push_front(stored);
+                if st.ordering == DeliveryOrder::Unordered {
+                    st.ready.push_front(stored);
+                } else {
+                    st.requeue(stored);
+                }
             }
         }
         drop(st);
         self.shared.notify.notify_waiters();
+    }
+}
+
+impl Drop for MemorySource {
+    fn drop(&mut self) {
+        self.requeue_mine();
     }
 }
 
@@ -205,36 +324,48 @@ impl Source for MemorySource {
                 while i < st.delayed.len() {
                     if st.delayed[i].0 <= now {
                         let (_, s) = st.delayed.swap_remove(i);
-                        st.ready.push_back(s);
+                        st.requeue(s);
                     } else {
                         i += 1;
                     }
                 }
-                if !st.ready.is_empty() {
-                    let n = max.max(1).min(st.ready.len());
-                    let mut out = Vec::with_capacity(n);
-                    for _ in 0..n {
-                        let Some(mut s) = st.ready.pop_front() else {
-                            break;
-                        };
-                        s.deliveries += 1;
-                        let tag = st.next_tag;
-                        st.next_tag += 1;
-                        let mut env = s.envelope.clone();
-                        env.delivery_count = Some(s.deliveries);
-                        env.redelivered = s.deliveries > 1;
-                        st.unacked.insert(tag, (self.session, s));
-                        out.push(Delivery::new(
-                            env,
-                            Box::new(MemorySettle {
-                                shared: self.shared.clone(),
-                                tag,
-                            }),
-                        ));
+                let mut out = Vec::new();
+                let mut skipped: Vec<Stored> = Vec::new();
+                let mut blocked = std::collections::HashSet::new();
+                while out.len() < max.max(1) {
+                    let Some(mut s) = st.ready.pop_front() else {
+                        break;
+                    };
+                    if st.lane_blocked(&s, self.session, &blocked) {
+                        // Everything after it in its lane waits too.
+                        if let Some(l) = &s.lane {
+                            blocked.insert(l.clone());
+                        }
+                        skipped.push(s);
+                        continue;
                     }
+                    s.deliveries += 1;
+                    let tag = st.next_tag;
+                    st.next_tag += 1;
+                    let mut env = s.envelope.clone();
+                    env.delivery_count = Some(s.deliveries);
+                    env.redelivered = s.deliveries > 1;
+                    st.unacked.insert(tag, (self.session, s));
+                    out.push(Delivery::new(
+                        env,
+                        Box::new(MemorySettle {
+                            shared: self.shared.clone(),
+                            tag,
+                        }),
+                    ));
+                }
+                for s in skipped.into_iter().rev() {
+                    st.ready.push_front(s);
+                }
+                if !out.is_empty() {
                     return Ok(Some(out));
                 }
-                if st.delayed.is_empty() && st.unacked.is_empty() {
+                if st.ready.is_empty() && st.delayed.is_empty() && st.unacked.is_empty() {
                     return Ok(None);
                 }
                 st.delayed.iter().map(|(t, _)| *t).min()
@@ -247,6 +378,23 @@ impl Source for MemorySource {
             }
         }
     }
+
+    /// Requeues this subscriber's unsettled deliveries. The subscription stays usable (a
+    /// later poll is a reconnect), which tests that run an engine twice rely on.
+    async fn close(&mut self) -> Result<(), SourceError> {
+        self.requeue_mine();
+        Ok(())
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            delayed_redelivery: true,
+            min_redelivery_delay: Duration::ZERO,
+            dead_letter: true,
+            ordered: self.shared.lock().ordering != DeliveryOrder::Unordered,
+            transactional: false,
+        }
+    }
 }
 
 struct MemorySettle {
@@ -255,13 +403,10 @@ struct MemorySettle {
 }
 
 impl MemorySettle {
-    fn take(&self, st: &mut State) -> Result<Stored, SourceError> {
-        st.unacked.remove(&self.tag).map(|(_, s)| s).ok_or_else(|| {
-            SourceError::Broker(format!(
-                "unknown delivery tag {} (already settled or requeued)",
-                self.tag
-            ))
-        })
+    /// The delivery, unless it went stale (its subscriber closed and it was requeued, or it
+    /// was settled already): then `None`, and the settlement does nothing.
+    fn take(&self, st: &mut State) -> Option<Stored> {
+        st.unacked.remove(&self.tag).map(|(_, s)| s)
     }
 }
 
@@ -269,12 +414,14 @@ impl MemorySettle {
 impl Settle for MemorySettle {
     async fn ack(&mut self) -> Result<(), SourceError> {
         let mut st = self.shared.lock();
-        let s = self.take(&mut st)?;
+        let Some(s) = self.take(&mut st) else {
+            return Ok(());
+        };
         st.acked += 1;
         let rate = st.faults.lost_ack_rate.clamp(0.0, 1.0);
         let lose = rate > 0.0 && st.rng.gen_bool(rate);
         if lose {
-            st.ready.push_back(s);
+            st.requeue(s);
         }
         drop(st);
         self.shared.notify.notify_waiters();
@@ -283,7 +430,9 @@ impl Settle for MemorySettle {
 
     async fn nack(&mut self, redeliver_after: Duration) -> Result<(), SourceError> {
         let mut st = self.shared.lock();
-        let s = self.take(&mut st)?;
+        let Some(s) = self.take(&mut st) else {
+            return Ok(());
+        };
         st.delayed.push((Instant::now() + redeliver_after, s));
         drop(st);
         self.shared.notify.notify_waiters();
@@ -292,7 +441,9 @@ impl Settle for MemorySettle {
 
     async fn reject(&mut self, reason: &str) -> Result<(), SourceError> {
         let mut st = self.shared.lock();
-        let s = self.take(&mut st)?;
+        let Some(s) = self.take(&mut st) else {
+            return Ok(());
+        };
         st.dead.push(DeadLetter {
             envelope: s.envelope,
             reason: reason.to_string(),
@@ -300,5 +451,18 @@ impl Settle for MemorySettle {
         drop(st);
         self.shared.notify.notify_waiters();
         Ok(())
+    }
+
+    fn abandon(&mut self) {
+        let mut st = self.shared.lock();
+        if let Some(s) = self.take(&mut st) {
+            st.requeue(s);
+        }
+        drop(st);
+        self.shared.notify.notify_waiters();
+    }
+
+    fn is_stale(&self) -> bool {
+        !self.shared.lock().unacked.contains_key(&self.tag)
     }
 }

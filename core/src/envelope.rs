@@ -51,12 +51,49 @@ pub enum Position {
 /// The topic or queue a delivery came from.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct SourceRef {
+    /// The broker or cluster that holds it (a RocketMQ queue id is unique only per broker;
+    /// two Kafka clusters may both have a topic `orders`). `None` when there is only one.
+    pub cluster: Option<String>,
     /// Kafka topic, RabbitMQ queue, RocketMQ topic.
     pub name: String,
     /// Kafka partition or RocketMQ queue id; `None` for RabbitMQ.
     pub partition: Option<i32>,
     /// Offset or delivery tag, when the broker has one.
     pub position: Option<Position>,
+}
+
+/// Reserved header names under which adapters keep a broker's native properties that have no
+/// field of their own in [`Envelope`], so that a handler or a key strategy can read them the
+/// same way on every broker (`KeySource::Header(props::CORRELATION_ID.into())`).
+///
+/// Each name starts with `idemq.`, a prefix that no adapter copies from the wire.
+pub mod props {
+    /// AMQP `reply_to`.
+    pub const REPLY_TO: &str = "idemq.reply-to";
+    /// AMQP `correlation_id`.
+    pub const CORRELATION_ID: &str = "idemq.correlation-id";
+    /// AMQP `content_type`.
+    pub const CONTENT_TYPE: &str = "idemq.content-type";
+    /// AMQP `content_encoding`.
+    pub const CONTENT_ENCODING: &str = "idemq.content-encoding";
+    /// AMQP exchange the message was published to.
+    pub const EXCHANGE: &str = "idemq.exchange";
+    /// AMQP routing key.
+    pub const ROUTING_KEY: &str = "idemq.routing-key";
+    /// AMQP `type`.
+    pub const MESSAGE_TYPE: &str = "idemq.type";
+    /// RocketMQ tags.
+    pub const TAGS: &str = "idemq.tags";
+    /// Kafka leader epoch of the record.
+    pub const LEADER_EPOCH: &str = "idemq.leader-epoch";
+    /// The prefix every reserved name carries.
+    pub const PREFIX: &str = "idemq.";
+    /// The wire type of a header value that is not a byte string (AMQP field tables carry
+    /// integers, booleans, tables...): the adapter stores the value's text form under the
+    /// header's own name and the type under `idemq.type-of.<name>`, so nothing is lost.
+    pub fn type_of(name: &str) -> String {
+        format!("idemq.type-of.{name}")
+    }
 }
 
 /// Message headers (Kafka headers, AMQP properties and headers, RocketMQ user properties).
@@ -122,6 +159,11 @@ pub struct Envelope {
     pub message_id: Option<String>,
     /// The message key (Kafka record key, RocketMQ `keys`, AMQP `message_id`).
     pub key: Option<Bytes>,
+    /// What orders this message relative to others when the consumer runs in per-key
+    /// ordering mode: RocketMQ's sharding key, an AMQP header. `None` falls back to
+    /// [`Envelope::key`] (the Kafka record key, which is what Kafka orders by); see
+    /// [`Envelope::ordering_key`].
+    pub ordering_key: Option<Bytes>,
     /// Headers / properties.
     pub headers: Headers,
     /// The body.
@@ -140,10 +182,12 @@ impl Envelope {
         Self {
             broker,
             source: SourceRef {
+                cluster: None,
                 name: source.into(),
                 partition: None,
                 position: None,
             },
+            ordering_key: None,
             message_id: None,
             key: None,
             headers: Headers::new(),
@@ -162,6 +206,21 @@ impl Envelope {
     pub fn with_header(mut self, name: impl Into<String>, value: impl Into<Bytes>) -> Self {
         self.headers.insert(name, value);
         self
+    }
+    /// Sets the ordering key (see [`Envelope::ordering_key`]).
+    pub fn with_ordering_key(mut self, key: impl Into<Bytes>) -> Self {
+        self.ordering_key = Some(key.into());
+        self
+    }
+    /// Sets the partition / queue id.
+    pub fn with_partition(mut self, partition: i32) -> Self {
+        self.source.partition = Some(partition);
+        self
+    }
+    /// The key that orders this message in per-key mode: the explicit ordering key, else the
+    /// message key.
+    pub fn effective_ordering_key(&self) -> Option<&Bytes> {
+        self.ordering_key.as_ref().or(self.key.as_ref())
     }
     /// Sets the broker message id.
     pub fn with_message_id(mut self, id: impl Into<String>) -> Self {

@@ -17,8 +17,49 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// What a handler returns: an optional result to store and replay to duplicates.
 pub type HandlerResult = Result<Option<Bytes>, HandlerError>;
 
+/// The state of a claimed message's lease, as the handler can watch it.
+///
+/// The engine's heartbeat extends the lease while the handler runs. When the lease is lost
+/// (another worker took the key over after a heartbeat was fenced, or heartbeats failed until
+/// the lease's end passed on this clock), the watch flips: a handler with external effects
+/// should stop before its next one. The engine also cancels the handler at that point
+/// (its future is dropped at the next `.await`), so a handler that never looks is still cut
+/// off; effects already made are not undone, which is why `takeover` exists.
+///
+/// ```
+/// use idemq_core::handler::LeaseWatch;
+/// let (lost, watch) = LeaseWatch::pair();
+/// assert!(!watch.is_lost());
+/// lost.send_replace(true);
+/// assert!(watch.is_lost());
+/// ```
+#[derive(Debug, Clone)]
+pub struct LeaseWatch {
+    rx: tokio::sync::watch::Receiver<bool>,
+}
+
+impl LeaseWatch {
+    /// A watch and the sender that marks it lost (for engines and tests).
+    pub fn pair() -> (tokio::sync::watch::Sender<bool>, Self) {
+        let (tx, rx) = tokio::sync::watch::channel(false);
+        (tx, Self { rx })
+    }
+    /// True once the lease is lost.
+    pub fn is_lost(&self) -> bool {
+        *self.rx.borrow()
+    }
+    /// Resolves when the lease is lost; never, if it is kept until the batch ends.
+    pub async fn lost(&self) {
+        let mut rx = self.rx.clone();
+        if rx.wait_for(|l| *l).await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
 /// A message whose key the caller now owns.
 #[derive(Debug, Clone)]
+#[non_exhaustive]
 pub struct ClaimedMessage {
     /// The delivery.
     pub envelope: Envelope,
@@ -32,20 +73,75 @@ pub struct ClaimedMessage {
     /// True when a crashed worker's lease was taken over: the effect may be half done, so
     /// handlers with external effects should check before repeating them.
     pub takeover: bool,
+    /// Whether this worker still holds the key (see [`LeaseWatch`]).
+    pub lease: LeaseWatch,
+}
+
+impl ClaimedMessage {
+    /// A claimed message (engines build these; tests of handlers too).
+    pub fn new(
+        envelope: Envelope,
+        key: DedupKey,
+        token: FencingToken,
+        attempt: u32,
+        takeover: bool,
+        lease: LeaseWatch,
+    ) -> Self {
+        Self {
+            envelope,
+            key,
+            token,
+            attempt,
+            takeover,
+            lease,
+        }
+    }
 }
 
 /// Why a handler failed, which decides what happens to the message.
+///
+/// A retryable failure follows the consumer's [`RetryPolicy`](crate::engine::RetryPolicy):
+/// redelivered after a growing delay, dead-lettered once `max_attempts` is reached.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum HandlerError {
     /// Try again later: the key is released and the message redelivered.
     #[error("handler failed (will retry): {0}")]
     Retryable(#[source] BoxError),
+    /// Try again after this delay (a rate limit's `Retry-After`), instead of the policy's.
+    #[error("handler failed (will retry after {delay:?}): {source}")]
+    RetryAfter {
+        /// How long to wait.
+        delay: std::time::Duration,
+        /// Why.
+        #[source]
+        source: BoxError,
+    },
     /// Retrying will not help: the key is released and the message dead-lettered.
     #[error("handler failed permanently (dead-lettered): {0}")]
     Permanent(#[source] BoxError),
 }
 
+impl From<crate::store::StoreError> for HandlerError {
+    /// A store the handler uses that is down is worth retrying; a refused or malformed
+    /// record is not.
+    fn from(e: crate::store::StoreError) -> Self {
+        if e.is_retryable() {
+            Self::Retryable(e.into())
+        } else {
+            Self::Permanent(e.into())
+        }
+    }
+}
+
 impl HandlerError {
+    /// Retry after `delay` (overrides the retry policy's delay for this attempt).
+    pub fn retry_after(delay: std::time::Duration, e: impl Into<BoxError>) -> Self {
+        Self::RetryAfter {
+            delay,
+            source: e.into(),
+        }
+    }
     /// A retryable failure.
     pub fn retryable(e: impl Into<BoxError>) -> Self {
         Self::Retryable(e.into())
@@ -66,6 +162,11 @@ pub trait Handler: Send + Sync + 'static {
     /// stored record (its `result` is what `handle` returned). Request/reply consumers answer
     /// the duplicate from it. The default does nothing.
     async fn on_duplicate(&self, _envelope: &Envelope, _record: &DedupRecord) {}
+
+    /// Called for a message the engine is about to dead-letter (no usable key, payload
+    /// conflict, permanent failure, retries exhausted), with the reason it gives the broker.
+    /// The default does nothing (the engine logs a warning either way).
+    async fn on_dead_letter(&self, _envelope: &Envelope, _reason: &str) {}
 }
 
 #[async_trait]

@@ -193,6 +193,11 @@ pub enum KeySource {
     Fingerprint(Vec<Field>),
     /// The broker's own message id. Opt-in: producer retries get new ids on some brokers.
     BrokerMessageId,
+    /// The key an idemq [`Publisher`](crate::publish::Publisher) wrote: the
+    /// [`DEDUP_HEADER`](crate::publish::DEDUP_HEADER) header, else the broker's native slot
+    /// that adapters also fill (AMQP `message_id`, RocketMQ `KEYS`; Kafka has only the
+    /// header, its record key being an entity key).
+    DedupHeader,
     /// A closure.
     Custom(KeyFn),
 }
@@ -205,6 +210,7 @@ impl fmt::Debug for KeySource {
             KeySource::JsonPointer(p) => f.debug_tuple("JsonPointer").field(p).finish(),
             KeySource::Fingerprint(fs) => f.debug_tuple("Fingerprint").field(fs).finish(),
             KeySource::BrokerMessageId => f.write_str("BrokerMessageId"),
+            KeySource::DedupHeader => f.write_str("DedupHeader"),
             KeySource::Custom(_) => f.write_str("Custom(..)"),
         }
     }
@@ -274,6 +280,12 @@ impl KeyStrategy {
     pub fn broker_message_id(group: &str) -> Result<Self, KeyError> {
         Self::new(group, KeySource::BrokerMessageId)
     }
+    /// Key from what an idemq publisher wrote (see [`KeySource::DedupHeader`]): the right
+    /// choice for messages produced with [`OutgoingMessage::with_dedup_key`]
+    /// (crate::publish::OutgoingMessage::with_dedup_key), and for relays across brokers.
+    pub fn dedup_header(group: &str) -> Result<Self, KeyError> {
+        Self::new(group, KeySource::DedupHeader)
+    }
     /// Key from a closure.
     pub fn custom(
         group: &str,
@@ -318,6 +330,7 @@ impl KeyStrategy {
             KeySource::BrokerMessageId => {
                 env.message_id.clone().ok_or(KeyError::MissingMessageId)?
             }
+            KeySource::DedupHeader => dedup_header_key(env)?,
             KeySource::Custom(f) => f(env)?,
         };
         if raw.is_empty() {
@@ -333,9 +346,32 @@ impl KeyStrategy {
             KeySource::JsonPointer(p) => format!("JSON pointer `{p}`"),
             KeySource::Fingerprint(_) => "fingerprint".into(),
             KeySource::BrokerMessageId => "the broker message id".into(),
+            KeySource::DedupHeader => format!("header `{}`", crate::publish::DEDUP_HEADER),
             KeySource::Custom(_) => "custom key function".into(),
         }
     }
+}
+
+fn dedup_header_key(env: &Envelope) -> Result<String, KeyError> {
+    use crate::envelope::BrokerKind;
+    let name = crate::publish::DEDUP_HEADER;
+    if let Some(v) = env.headers.get(name) {
+        return utf8(v, || format!("header `{name}`"));
+    }
+    // The native slot, where the header did not survive (a producer outside idemq that
+    // follows the broker's own convention).
+    let native = match env.broker {
+        BrokerKind::RabbitMq | BrokerKind::Memory => env.message_id.clone(),
+        // KEYS holds space-separated keys; adapters put the dedup key first.
+        BrokerKind::RocketMq => env
+            .key
+            .as_ref()
+            .map(|k| utf8(k, || "the RocketMQ KEYS".to_string()))
+            .transpose()?
+            .and_then(|k| k.split(' ').find(|s| !s.is_empty()).map(str::to_string)),
+        BrokerKind::Kafka => None,
+    };
+    native.ok_or_else(|| KeyError::MissingHeader(name.to_string()))
 }
 
 fn build_key(

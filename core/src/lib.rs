@@ -11,6 +11,7 @@
 //! contracts for the embedded default and for tests.
 #![warn(missing_docs)]
 
+pub mod adapter;
 pub mod broker;
 pub mod engine;
 pub mod envelope;
@@ -18,17 +19,21 @@ pub mod handler;
 pub mod key;
 pub mod memory;
 pub mod metrics;
+pub mod publish;
 pub mod source;
 pub mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
-pub use engine::{ConsumerConfig, ConsumerError, ConsumerStats, IdempotentConsumer};
+pub use engine::{
+    ConsumerConfig, ConsumerError, ConsumerStats, DeliveryOrder, IdempotentConsumer, RetryPolicy,
+};
 pub use envelope::{BrokerKind, Envelope, Headers, Position, SourceRef};
-pub use handler::{BoxError, ClaimedMessage, Handler, HandlerError, HandlerResult};
+pub use handler::{BoxError, ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseWatch};
 pub use key::{ConsumerGroup, DedupKey, Field, KeyError, KeySource, KeyStrategy, OversizeKey};
 pub use memory::MemoryStore;
-pub use source::{Delivery, Settle, Source, SourceError};
+pub use publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher, DEDUP_HEADER};
+pub use source::{Capabilities, Delivery, Settle, Source, SourceError};
 pub use store::{
     evaluate_claim, evaluate_claim_request, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict,
     CompleteOutcome, Completion, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease,

@@ -10,6 +10,7 @@
 //! | `idemq_fenced_completions_total` | counter | `group` |
 //! | `idemq_store_errors_total` | counter | `op` (claim, complete, release, extend) |
 //! | `idemq_payload_conflicts_total` | counter | `group` |
+//! | `idemq_settle_failures_total` | counter | `broker`, `settlement` (ack, nack, reject) |
 
 /// Messages by outcome.
 pub const MESSAGES: &str = "idemq_messages_total";
@@ -27,6 +28,8 @@ pub const FENCED_COMPLETIONS: &str = "idemq_fenced_completions_total";
 pub const STORE_ERRORS: &str = "idemq_store_errors_total";
 /// Same key, different payload.
 pub const PAYLOAD_CONFLICTS: &str = "idemq_payload_conflicts_total";
+/// Settlements (ack, nack, reject) the broker refused.
+pub const SETTLE_FAILURES: &str = "idemq_settle_failures_total";
 
 /// Values of the `outcome` label.
 pub mod outcome {
@@ -46,4 +49,8 @@ pub mod outcome {
     pub const STORE_UNAVAILABLE: &str = "store_unavailable";
     /// The store answered one key with an error other than unavailability; redelivered later.
     pub const STORE_ERROR: &str = "store_error";
+    /// Sent back unrun: an earlier message of its ordering lane was sent back.
+    pub const DEFERRED: &str = "deferred";
+    /// Its delivery went stale (partition revoked) before the handler ran.
+    pub const STALE: &str = "stale";
 }

@@ -18,6 +18,17 @@
 //! channel closes and requeues). `nack` must return promptly and schedule the delay itself.
 //! Dropping a [`Delivery`] unsettled calls [`Settle::abandon`], which adapters implement as a
 //! nack without delay, since on a live connection the broker would otherwise wait forever.
+//!
+//! **Staleness.** A delivery goes stale when the source can no longer settle it for real: its
+//! Kafka partition was revoked (another consumer now owns it), its AMQP channel was reopened
+//! (the delivery tag now names another message, or none). [`Settle::is_stale`] says so; the
+//! engine checks it before running the handler and gives the claim back instead, and settling
+//! a stale delivery is harmless by contract (ignored, never applied to another message).
+//!
+//! **Lifecycle.** [`Source::close`] ends a subscription cleanly (final offset commit, leave the
+//! group, cancel the consumer); the engine calls it when `run` ends. [`Source::after_batch`]
+//! tells the source that every delivery of a batch is settled (Kafka commits offsets or a
+//! transaction there). [`Source::capabilities`] says what the broker does natively.
 
 use crate::envelope::Envelope;
 use async_trait::async_trait;
@@ -49,6 +60,28 @@ pub trait Settle: Send + Sync {
     /// The delivery was dropped unsettled (a cancelled batch): make it redeliverable without
     /// blocking. The default does nothing, for brokers that redeliver on disconnect anyway.
     fn abandon(&mut self) {}
+    /// The source can no longer settle this delivery for real (partition revoked, channel
+    /// reopened): the engine must not run its handler. Settling it anyway does nothing.
+    fn is_stale(&self) -> bool {
+        false
+    }
+}
+
+/// What a broker does natively, so the engine and the docs know what an adapter emulates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Capabilities {
+    /// `nack(delay)` waits at the broker (RabbitMQ TTL queues, RocketMQ reconsume levels);
+    /// otherwise the adapter holds the message locally (Kafka).
+    pub delayed_redelivery: bool,
+    /// The shortest redelivery delay the broker can honour (RocketMQ: its first reconsume
+    /// level); the engine's delays below it are rounded up by the broker.
+    pub min_redelivery_delay: std::time::Duration,
+    /// `reject` keeps the message, with its reason, somewhere an operator can read it.
+    pub dead_letter: bool,
+    /// Deliveries of one partition/queue arrive in order and a nack keeps that order.
+    pub ordered: bool,
+    /// Settlements can join a broker transaction (Kafka `send_offsets_to_transaction`).
+    pub transactional: bool,
 }
 
 /// One received message and the means to settle it.
@@ -80,6 +113,10 @@ impl Delivery {
             Some(mut s) => s.ack().await,
             None => Ok(()),
         }
+    }
+    /// True when the source can no longer settle this delivery (see [`Settle::is_stale`]).
+    pub fn is_stale(&self) -> bool {
+        self.settle.as_ref().is_some_and(|s| s.is_stale())
     }
     /// Asks for redelivery after `redeliver_after`.
     pub async fn nack(mut self, redeliver_after: Duration) -> Result<(), SourceError> {
@@ -127,4 +164,38 @@ pub trait Source: Send {
     /// Must be cancel-safe: the engine drops a pending `poll` on shutdown, and no delivery
     /// may be lost by that (keep received messages buffered in the source, not the future).
     async fn poll(&mut self, max: usize) -> Result<Option<Vec<Delivery>>, SourceError>;
+
+    /// Every delivery of the last polled batch has been settled: commit what can be
+    /// committed (Kafka offsets or a transaction). The default does nothing.
+    async fn after_batch(&mut self) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    /// Ends the subscription cleanly: final commit, leave the group, cancel the consumer.
+    /// Unsettled deliveries become redeliverable. Called once by the engine when `run` ends;
+    /// polling after it is an error. The default does nothing.
+    async fn close(&mut self) -> Result<(), SourceError> {
+        Ok(())
+    }
+
+    /// What the broker does natively.
+    fn capabilities(&self) -> Capabilities {
+        Capabilities::default()
+    }
+}
+
+#[async_trait]
+impl<S: Source + ?Sized> Source for Box<S> {
+    async fn poll(&mut self, max: usize) -> Result<Option<Vec<Delivery>>, SourceError> {
+        (**self).poll(max).await
+    }
+    async fn after_batch(&mut self) -> Result<(), SourceError> {
+        (**self).after_batch().await
+    }
+    async fn close(&mut self) -> Result<(), SourceError> {
+        (**self).close().await
+    }
+    fn capabilities(&self) -> Capabilities {
+        (**self).capabilities()
+    }
 }

@@ -27,7 +27,7 @@ fn fast() -> ConsumerConfig {
     ConsumerConfig {
         max_batch: 16,
         lease: Duration::from_millis(500),
-        retry_delay: Duration::from_millis(20),
+        retry: idemq_core::engine::RetryPolicy::fixed(Duration::from_millis(20)),
         in_flight_delay_max: Duration::from_millis(100),
         store_backoff: Duration::from_millis(10),
         store_backoff_max: Duration::from_millis(50),

@@ -1,0 +1,890 @@
+//! One batch, stage by stage: keys → claim → dispatch → complete → settle.
+
+use super::config::{DeliveryOrder, RetryPolicy, MIN_REDELIVERY_DELAY};
+use super::lease::{heartbeat, AbortOnDrop, LiveLeases};
+use super::IdempotentConsumer;
+use crate::handler::{ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseWatch};
+use crate::key::DedupKey;
+use crate::metrics as m;
+use crate::source::Delivery;
+use crate::store::{
+    now_ms, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, FencingToken, Lease,
+    PayloadHash, StoreError,
+};
+use bytes::Bytes;
+use futures::FutureExt;
+use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tracing::Instrument;
+
+/// Most bytes of results (and keys) sent in one completion round trip: well under MariaDB's
+/// default `max_allowed_packet` and PostgreSQL's message limits.
+const MAX_COMPLETION_BYTES: usize = 1 << 20;
+
+/// Messages that must run one after another (see [`DeliveryOrder`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Lane {
+    Partition(Option<String>, String, Option<i32>),
+    Key(String, Bytes),
+}
+
+/// One primary delivery of a key and the in-batch copies that wait on it.
+struct Item {
+    delivery: Delivery,
+    key: DedupKey,
+    hash: Option<PayloadHash>,
+    lane: Option<Lane>,
+    followers: Vec<Delivery>,
+}
+
+#[derive(Debug, Clone)]
+enum Settlement {
+    Ack,
+    Nack(Duration),
+    Reject(String),
+}
+
+/// Why a handler produced no result.
+#[derive(Debug)]
+enum HandlerFailure {
+    Panicked,
+    TimedOut(Duration),
+    LeaseLost,
+}
+
+impl std::fmt::Display for HandlerFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            HandlerFailure::Panicked => f.write_str("handler panicked"),
+            HandlerFailure::TimedOut(t) => write!(f, "handler exceeded its {t:?} timeout"),
+            HandlerFailure::LeaseLost => {
+                f.write_str("lease lost while the handler ran; it was cancelled")
+            }
+        }
+    }
+}
+
+/// What became of one acquired message in the dispatch stage.
+enum Verdict {
+    /// The handler succeeded: complete, then ack.
+    Done(Option<Bytes>),
+    /// The handler failed: give the key back and settle so.
+    Failed(Settlement, String),
+    /// Not run: an earlier message of its lane was sent back with this delay.
+    NotRun(Duration),
+}
+
+/// A handler to run: the index of its item and the message it sees.
+struct Job {
+    index: usize,
+    msg: ClaimedMessage,
+}
+
+impl<H: Handler> IdempotentConsumer<H> {
+    /// Processes one batch and settles every delivery in it. Returns true when the store
+    /// was unavailable (the affected deliveries were nacked).
+    pub async fn process_batch(&self, batch: Vec<Delivery>) -> bool {
+        let span = tracing::debug_span!("idemq.batch", size = batch.len(), group = %self.keys.group().as_str());
+        self.run_stages(batch).instrument(span).await
+    }
+
+    async fn run_stages(&self, batch: Vec<Delivery>) -> bool {
+        let items = self.stage_keys(batch).await;
+        if items.is_empty() {
+            return false;
+        }
+        let Some(outcomes) = self.stage_claim(&items).await else {
+            for it in items {
+                self.settle_item(
+                    it,
+                    Settlement::Nack(self.cfg.store_backoff),
+                    Outcome::STORE_DOWN,
+                )
+                .await;
+            }
+            return true;
+        };
+        // Leases of this batch live from the claim until their completion is durable (or
+        // they are given back): one heartbeat keeps all of them, including handlers still
+        // waiting for a concurrency slot and finished ones waiting for the batch.
+        let live = Arc::new(LiveLeases::default());
+        let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
+            self.store.clone(),
+            live.clone(),
+            self.cfg.lease,
+            self.cfg.beat(),
+            self.cfg.heartbeat_timeout,
+        )));
+        let ran = self.stage_dispatch(items, outcomes, &live).await;
+        let done = self.stage_give_back(ran, &live).await;
+        if done.is_empty() {
+            return false;
+        }
+        self.stage_complete(done, &live).await
+    }
+
+    /// Stage 1: keys. Rejects messages without a usable key; folds in-batch copies of a key
+    /// into its first delivery.
+    async fn stage_keys(&self, batch: Vec<Delivery>) -> Vec<Item> {
+        let mut items: Vec<Item> = Vec::with_capacity(batch.len());
+        let mut index: HashMap<DedupKey, usize> = HashMap::new();
+        for d in batch {
+            let key = match self.keys.derive(&d.envelope) {
+                Ok(k) => k,
+                Err(e) => {
+                    let reason = format!("no usable dedup key: {e}");
+                    tracing::warn!(source = %d.envelope.source.name, %reason, "rejecting message");
+                    self.handler.on_dead_letter(&d.envelope, &reason).await;
+                    self.count(&Outcome::REJECTED, &d, 1);
+                    self.settle(d, Settlement::Reject(reason)).await;
+                    continue;
+                }
+            };
+            let hash = self
+                .cfg
+                .payload_check
+                .then(|| PayloadHash::of(&d.envelope.payload));
+            match index.get(&key) {
+                Some(&i) if items[i].hash == hash => items[i].followers.push(d),
+                Some(_) => {
+                    // Same key, other payload, same batch: let it meet the stored record
+                    // on its own, where a conflict is reported.
+                    self.count(&Outcome::IN_FLIGHT, &d, 1);
+                    self.settle(d, Settlement::Nack(self.cfg.redelivery_delay))
+                        .await;
+                }
+                None => {
+                    index.insert(key.clone(), items.len());
+                    let lane = self.lane_of(&d);
+                    items.push(Item {
+                        delivery: d,
+                        key,
+                        hash,
+                        lane,
+                        followers: Vec::new(),
+                    });
+                }
+            }
+        }
+        items
+    }
+
+    fn lane_of(&self, d: &Delivery) -> Option<Lane> {
+        let s = &d.envelope.source;
+        match self.cfg.ordering {
+            DeliveryOrder::Unordered => None,
+            DeliveryOrder::PerPartition => Some(Lane::Partition(
+                s.cluster.clone(),
+                s.name.clone(),
+                s.partition,
+            )),
+            DeliveryOrder::PerKey => d
+                .envelope
+                .effective_ordering_key()
+                .map(|k| Lane::Key(s.name.clone(), k.clone())),
+        }
+    }
+
+    /// Stage 2: claim every key in one round trip. `None` when the store stayed down (the
+    /// caller nacks the batch).
+    async fn stage_claim(&self, items: &[Item]) -> Option<Vec<Result<ClaimOutcome, StoreError>>> {
+        let group = self.keys.group().as_str();
+        let reqs: Vec<ClaimRequest> = items
+            .iter()
+            .map(|it| ClaimRequest {
+                key: it.key.clone(),
+                lease: self.cfg.lease,
+                payload_hash: it.hash,
+                worker: Some(self.cfg.worker_id.clone()),
+                // One token per message per batch, kept across retries of the claim, so a
+                // retry after a lost reply gets back the lease it already holds.
+                token: Some(FencingToken::random()),
+            })
+            .collect();
+        match self
+            .with_store_retries("claim", self.cfg.store_retries_budget(), || {
+                self.timed_claim(&reqs, group)
+            })
+            .await
+        {
+            Ok(o) if o.len() == items.len() => Some(o.into_iter().map(Ok).collect()),
+            Ok(o) => {
+                tracing::error!(
+                    got = o.len(),
+                    want = items.len(),
+                    "store answered a batch claim with the wrong number of outcomes"
+                );
+                None
+            }
+            Err(e) if e.is_retryable() => None,
+            Err(e) => {
+                // One bad key must not block the batch forever: claim one by one and deal
+                // with the key the store refuses on its own.
+                tracing::warn!(error = %e, "batch claim refused; claiming one by one");
+                let mut v = Vec::with_capacity(reqs.len());
+                for r in &reqs {
+                    v.push(
+                        self.timed_claim(std::slice::from_ref(r), group)
+                            .await
+                            .and_then(|mut o| {
+                                o.pop().ok_or_else(|| {
+                                    StoreError::Backend("claim returned no outcome".into())
+                                })
+                            }),
+                    );
+                }
+                Some(v)
+            }
+        }
+    }
+
+    /// Stage 3: settle what needs no handler, and run the handlers of acquired keys, in
+    /// order within a lane. Returns each acquired item with its verdict.
+    async fn stage_dispatch(
+        &self,
+        items: Vec<Item>,
+        outcomes: Vec<Result<ClaimOutcome, StoreError>>,
+        live: &Arc<LiveLeases>,
+    ) -> Vec<(Item, Lease, Verdict)> {
+        let half_lease_ms = crate::store::duration_ms(self.cfg.lease) / 2;
+        // Lanes with a message sent back in this batch, and the delay it was sent back with:
+        // the lane's later messages go back unrun with the same delay.
+        let mut held: HashMap<Lane, Duration> = HashMap::new();
+        let mut lanes: Vec<Vec<Job>> = Vec::new();
+        let mut lane_slot: HashMap<Lane, usize> = HashMap::new();
+        let mut acquired: HashMap<usize, (Item, Lease)> = HashMap::new();
+        for (index, (item, outcome)) in items.into_iter().zip(outcomes).enumerate() {
+            let lane = item.lane.clone();
+            let held_for = lane.as_ref().and_then(|l| held.get(l)).copied();
+            let sent_back = match outcome {
+                Err(e) => self.store_refused(item, &e).await,
+                Ok(ClaimOutcome::Acquired(lease)) => {
+                    if let Some(delay) = held_for {
+                        self.release(&item.key, lease.token).await;
+                        self.settle_item(item, Settlement::Nack(delay), Outcome::DEFERRED)
+                            .await;
+                        continue;
+                    }
+                    if lease.until_ms.saturating_sub(now_ms()) < half_lease_ms {
+                        // The claim sat blocked (a row lock, a slow store) until most of its
+                        // lease was gone: another worker could take it over mid-handler.
+                        tracing::warn!(key = %item.key, "claim answered with less than half its lease left; releasing and redelivering");
+                        self.release(&item.key, lease.token).await;
+                        let d = self.cfg.store_backoff;
+                        self.settle_item(item, Settlement::Nack(d), Outcome::STORE_DOWN)
+                            .await;
+                        Some(d)
+                    } else if item.delivery.is_stale() {
+                        // The source can no longer settle it (partition revoked): its new
+                        // owner will run it.
+                        tracing::info!(key = %item.key, "delivery went stale before its handler ran; giving the claim back");
+                        self.release(&item.key, lease.token).await;
+                        let d = self.cfg.redelivery_delay;
+                        self.settle_item(item, Settlement::Nack(d), Outcome::STALE)
+                            .await;
+                        None
+                    } else {
+                        if lease.takeover {
+                            self.counters.takeovers.fetch_add(1, Ordering::Relaxed);
+                            metrics::counter!(m::LEASE_TAKEOVERS, "group" => self.keys.group().as_str().to_string())
+                                .increment(1);
+                            tracing::info!(key = %item.key, attempt = lease.attempt, "took over an expired lease");
+                        }
+                        let watch = live.insert(item.key.clone(), lease.token, lease.until_ms);
+                        let msg = ClaimedMessage::new(
+                            item.delivery.envelope.clone(),
+                            item.key.clone(),
+                            lease.token,
+                            lease.attempt,
+                            lease.takeover,
+                            watch,
+                        );
+                        let slot = match &item.lane {
+                            Some(l) => *lane_slot.entry(l.clone()).or_insert_with(|| {
+                                lanes.push(Vec::new());
+                                lanes.len() - 1
+                            }),
+                            None => {
+                                lanes.push(Vec::new());
+                                lanes.len() - 1
+                            }
+                        };
+                        lanes[slot].push(Job { index, msg });
+                        acquired.insert(index, (item, lease));
+                        continue;
+                    }
+                }
+                Ok(ClaimOutcome::Duplicate(record)) => {
+                    let n = 1 + item.followers.len() as u64;
+                    metrics::counter!(m::DUPLICATES, "topic" => item.delivery.envelope.source.name.clone(), "group" => self.keys.group().as_str().to_string()).increment(n);
+                    tracing::debug!(key = %item.key, "duplicate skipped");
+                    self.handler
+                        .on_duplicate(&item.delivery.envelope, &record)
+                        .await;
+                    self.settle_item(item, Settlement::Ack, Outcome::DUPLICATE)
+                        .await;
+                    None
+                }
+                Ok(ClaimOutcome::InFlight { until_ms }) => {
+                    metrics::counter!(m::IN_FLIGHT_CONFLICTS, "group" => self.keys.group().as_str().to_string())
+                        .increment(1);
+                    let wait =
+                        Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64)
+                            .min(self.cfg.in_flight_delay_max)
+                            .max(MIN_REDELIVERY_DELAY);
+                    let wait = wait.max(held_for.unwrap_or_default());
+                    self.settle_item(item, Settlement::Nack(wait), Outcome::IN_FLIGHT)
+                        .await;
+                    Some(wait)
+                }
+                Ok(ClaimOutcome::PayloadConflict(rec)) => {
+                    metrics::counter!(m::PAYLOAD_CONFLICTS, "group" => self.keys.group().as_str().to_string()).increment(1);
+                    let reason = format!(
+                        "payload conflict: key `{}` was first seen with a different payload (status {:?}, attempts {}); fix the producer's key",
+                        item.key, rec.status, rec.attempts
+                    );
+                    tracing::warn!(key = %item.key, "{reason}");
+                    self.dead_letter(item, reason).await;
+                    None
+                }
+            };
+            // A message sent back holds its lane for the rest of the batch.
+            if let (Some(delay), Some(lane)) = (sent_back, lane) {
+                held.entry(lane).or_insert(delay);
+            }
+        }
+        let mut out = Vec::with_capacity(acquired.len());
+        for (index, verdict) in self.run_lanes(lanes).await {
+            if let Some((item, lease)) = acquired.remove(&index) {
+                out.push((item, lease, verdict));
+            }
+        }
+        // A lane task that vanished (cancelled) leaves its items here: send them back.
+        for (_, (item, lease)) in acquired.drain() {
+            let failure = (
+                Settlement::Nack(self.cfg.redelivery_delay),
+                "handler task ended abnormally".to_string(),
+            );
+            out.push((item, lease, Verdict::Failed(failure.0, failure.1)));
+        }
+        out
+    }
+}
+
+impl<H: Handler> IdempotentConsumer<H> {
+    /// Runs each lane's jobs one after another (an unordered message is a lane of its own),
+    /// lanes concurrently, at most `max_concurrency` handlers at a time. A job whose lane had
+    /// a message sent back is not run.
+    async fn run_lanes(&self, lanes: Vec<Vec<Job>>) -> Vec<(usize, Verdict)> {
+        let semaphore = Arc::new(tokio::sync::Semaphore::new(self.cfg.max_concurrency));
+        let mut running = tokio::task::JoinSet::new();
+        for jobs in lanes {
+            let handler = self.handler.clone();
+            let sem = semaphore.clone();
+            let limit = self.cfg.handler_timeout;
+            let retry = self.cfg.retry;
+            let max_result = self.cfg.max_result_bytes;
+            running.spawn(async move {
+                let mut out = Vec::with_capacity(jobs.len());
+                let mut hold: Option<Duration> = None;
+                for Job { index, msg } in jobs {
+                    if let Some(d) = hold {
+                        out.push((index, Verdict::NotRun(d)));
+                        continue;
+                    }
+                    let attempt = msg.attempt;
+                    let span = tracing::info_span!("idemq.handle", broker = %msg.envelope.broker, source = %msg.envelope.source.name, key = %msg.key, attempt);
+                    let res = run_handler(&*handler, msg, &sem, limit).instrument(span).await;
+                    let v = verdict(res, attempt, &retry, max_result);
+                    if let Verdict::Failed(Settlement::Nack(d), _) = &v {
+                        hold = Some(*d);
+                    }
+                    out.push((index, v));
+                }
+                out
+            });
+        }
+        let mut verdicts = Vec::new();
+        while let Some(joined) = running.join_next().await {
+            match joined {
+                Ok(v) => verdicts.extend(v),
+                // Only cancellation gets here (panics are caught in the task); the caller
+                // sends back what has no verdict.
+                Err(e) => tracing::error!(error = %e, "handler task ended abnormally"),
+            }
+        }
+        verdicts
+    }
+
+    /// Stage 4a: failed handlers give their keys back; the successes go on to completion.
+    async fn stage_give_back(
+        &self,
+        ran: Vec<(Item, Lease, Verdict)>,
+        live: &LiveLeases,
+    ) -> Vec<(Item, Lease, Completion)> {
+        let mut done = Vec::with_capacity(ran.len());
+        for (item, lease, verdict) in ran {
+            match verdict {
+                Verdict::Done(result) => {
+                    let c = Completion {
+                        key: item.key.clone(),
+                        token: lease.token,
+                        result,
+                        retention: self.cfg.retention,
+                    };
+                    done.push((item, lease, c));
+                }
+                Verdict::Failed(how, why) => {
+                    tracing::warn!(key = %item.key, attempt = lease.attempt, error = %why, "handler failed");
+                    self.give_back(live, item, lease.token, how).await;
+                }
+                Verdict::NotRun(delay) => {
+                    live.remove(&item.key);
+                    self.release(&item.key, lease.token).await;
+                    self.settle_item(item, Settlement::Nack(delay), Outcome::DEFERRED)
+                        .await;
+                }
+            }
+        }
+        done
+    }
+
+    /// Stage 4b + 5: complete in round trips bounded by count and bytes, then ack what is
+    /// durable. Returns true when the store was unavailable.
+    async fn stage_complete(
+        &self,
+        done: Vec<(Item, Lease, Completion)>,
+        live: &LiveLeases,
+    ) -> bool {
+        let mut store_down = false;
+        for chunk in chunk_completions(done, self.cfg.max_batch, MAX_COMPLETION_BYTES) {
+            if store_down {
+                // The effects happened, but the store stayed down past our patience: no ack.
+                for (item, _, _) in chunk {
+                    self.settle_item(
+                        item,
+                        Settlement::Nack(self.cfg.store_backoff),
+                        Outcome::STORE_DOWN,
+                    )
+                    .await;
+                }
+                continue;
+            }
+            store_down = self.complete_chunk(chunk, live).await;
+        }
+        store_down
+    }
+
+    async fn complete_chunk(
+        &self,
+        chunk: Vec<(Item, Lease, Completion)>,
+        live: &LiveLeases,
+    ) -> bool {
+        let completions: Vec<Completion> = chunk.iter().map(|(_, _, c)| c.clone()).collect();
+        // The effects already happened, so a single completion keeps trying (the heartbeat
+        // keeps the lease) rather than nack and run them again. A batch tries briefly, then
+        // falls back to one key at a time so that one bad completion cannot hold the rest.
+        let patience = if chunk.len() > 1 {
+            self.cfg.store_retries_budget()
+        } else {
+            self.cfg.complete_patience
+        };
+        let batch = self
+            .with_store_retries("complete", patience, || {
+                self.store.complete_batch(&completions)
+            })
+            .await;
+        match batch {
+            Ok(outs) if outs.len() == chunk.len() => {
+                for ((item, _, _), out) in chunk.into_iter().zip(outs) {
+                    self.settle_completed(item, out).await;
+                }
+                return false;
+            }
+            Ok(outs) => tracing::error!(
+                got = outs.len(),
+                want = chunk.len(),
+                "store answered a batch completion with the wrong number of outcomes"
+            ),
+            Err(e) if chunk.len() == 1 => {
+                let Some((item, lease, _)) = chunk.into_iter().next() else {
+                    return false;
+                };
+                return self.completion_failed(item, lease, &e, live).await;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, count = chunk.len(), "batch completion failed; completing one key at a time")
+            }
+        }
+        let mut store_down = false;
+        for (item, lease, c) in chunk {
+            if store_down {
+                self.settle_item(
+                    item,
+                    Settlement::Nack(self.cfg.store_backoff),
+                    Outcome::STORE_DOWN,
+                )
+                .await;
+                continue;
+            }
+            let one = std::slice::from_ref(&c);
+            match self
+                .with_store_retries("complete", self.cfg.complete_patience, || {
+                    self.store.complete_batch(one)
+                })
+                .await
+            {
+                Ok(mut outs) if outs.len() == 1 => {
+                    if let Some(out) = outs.pop() {
+                        self.settle_completed(item, out).await;
+                    }
+                }
+                Ok(_) => {
+                    let e = StoreError::Backend("completion returned no outcome".into());
+                    store_down = self.completion_failed(item, lease, &e, live).await;
+                }
+                Err(e) => store_down = self.completion_failed(item, lease, &e, live).await,
+            }
+        }
+        store_down
+    }
+
+    /// A completion that failed on its own. A store that stays down means no ack (returns
+    /// true); a store that refuses this one key gives it the retry policy, like a failed
+    /// handler, so it ends in the dead-letter instead of looping.
+    async fn completion_failed(
+        &self,
+        item: Item,
+        lease: Lease,
+        e: &StoreError,
+        live: &LiveLeases,
+    ) -> bool {
+        if e.is_retryable() {
+            tracing::error!(key = %item.key, error = %e, "completion not durable; nacking (the handler may run again)");
+            self.settle_item(
+                item,
+                Settlement::Nack(self.cfg.store_backoff),
+                Outcome::STORE_DOWN,
+            )
+            .await;
+            return true;
+        }
+        let how = retry_or_give_up(
+            &self.cfg.retry,
+            lease.attempt,
+            self.cfg.retry.delay(lease.attempt),
+            &format!("the dedup store refused its completion: {e}"),
+        );
+        tracing::warn!(key = %item.key, error = %e, "completion refused for this key");
+        self.give_back(live, item, lease.token, how).await;
+        false
+    }
+
+    async fn settle_completed(&self, mut item: Item, out: CompleteOutcome) {
+        match out {
+            CompleteOutcome::Completed => {
+                let followers = std::mem::take(&mut item.followers);
+                self.count(&Outcome::PROCESSED, &item.delivery, 1);
+                if !followers.is_empty() {
+                    metrics::counter!(m::DUPLICATES, "topic" => item.delivery.envelope.source.name.clone(), "group" => self.keys.group().as_str().to_string()).increment(followers.len() as u64);
+                }
+                self.settle(item.delivery, Settlement::Ack).await;
+                for f in followers {
+                    self.count(&Outcome::DUPLICATE, &f, 1);
+                    self.settle(f, Settlement::Ack).await;
+                }
+            }
+            CompleteOutcome::Fenced => {
+                metrics::counter!(m::FENCED_COMPLETIONS, "group" => self.keys.group().as_str().to_string())
+                    .increment(1);
+                tracing::warn!(key = %item.key, "completion fenced: the lease was taken over; redelivering");
+                self.settle_item(
+                    item,
+                    Settlement::Nack(self.cfg.redelivery_delay),
+                    Outcome::FENCED,
+                )
+                .await;
+            }
+        }
+    }
+
+    async fn timed_claim(
+        &self,
+        reqs: &[ClaimRequest],
+        group: &str,
+    ) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let started = Instant::now();
+        let r = self.store.claim_batch(reqs).await;
+        if r.is_ok() {
+            metrics::histogram!(m::CLAIM_SECONDS, "group" => group.to_string())
+                .record(started.elapsed().as_secs_f64());
+        }
+        r
+    }
+
+    /// The store cannot answer for this key (a retryable error) or refuses it for good.
+    /// Returns the delay when the message was sent back.
+    async fn store_refused(&self, item: Item, e: &StoreError) -> Option<Duration> {
+        match e {
+            StoreError::KeyTooLong { .. } | StoreError::Corrupt { .. } => {
+                let reason = format!("dedup store refused the key: {e}");
+                tracing::warn!(key = %item.key, %reason, "rejecting message");
+                self.dead_letter(item, reason).await;
+                None
+            }
+            _ => {
+                tracing::warn!(key = %item.key, error = %e, "claim failed; redelivering later");
+                let d = self.cfg.store_backoff;
+                self.settle_item(item, Settlement::Nack(d), Outcome::STORE_ERROR)
+                    .await;
+                Some(d)
+            }
+        }
+    }
+
+    /// Retries retryable store errors with back-off for at most `patience`.
+    async fn with_store_retries<T, F, Fut>(
+        &self,
+        op: &'static str,
+        patience: Duration,
+        mut call: F,
+    ) -> Result<T, StoreError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, StoreError>>,
+    {
+        let started = Instant::now();
+        let mut backoff = self.cfg.store_backoff;
+        let mut attempt = 0u32;
+        loop {
+            match call().await {
+                Ok(v) => return Ok(v),
+                Err(e) => {
+                    metrics::counter!(m::STORE_ERRORS, "op" => op).increment(1);
+                    attempt += 1;
+                    if !e.is_retryable() || started.elapsed() + backoff > patience {
+                        tracing::error!(op, error = %e, attempt, "dedup store call failed; not acking");
+                        return Err(e);
+                    }
+                    tracing::warn!(op, error = %e, attempt, "dedup store call failed; backing off");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(self.cfg.store_backoff_max);
+                }
+            }
+        }
+    }
+
+    /// A failed message: stop heartbeating its key, release it, and reject or nack.
+    async fn give_back(&self, live: &LiveLeases, item: Item, token: FencingToken, how: Settlement) {
+        live.remove(&item.key);
+        self.release(&item.key, token).await;
+        match how {
+            Settlement::Reject(reason) => self.dead_letter(item, reason).await,
+            other => self.settle_item(item, other, Outcome::RETRIED).await,
+        }
+    }
+
+    async fn dead_letter(&self, item: Item, reason: String) {
+        self.handler
+            .on_dead_letter(&item.delivery.envelope, &reason)
+            .await;
+        self.settle_item(item, Settlement::Reject(reason), Outcome::REJECTED)
+            .await;
+    }
+
+    async fn release(&self, key: &DedupKey, token: FencingToken) {
+        // Best effort: if it fails the lease simply expires and the key is taken over.
+        if let Err(e) = self.store.release(key, token).await {
+            metrics::counter!(m::STORE_ERRORS, "op" => "release").increment(1);
+            tracing::warn!(%key, error = %e, "release failed; the key frees up when its lease ends");
+        }
+    }
+
+    fn count(&self, outcome: &Outcome, d: &Delivery, n: u64) {
+        (outcome.counter)(&self.counters).fetch_add(n, Ordering::Relaxed);
+        metrics::counter!(m::MESSAGES, "outcome" => outcome.label, "broker" => d.envelope.broker.as_str(), "group" => self.keys.group().as_str().to_string()).increment(n);
+    }
+
+    /// Settles a message and its in-batch copies the same way.
+    async fn settle_item(&self, item: Item, how: Settlement, outcome: Outcome) {
+        self.count(&outcome, &item.delivery, 1 + item.followers.len() as u64);
+        for f in item.followers {
+            self.settle(f, how.clone()).await;
+        }
+        self.settle(item.delivery, how).await;
+    }
+
+    async fn settle(&self, d: Delivery, how: Settlement) {
+        let broker = d.envelope.broker.as_str();
+        let source = d.envelope.source.name.clone();
+        let (r, what) = match how {
+            Settlement::Ack => (d.ack().await, "ack"),
+            Settlement::Nack(delay) => (d.nack(delay).await, "nack"),
+            Settlement::Reject(reason) => (d.reject(&reason).await, "reject"),
+        };
+        if let Err(e) = r {
+            // The broker will redeliver; the dedup record makes that harmless.
+            self.counters
+                .settle_failures
+                .fetch_add(1, Ordering::Relaxed);
+            metrics::counter!(m::SETTLE_FAILURES, "broker" => broker, "settlement" => what)
+                .increment(1);
+            tracing::warn!(%source, error = %e, settlement = what, "settling a delivery failed");
+        }
+    }
+}
+
+/// Which counter and metric label an outcome feeds.
+struct Outcome {
+    label: &'static str,
+    counter: fn(&super::Counters) -> &AtomicU64,
+}
+
+impl Outcome {
+    const PROCESSED: Outcome = Outcome {
+        label: m::outcome::PROCESSED,
+        counter: |c| &c.processed,
+    };
+    const DUPLICATE: Outcome = Outcome {
+        label: m::outcome::DUPLICATE,
+        counter: |c| &c.duplicates,
+    };
+    const IN_FLIGHT: Outcome = Outcome {
+        label: m::outcome::IN_FLIGHT,
+        counter: |c| &c.in_flight,
+    };
+    const RETRIED: Outcome = Outcome {
+        label: m::outcome::RETRIED,
+        counter: |c| &c.retried,
+    };
+    const REJECTED: Outcome = Outcome {
+        label: m::outcome::REJECTED,
+        counter: |c| &c.rejected,
+    };
+    const FENCED: Outcome = Outcome {
+        label: m::outcome::FENCED,
+        counter: |c| &c.fenced,
+    };
+    const STORE_DOWN: Outcome = Outcome {
+        label: m::outcome::STORE_UNAVAILABLE,
+        counter: |c| &c.store_unavailable,
+    };
+    const STORE_ERROR: Outcome = Outcome {
+        label: m::outcome::STORE_ERROR,
+        counter: |c| &c.store_unavailable,
+    };
+    const DEFERRED: Outcome = Outcome {
+        label: m::outcome::DEFERRED,
+        counter: |c| &c.deferred,
+    };
+    const STALE: Outcome = Outcome {
+        label: m::outcome::STALE,
+        counter: |c| &c.stale,
+    };
+}
+
+/// Runs one handler under the concurrency limit, its timeout and its lease.
+async fn run_handler<H: Handler>(
+    handler: &H,
+    msg: ClaimedMessage,
+    sem: &tokio::sync::Semaphore,
+    limit: Option<Duration>,
+) -> Result<HandlerResult, HandlerFailure> {
+    let _permit = sem.acquire().await;
+    let lease: LeaseWatch = msg.lease.clone();
+    let work = AssertUnwindSafe(handler.handle(msg)).catch_unwind();
+    let bounded = async {
+        match limit {
+            Some(t) => match tokio::time::timeout(t, work).await {
+                Ok(r) => r.map_err(|_| HandlerFailure::Panicked),
+                Err(_) => Err(HandlerFailure::TimedOut(t)),
+            },
+            None => work.await.map_err(|_| HandlerFailure::Panicked),
+        }
+    };
+    tokio::select! {
+        r = bounded => r,
+        _ = lease.lost() => Err(HandlerFailure::LeaseLost),
+    }
+}
+
+/// What a handler's result means for its message.
+fn verdict(
+    res: Result<HandlerResult, HandlerFailure>,
+    attempt: u32,
+    retry: &RetryPolicy,
+    max_result: usize,
+) -> Verdict {
+    match res {
+        Ok(Ok(Some(r))) if r.len() > max_result => {
+            let why = format!(
+                "handler returned a {}-byte result, over max_result_bytes ({max_result}): store a reference, not the document",
+                r.len()
+            );
+            Verdict::Failed(Settlement::Reject(why.clone()), why)
+        }
+        Ok(Ok(r)) => Verdict::Done(r),
+        Ok(Err(HandlerError::Permanent(e))) => {
+            let why = format!("handler failed permanently: {e}");
+            Verdict::Failed(Settlement::Reject(why.clone()), why)
+        }
+        Ok(Err(HandlerError::RetryAfter { delay, source })) => {
+            let why = source.to_string();
+            Verdict::Failed(retry_or_give_up(retry, attempt, delay, &why), why)
+        }
+        Ok(Err(e)) => {
+            let why = e.to_string();
+            Verdict::Failed(
+                retry_or_give_up(retry, attempt, retry.delay(attempt), &why),
+                why,
+            )
+        }
+        Err(failure) => {
+            let why = failure.to_string();
+            Verdict::Failed(
+                retry_or_give_up(retry, attempt, retry.delay(attempt), &why),
+                why,
+            )
+        }
+    }
+}
+
+/// Nack after `delay`, or dead-letter once the policy's attempts are used up.
+fn retry_or_give_up(retry: &RetryPolicy, attempt: u32, delay: Duration, why: &str) -> Settlement {
+    if retry.exhausted(attempt) {
+        Settlement::Reject(format!(
+            "gave up after {attempt} attempts (retry.max_attempts); last failure: {why}"
+        ))
+    } else {
+        Settlement::Nack(delay.max(MIN_REDELIVERY_DELAY))
+    }
+}
+
+/// Splits completions into round trips of at most `max_count` items and `max_bytes` of
+/// keys and results (a single larger item still goes alone).
+fn chunk_completions(
+    done: Vec<(Item, Lease, Completion)>,
+    max_count: usize,
+    max_bytes: usize,
+) -> Vec<Vec<(Item, Lease, Completion)>> {
+    let mut chunks = Vec::new();
+    let mut cur: Vec<(Item, Lease, Completion)> = Vec::new();
+    let mut bytes = 0usize;
+    for entry in done {
+        let size = entry.2.key.as_str().len() + entry.2.result.as_ref().map_or(0, |r| r.len());
+        if !cur.is_empty() && (cur.len() >= max_count.max(1) || bytes + size > max_bytes) {
+            chunks.push(std::mem::take(&mut cur));
+            bytes = 0;
+        }
+        bytes += size;
+        cur.push(entry);
+    }
+    if !cur.is_empty() {
+        chunks.push(cur);
+    }
+    chunks
+}

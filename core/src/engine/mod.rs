@@ -1,0 +1,270 @@
+//! The idempotent consumer engine: one loop over any [`Source`] and any [`DedupStore`].
+//!
+//! Each polled batch goes through five named stages (see `batch.rs`):
+//! 1. **keys** — derive keys; a message without a usable key is rejected (dead-lettered)
+//!    with the reason; later copies of a key in the batch wait for the first one's fate;
+//! 2. **claim** — claim all keys in one round trip (retried with back-off while the store is
+//!    down; if it stays down the batch is nacked, never acked; one key at a time if the
+//!    store refuses the batch);
+//! 3. **dispatch** — run handlers for the acquired keys, at most `max_concurrency` at a
+//!    time, in order within a lane when [`DeliveryOrder`] asks for it, each lease kept alive
+//!    by the batch's heartbeat and watched by the handler;
+//! 4. **complete** — complete the successful ones in round trips bounded by count and bytes
+//!    (one key at a time when a batch fails, so one bad completion cannot hold the others);
+//! 5. **settle** — ack only what is durable; nack or reject the rest.
+//!
+//! | claim / handler outcome | store | broker |
+//! |---|---|---|
+//! | duplicate | – | ack |
+//! | in flight elsewhere | – | nack, redeliver after the other lease |
+//! | payload conflict | – | reject with reason |
+//! | handler ok, completion durable | complete | ack |
+//! | handler ok, lease lost (fenced) | – | nack |
+//! | handler retryable error / panic / timeout / lease lost | release | nack after the retry policy's delay; reject once attempts are exhausted |
+//! | handler permanent error | release | reject with reason |
+//! | delivery gone stale (partition revoked) | release | – (the settle is ignored) |
+//! | store unavailable | – | nack after back-off |
+
+mod batch;
+mod config;
+mod lease;
+
+pub use config::{ConsumerConfig, DeliveryOrder, RetryPolicy};
+
+use crate::handler::Handler;
+use crate::key::KeyStrategy;
+use crate::source::{Source, SourceError};
+use crate::store::DedupStore;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Counters of one engine (also exported through `metrics`).
+#[derive(Debug, Default)]
+pub(crate) struct Counters {
+    pub(crate) processed: AtomicU64,
+    pub(crate) duplicates: AtomicU64,
+    pub(crate) in_flight: AtomicU64,
+    pub(crate) retried: AtomicU64,
+    pub(crate) rejected: AtomicU64,
+    pub(crate) fenced: AtomicU64,
+    pub(crate) store_unavailable: AtomicU64,
+    pub(crate) takeovers: AtomicU64,
+    pub(crate) deferred: AtomicU64,
+    pub(crate) stale: AtomicU64,
+    pub(crate) settle_failures: AtomicU64,
+}
+
+/// A snapshot of an engine's counters (deliveries, not distinct messages).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConsumerStats {
+    /// Handler ran and the record is durable; acked.
+    pub processed: u64,
+    /// Skipped as duplicates (store or in-batch); acked.
+    pub duplicates: u64,
+    /// Held by another worker; nacked for later.
+    pub in_flight: u64,
+    /// Handler failed; released and nacked.
+    pub retried: u64,
+    /// Dead-lettered.
+    pub rejected: u64,
+    /// Lease lost before completion; nacked.
+    pub fenced: u64,
+    /// Not settled as done because the store was down; nacked.
+    pub store_unavailable: u64,
+    /// Expired leases taken over.
+    pub takeovers: u64,
+    /// Sent back unrun because an earlier message of their lane was (ordered modes).
+    pub deferred: u64,
+    /// Gone stale before their handler ran (partition revoked); claims given back.
+    pub stale: u64,
+    /// Settlements the broker refused (the message will be redelivered).
+    pub settle_failures: u64,
+}
+
+impl ConsumerStats {
+    /// Deliveries sent back for redelivery, whatever the reason.
+    pub fn redelivered(&self) -> u64 {
+        self.in_flight + self.retried + self.fenced + self.store_unavailable + self.deferred
+    }
+}
+
+/// Why the engine stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ConsumerError {
+    /// The source cannot work as configured.
+    #[error("source failed: {0}")]
+    Source(#[from] SourceError),
+    /// The engine settings are unsafe.
+    #[error("invalid consumer configuration: {0}")]
+    Config(String),
+}
+
+/// Runs a [`Handler`] over a [`Source`] so that each message's effect happens once.
+///
+/// ```
+/// use idemq_core::{IdempotentConsumer, KeyStrategy, MemoryStore, ClaimedMessage, HandlerError};
+/// use idemq_core::broker::MemoryBroker;
+/// use idemq_core::{Envelope, BrokerKind};
+/// use std::sync::{Arc, atomic::{AtomicU32, Ordering}};
+///
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// let broker = MemoryBroker::new();
+/// let msg = Envelope::new(BrokerKind::Memory, "orders", "{}").with_header("x-idempotency-key", "o-1");
+/// broker.publish(msg.clone());
+/// broker.publish(msg); // the producer retried
+///
+/// let effects = Arc::new(AtomicU32::new(0));
+/// let seen = effects.clone();
+/// let consumer = IdempotentConsumer::new(
+///     Arc::new(MemoryStore::new()),
+///     KeyStrategy::header("orders-svc", "x-idempotency-key").unwrap(),
+///     move |_m: ClaimedMessage| {
+///         let seen = seen.clone();
+///         async move { seen.fetch_add(1, Ordering::SeqCst); Ok::<_, HandlerError>(None) }
+///     },
+/// );
+/// let mut source = broker.subscribe();
+/// consumer.run_until_idle(&mut source).await.unwrap();
+/// assert_eq!(effects.load(Ordering::SeqCst), 1);
+/// assert_eq!(consumer.stats().duplicates, 1);
+/// # });
+/// ```
+pub struct IdempotentConsumer<H> {
+    store: Arc<dyn DedupStore>,
+    keys: KeyStrategy,
+    handler: Arc<H>,
+    cfg: ConsumerConfig,
+    counters: Arc<Counters>,
+}
+
+impl<H> Clone for IdempotentConsumer<H> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            keys: self.keys.clone(),
+            handler: self.handler.clone(),
+            cfg: self.cfg.clone(),
+            counters: self.counters.clone(),
+        }
+    }
+}
+
+impl<H: Handler> IdempotentConsumer<H> {
+    /// An engine with default settings.
+    pub fn new(store: Arc<dyn DedupStore>, keys: KeyStrategy, handler: H) -> Self {
+        Self {
+            store,
+            keys,
+            handler: Arc::new(handler),
+            cfg: ConsumerConfig::default(),
+            counters: Arc::default(),
+        }
+    }
+
+    /// Replaces the settings (values of 0 for batch or concurrency are taken as 1).
+    pub fn with_config(mut self, mut cfg: ConsumerConfig) -> Self {
+        cfg.max_batch = cfg.max_batch.max(1);
+        cfg.max_concurrency = cfg.max_concurrency.max(1);
+        self.cfg = cfg;
+        self
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &ConsumerConfig {
+        &self.cfg
+    }
+
+    /// Counters so far (shared by clones of this engine).
+    pub fn stats(&self) -> ConsumerStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        ConsumerStats {
+            processed: l(&c.processed),
+            duplicates: l(&c.duplicates),
+            in_flight: l(&c.in_flight),
+            retried: l(&c.retried),
+            rejected: l(&c.rejected),
+            fenced: l(&c.fenced),
+            store_unavailable: l(&c.store_unavailable),
+            takeovers: l(&c.takeovers),
+            deferred: l(&c.deferred),
+            stale: l(&c.stale),
+            settle_failures: l(&c.settle_failures),
+        }
+    }
+
+    /// Polls and processes until `shutdown` resolves or the source ends, then closes the
+    /// source. A batch in progress is finished (settled) before returning.
+    pub async fn run<S: Source + ?Sized>(
+        &self,
+        source: &mut S,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ConsumerError> {
+        self.cfg.validate().map_err(ConsumerError::Config)?;
+        let result = self.poll_loop(source, shutdown).await;
+        let closed = source.close().await;
+        match (result, closed) {
+            (Err(e), _) => Err(e),
+            (Ok(()), Err(e)) => {
+                tracing::warn!(error = %e, "closing the source failed; its unsettled messages will be redelivered");
+                Err(e.into())
+            }
+            (Ok(()), Ok(())) => Ok(()),
+        }
+    }
+
+    async fn poll_loop<S: Source + ?Sized>(
+        &self,
+        source: &mut S,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ConsumerError> {
+        tokio::pin!(shutdown);
+        let mut backoff = self.cfg.store_backoff;
+        loop {
+            let polled = tokio::select! {
+                biased;
+                _ = &mut shutdown => return Ok(()),
+                p = source.poll(self.cfg.max_batch) => p,
+            };
+            let trouble = match polled {
+                Ok(Some(batch)) => {
+                    let store_down = self.process_batch(batch).await;
+                    let committed = source.after_batch().await;
+                    if let Err(e) = &committed {
+                        tracing::warn!(error = %e, "source could not commit after a batch; it will redeliver");
+                    }
+                    if let Err(SourceError::Config(e)) = committed {
+                        return Err(SourceError::Config(e).into());
+                    }
+                    store_down
+                }
+                Ok(None) => return Ok(()),
+                Err(SourceError::Config(e)) => return Err(SourceError::Config(e).into()),
+                Err(e) => {
+                    tracing::warn!(error = %e, "poll failed; backing off");
+                    true
+                }
+            };
+            if trouble {
+                // Give the store or broker time before polling again.
+                tokio::select! {
+                    _ = &mut shutdown => return Ok(()),
+                    _ = tokio::time::sleep(backoff) => {}
+                }
+                backoff = (backoff * 2).min(self.cfg.store_backoff_max);
+            } else {
+                backoff = self.cfg.store_backoff;
+            }
+        }
+    }
+
+    /// Runs until the source ends (for sources that end, such as a closed memory broker).
+    pub async fn run_until_idle<S: Source + ?Sized>(
+        &self,
+        source: &mut S,
+    ) -> Result<(), ConsumerError> {
+        self.run(source, std::future::pending()).await
+    }
+}
