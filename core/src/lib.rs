@@ -23,6 +23,8 @@ pub mod publish;
 pub mod source;
 pub mod store;
 #[cfg(feature = "testkit")]
+pub mod source_kit;
+#[cfg(feature = "testkit")]
 pub mod testkit;
 
 pub use engine::{
