@@ -1,0 +1,441 @@
+//! Ordering, the retry policy, isolated completions and lost leases, over the in-memory
+//! broker and store.
+
+use async_trait::async_trait;
+use idemq_core::broker::MemoryBroker;
+use idemq_core::{
+    BrokerKind, ClaimOutcome, ClaimRequest, ClaimedMessage, CompleteOutcome, Completion,
+    ConsumerConfig, DedupKey, DedupRecord, DedupStore, DeliveryOrder, Envelope, ExtendOutcome,
+    FencingToken, HandlerError, IdempotentConsumer, KeyStrategy, MemoryStore, ReleaseOutcome,
+    RetryPolicy, StoreError,
+};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+fn quick() -> ConsumerConfig {
+    ConsumerConfig {
+        max_batch: 100,
+        max_concurrency: 16,
+        lease: Duration::from_secs(5),
+        retry: RetryPolicy::fixed(Duration::from_millis(5)),
+        in_flight_delay_max: Duration::from_millis(100),
+        store_backoff: Duration::from_millis(10),
+        store_backoff_max: Duration::from_millis(50),
+        ..ConsumerConfig::default()
+    }
+}
+
+fn keys() -> KeyStrategy {
+    KeyStrategy::header("orders", "x-idempotency-key").expect("strategy")
+}
+
+/// A deterministic ~7% failure of first attempts, spread over keys.
+fn flaky(key: &str, attempt: u32) -> bool {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    attempt == 1 && h.finish() % 100 < 7
+}
+
+async fn versions_apply_in_order(mode: DeliveryOrder) {
+    const ENTITIES: u32 = 1000;
+    const VERSIONS: u32 = 10;
+    let broker = MemoryBroker::new();
+    broker.set_ordering(mode);
+    // Blocks of 10 entities × all their versions: a batch of 100 holds several versions of
+    // one key (the engine's lanes order them), and later batches depend on earlier ones (the
+    // broker's lanes hold them while a version waits for its retry).
+    for block in 0..ENTITIES / 10 {
+        for v in 0..VERSIONS {
+            for e in block * 10..block * 10 + 10 {
+                broker.publish(
+                    Envelope::new(BrokerKind::Memory, "stock", format!("{v}"))
+                        .with_partition((e % 8) as i32)
+                        .with_ordering_key(format!("entity-{e}"))
+                        .with_header("x-idempotency-key", format!("entity-{e}-v{v}")),
+                );
+            }
+        }
+    }
+    let applied: Arc<Mutex<HashMap<String, Vec<u32>>>> = Arc::default();
+    let failures = Arc::new(AtomicU32::new(0));
+    let (seen, failed) = (applied.clone(), failures.clone());
+    let consumer = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        keys(),
+        move |m: ClaimedMessage| {
+            let (seen, failed) = (seen.clone(), failed.clone());
+            async move {
+                if flaky(m.key.as_str(), m.attempt) {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                    return Err(HandlerError::retryable("injected failure"));
+                }
+                let entity =
+                    String::from_utf8_lossy(m.envelope.ordering_key.as_deref().unwrap_or_default())
+                        .to_string();
+                let v: u32 = std::str::from_utf8(&m.envelope.payload)
+                    .ok()
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or(u32::MAX);
+                // Yield so that concurrently running handlers really interleave.
+                tokio::task::yield_now().await;
+                seen.lock()
+                    .expect("lock")
+                    .entry(entity)
+                    .or_default()
+                    .push(v);
+                Ok(None)
+            }
+        },
+    )
+    .with_config(ConsumerConfig {
+        ordering: mode,
+        ..quick()
+    });
+    let mut src = broker.subscribe();
+    tokio::time::timeout(Duration::from_secs(120), consumer.run_until_idle(&mut src))
+        .await
+        .expect("finishes")
+        .expect("run");
+    let applied = applied.lock().expect("lock");
+    assert_eq!(applied.len(), ENTITIES as usize);
+    let want: Vec<u32> = (0..VERSIONS).collect();
+    for (entity, versions) in applied.iter() {
+        assert_eq!(
+            versions, &want,
+            "{entity}: versions applied out of order or not once ({mode:?})"
+        );
+    }
+    assert!(
+        failures.load(Ordering::Relaxed) > 100,
+        "the test must inject failures"
+    );
+    assert!(
+        consumer.stats().deferred > 0,
+        "failures must hold later versions back"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_key_order_holds_for_1000_keys_x_10_versions_with_failures() {
+    versions_apply_in_order(DeliveryOrder::PerKey).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn per_partition_order_holds_for_1000_keys_x_10_versions_with_failures() {
+    versions_apply_in_order(DeliveryOrder::PerPartition).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_message_that_always_fails_is_dead_lettered_after_max_attempts_and_the_rest_flow() {
+    let broker = MemoryBroker::new();
+    broker.publish(
+        Envelope::new(BrokerKind::Memory, "orders", "poison")
+            .with_header("x-idempotency-key", "poison"),
+    );
+    for i in 0..50 {
+        broker.publish(
+            Envelope::new(BrokerKind::Memory, "orders", "ok")
+                .with_header("x-idempotency-key", format!("ok-{i}")),
+        );
+    }
+    let attempts = Arc::new(AtomicU32::new(0));
+    let done = Arc::new(AtomicU32::new(0));
+    let dead_hook: Arc<Mutex<Vec<String>>> = Arc::default();
+    struct H {
+        attempts: Arc<AtomicU32>,
+        done: Arc<AtomicU32>,
+        dead: Arc<Mutex<Vec<String>>>,
+    }
+    #[async_trait]
+    impl idemq_core::Handler for H {
+        async fn handle(&self, m: ClaimedMessage) -> idemq_core::HandlerResult {
+            if &m.envelope.payload[..] == b"poison" {
+                self.attempts.fetch_add(1, Ordering::SeqCst);
+                return Err(HandlerError::retryable("downstream says 500"));
+            }
+            self.done.fetch_add(1, Ordering::SeqCst);
+            Ok(None)
+        }
+        async fn on_dead_letter(&self, _e: &Envelope, reason: &str) {
+            self.dead.lock().expect("lock").push(reason.to_string());
+        }
+    }
+    let consumer = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        keys(),
+        H {
+            attempts: attempts.clone(),
+            done: done.clone(),
+            dead: dead_hook.clone(),
+        },
+    )
+    .with_config(ConsumerConfig {
+        retry: RetryPolicy {
+            initial_delay: Duration::from_millis(5),
+            max_delay: Duration::from_millis(40),
+            multiplier: 2.0,
+            jitter: 0.2,
+            max_attempts: Some(4),
+        },
+        ..quick()
+    });
+    let mut src = broker.subscribe();
+    tokio::time::timeout(Duration::from_secs(30), consumer.run_until_idle(&mut src))
+        .await
+        .expect("a poison message must not keep the consumer busy forever")
+        .expect("run");
+    assert_eq!(
+        attempts.load(Ordering::SeqCst),
+        4,
+        "exactly max_attempts runs"
+    );
+    assert_eq!(
+        done.load(Ordering::SeqCst),
+        50,
+        "the messages behind it flow"
+    );
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert!(
+        dead[0].reason.contains("gave up after 4 attempts"),
+        "{}",
+        dead[0].reason
+    );
+    assert!(
+        dead[0].reason.contains("downstream says 500"),
+        "{}",
+        dead[0].reason
+    );
+    assert_eq!(
+        dead_hook.lock().expect("lock").as_slice(),
+        [dead[0].reason.clone()]
+    );
+}
+
+/// A store whose batch completion fails whenever the batch holds the poison key; single
+/// completions of it fail too when `poison_alone` is set.
+struct PoisonCompletions {
+    inner: MemoryStore,
+    poison_alone: bool,
+}
+
+fn is_poison(c: &Completion) -> bool {
+    c.key.as_str().ends_with(":poison")
+}
+
+#[async_trait]
+impl DedupStore for PoisonCompletions {
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        self.inner.claim_batch(reqs).await
+    }
+    async fn complete_batch(&self, cs: &[Completion]) -> Result<Vec<CompleteOutcome>, StoreError> {
+        if cs.iter().any(is_poison) && (cs.len() > 1 || self.poison_alone) {
+            return Err(StoreError::Backend(
+                "value too long for column `result`".into(),
+            ));
+        }
+        self.inner.complete_batch(cs).await
+    }
+    async fn release(&self, k: &DedupKey, t: FencingToken) -> Result<ReleaseOutcome, StoreError> {
+        self.inner.release(k, t).await
+    }
+    async fn extend(
+        &self,
+        k: &DedupKey,
+        t: FencingToken,
+        l: Duration,
+    ) -> Result<ExtendOutcome, StoreError> {
+        self.inner.extend(k, t, l).await
+    }
+    async fn get(&self, k: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
+        self.inner.get(k).await
+    }
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        self.inner.purge_expired(limit).await
+    }
+    async fn list_stuck(
+        &self,
+        older_than: Duration,
+        limit: usize,
+    ) -> Result<Vec<DedupRecord>, StoreError> {
+        self.inner.list_stuck(older_than, limit).await
+    }
+    async fn forget(&self, k: &DedupKey) -> Result<bool, StoreError> {
+        self.inner.forget(k).await
+    }
+}
+
+async fn run_with_poison_completion(poison_alone: bool) -> (HashMap<String, u32>, MemoryBroker) {
+    let broker = MemoryBroker::new();
+    for k in ["a", "b", "poison", "c", "d"] {
+        broker.publish(
+            Envelope::new(BrokerKind::Memory, "orders", k).with_header("x-idempotency-key", k),
+        );
+    }
+    let runs: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let seen = runs.clone();
+    let consumer = IdempotentConsumer::new(
+        Arc::new(PoisonCompletions {
+            inner: MemoryStore::new(),
+            poison_alone,
+        }),
+        keys(),
+        move |m: ClaimedMessage| {
+            let seen = seen.clone();
+            async move {
+                *seen
+                    .lock()
+                    .expect("lock")
+                    .entry(m.key.to_string())
+                    .or_default() += 1;
+                Ok(None)
+            }
+        },
+    )
+    .with_config(ConsumerConfig {
+        retry: RetryPolicy::fixed(Duration::from_millis(5)).with_max_attempts(3),
+        ..quick()
+    });
+    let mut src = broker.subscribe();
+    tokio::time::timeout(Duration::from_secs(20), consumer.run_until_idle(&mut src))
+        .await
+        .expect("one bad completion must not keep the batch looping")
+        .expect("run");
+    let runs = runs.lock().expect("lock").clone();
+    (runs, broker)
+}
+
+#[tokio::test]
+async fn one_bad_completion_does_not_rerun_the_rest_of_the_batch() {
+    let (runs, broker) = run_with_poison_completion(false).await;
+    for k in ["a", "b", "poison", "c", "d"] {
+        assert_eq!(
+            runs.get(&format!("orders:{k}")),
+            Some(&1),
+            "{k} ran {:?} times",
+            runs.get(&format!("orders:{k}"))
+        );
+    }
+    assert!(broker.dead_letters().is_empty());
+    assert_eq!(broker.pending(), 0);
+}
+
+#[tokio::test]
+async fn a_completion_the_store_always_refuses_is_dead_lettered_after_max_attempts() {
+    let (runs, broker) = run_with_poison_completion(true).await;
+    for k in ["a", "b", "c", "d"] {
+        assert_eq!(
+            runs.get(&format!("orders:{k}")),
+            Some(&1),
+            "{k} must run once"
+        );
+    }
+    assert_eq!(
+        runs.get("orders:poison"),
+        Some(&3),
+        "the refused key gets the retry policy"
+    );
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert!(
+        dead[0].reason.contains("refused its completion"),
+        "{}",
+        dead[0].reason
+    );
+}
+
+/// A store whose heartbeats fail: the lease runs out while a handler is still working.
+struct FailingExtends(MemoryStore);
+
+#[async_trait]
+impl DedupStore for FailingExtends {
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        self.0.claim_batch(reqs).await
+    }
+    async fn complete_batch(&self, cs: &[Completion]) -> Result<Vec<CompleteOutcome>, StoreError> {
+        self.0.complete_batch(cs).await
+    }
+    async fn release(&self, k: &DedupKey, t: FencingToken) -> Result<ReleaseOutcome, StoreError> {
+        self.0.release(k, t).await
+    }
+    async fn extend(
+        &self,
+        _k: &DedupKey,
+        _t: FencingToken,
+        _l: Duration,
+    ) -> Result<ExtendOutcome, StoreError> {
+        Err(StoreError::Unavailable("connection reset".into()))
+    }
+    async fn get(&self, k: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
+        self.0.get(k).await
+    }
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        self.0.purge_expired(limit).await
+    }
+    async fn list_stuck(
+        &self,
+        older_than: Duration,
+        limit: usize,
+    ) -> Result<Vec<DedupRecord>, StoreError> {
+        self.0.list_stuck(older_than, limit).await
+    }
+    async fn forget(&self, k: &DedupKey) -> Result<bool, StoreError> {
+        self.0.forget(k).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_whose_lease_runs_out_is_told_and_cancelled_before_its_effect() {
+    let broker = MemoryBroker::new();
+    broker.publish(
+        Envelope::new(BrokerKind::Memory, "orders", "slow")
+            .with_header("x-idempotency-key", "slow"),
+    );
+    let effects = Arc::new(AtomicU32::new(0));
+    let told = Arc::new(AtomicU32::new(0));
+    let (e2, t2) = (effects.clone(), told.clone());
+    let consumer = IdempotentConsumer::new(
+        Arc::new(FailingExtends(MemoryStore::new())),
+        keys(),
+        move |m: ClaimedMessage| {
+            let (effects, told) = (e2.clone(), t2.clone());
+            async move {
+                if m.attempt == 1 {
+                    // Longer than the lease; heartbeats fail meanwhile.
+                    let lease = m.lease.clone();
+                    let watcher = tokio::spawn(async move {
+                        lease.lost().await;
+                        told.fetch_add(1, Ordering::SeqCst);
+                    });
+                    tokio::time::sleep(Duration::from_millis(1500)).await;
+                    watcher.abort();
+                }
+                effects.fetch_add(1, Ordering::SeqCst);
+                Ok(None)
+            }
+        },
+    )
+    .with_config(ConsumerConfig {
+        lease: Duration::from_millis(400),
+        heartbeat: Some(Duration::from_millis(100)),
+        ..quick()
+    });
+    let mut src = broker.subscribe();
+    tokio::time::timeout(Duration::from_secs(20), consumer.run_until_idle(&mut src))
+        .await
+        .expect("finishes")
+        .expect("run");
+    assert_eq!(
+        told.load(Ordering::SeqCst),
+        1,
+        "the handler's lease watch must fire"
+    );
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        1,
+        "the first attempt is cut off before its effect; the retry applies it once"
+    );
+}
