@@ -47,5 +47,9 @@ pub use idemq_redis as redis;
 #[cfg(feature = "layered")]
 pub use idemq_layered as layered;
 
+/// The Kafka adapter: consumer-group source, producer configs, publisher.
+#[cfg(feature = "kafka")]
+pub use idemq_kafka as kafka;
+
 mod open;
 pub use open::{open_store, OpenStoreError, SUPPORTED_SCHEMES};

@@ -1,0 +1,658 @@
+//! The consumer-group [`Source`].
+
+use crate::envelope::to_envelope;
+use crate::publisher::{produce, KafkaPublisher};
+use crate::KafkaSourceError;
+use async_trait::async_trait;
+use idemq_core::adapter::{DelayedRedelivery, Epoch, OffsetTracker, PartitionId};
+use idemq_core::envelope::{props, Headers};
+use idemq_core::source::{Capabilities, Delivery, Settle, Source, SourceError};
+use idemq_core::Envelope;
+use rdkafka::client::ClientContext;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
+use rdkafka::error::KafkaResult;
+use rdkafka::producer::FutureProducer;
+use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+
+/// Header naming why a record was dead-lettered.
+pub const DLQ_REASON: &str = "idemq-dlq-reason";
+/// Header with the original topic of a dead-lettered record.
+pub const DLQ_TOPIC: &str = "idemq-dlq-topic";
+/// Header with the original partition of a dead-lettered record.
+pub const DLQ_PARTITION: &str = "idemq-dlq-partition";
+/// Header with the original offset of a dead-lettered record.
+pub const DLQ_OFFSET: &str = "idemq-dlq-offset";
+
+/// Settings of a [`KafkaSource`].
+#[derive(Debug, Clone)]
+pub struct KafkaSourceConfig {
+    /// librdkafka consumer properties; `enable.auto.commit`, `enable.auto.offset.store` and
+    /// `isolation.level` are set by the source.
+    pub client: ClientConfig,
+    /// Topics to subscribe to.
+    pub topics: Vec<String>,
+    /// The name put in [`SourceRef::cluster`](idemq_core::envelope::SourceRef::cluster).
+    pub cluster: Option<String>,
+    /// Dead-letter topic; `None` = `<topic>.dlq`.
+    pub dead_letter_topic: Option<String>,
+    /// Read only committed transactional records (`isolation.level=read_committed`).
+    pub read_committed: bool,
+    /// Records buffered per partition before the partition is paused.
+    pub buffer_per_partition: usize,
+    /// How often settled offsets are committed besides after each batch.
+    pub commit_interval: Duration,
+    /// Longest wait for a dead-letter produce to be confirmed.
+    pub dead_letter_timeout: Duration,
+}
+
+impl KafkaSourceConfig {
+    /// A consumer of `topics` in `group` on `bootstrap_servers`, from the earliest offset
+    /// when the group has none committed.
+    pub fn new(bootstrap_servers: &str, group: &str, topics: &[&str]) -> Self {
+        let mut client = ClientConfig::new();
+        client
+            .set("bootstrap.servers", bootstrap_servers)
+            .set("group.id", group)
+            .set("auto.offset.reset", "earliest");
+        Self {
+            client,
+            topics: topics.iter().map(|t| t.to_string()).collect(),
+            cluster: None,
+            dead_letter_topic: None,
+            read_committed: false,
+            buffer_per_partition: 1000,
+            commit_interval: Duration::from_secs(5),
+            dead_letter_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// Sets a librdkafka consumer property (builder form).
+    pub fn set(mut self, key: &str, value: &str) -> Self {
+        self.client.set(key, value);
+        self
+    }
+
+    /// Names the cluster in every envelope's source reference (builder form).
+    pub fn cluster(mut self, name: &str) -> Self {
+        self.cluster = Some(name.to_string());
+        self
+    }
+
+    /// Dead-letters into `topic` instead of `<topic>.dlq` (builder form).
+    pub fn dead_letter_topic(mut self, topic: &str) -> Self {
+        self.dead_letter_topic = Some(topic.to_string());
+        self
+    }
+
+    /// Reads only committed transactional records (builder form).
+    pub fn read_committed(mut self) -> Self {
+        self.read_committed = true;
+        self
+    }
+
+    /// The dead-letter topic for records of `topic`.
+    pub fn dead_letter_topic_for(&self, topic: &str) -> String {
+        self.dead_letter_topic
+            .clone()
+            .unwrap_or_else(|| format!("{topic}.dlq"))
+    }
+}
+
+/// One consumed record, owned, with the assignment it was consumed under.
+#[derive(Debug, Clone)]
+struct Record {
+    part: PartitionId,
+    epoch: Epoch,
+    offset: i64,
+    envelope: Envelope,
+}
+
+#[derive(Debug)]
+struct PartState {
+    epoch: Epoch,
+    buffer: VecDeque<Record>,
+    paused: bool,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    tracker: OffsetTracker,
+    parts: HashMap<PartitionId, PartState>,
+    delayed: DelayedRedelivery<Record, PartitionId>,
+    closed: bool,
+    fatal: Option<String>,
+}
+
+#[derive(Debug)]
+struct Shared {
+    state: Mutex<State>,
+    wake: Notify,
+    stop: AtomicBool,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock leaves consistent-enough state (all updates are
+        // single steps); keep going rather than poison every settle.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The consumer context: rebalance and commit callbacks, run on the polling thread.
+struct Ctx {
+    shared: Arc<Shared>,
+}
+
+impl ClientContext for Ctx {}
+
+impl ConsumerContext for Ctx {
+    fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let Rebalance::Revoke(tpl) = rebalance else {
+            return;
+        };
+        let mut finals = TopicPartitionList::new();
+        {
+            let mut st = self.shared.lock();
+            for e in tpl.elements() {
+                let p: PartitionId = (e.topic().to_string(), e.partition());
+                if let Some(w) = st.tracker.revoke(&p) {
+                    // Adding a partition to a fresh list cannot fail.
+                    let _ = finals.add_partition_offset(&p.0, p.1, Offset::Offset(w));
+                }
+                st.parts.remove(&p);
+                st.delayed.drain_lanes(|l| *l == p);
+            }
+        }
+        tracing::info!(
+            revoked = tpl.count(),
+            committing = finals.count(),
+            "kafka partitions revoked"
+        );
+        if finals.count() > 0 && !consumer.assignment_lost() {
+            if let Err(e) = consumer.commit(&finals, CommitMode::Sync) {
+                tracing::warn!(error = %e, "final commit of revoked partitions failed; their settled records will be redelivered");
+            }
+        }
+    }
+
+    fn post_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        match rebalance {
+            Rebalance::Assign(tpl) => {
+                {
+                    let mut st = self.shared.lock();
+                    for e in tpl.elements() {
+                        let p: PartitionId = (e.topic().to_string(), e.partition());
+                        let epoch = st.tracker.assign(p.clone(), 0);
+                        st.parts.insert(
+                            p,
+                            PartState {
+                                epoch,
+                                buffer: VecDeque::new(),
+                                paused: false,
+                            },
+                        );
+                    }
+                }
+                // A partition paused under an earlier assignment must not stay paused.
+                if let Err(e) = consumer.resume(tpl) {
+                    tracing::debug!(error = %e, "resume of newly assigned partitions");
+                }
+                tracing::info!(assigned = tpl.count(), "kafka partitions assigned");
+            }
+            Rebalance::Error(e) => tracing::warn!(error = %e, "kafka rebalance error"),
+            Rebalance::Revoke(_) => {}
+        }
+    }
+
+    fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "kafka offset commit failed; offering it again");
+            let mut st = self.shared.lock();
+            for el in offsets.elements() {
+                if let Offset::Offset(o) = el.offset() {
+                    st.tracker
+                        .commit_failed(&(el.topic().to_string(), el.partition()), o);
+                }
+            }
+        }
+    }
+}
+
+type Consumer_ = BaseConsumer<Ctx>;
+
+/// Dead-lettering: a producer and the topic naming rule.
+struct DeadLetter {
+    producer: FutureProducer,
+    cfg: KafkaSourceConfig,
+}
+
+/// A Kafka consumer-group subscription as an idemq [`Source`].
+///
+/// A background thread keeps polling librdkafka (so a slow batch never exceeds
+/// `max.poll.interval.ms`) and buffers records per partition, pausing a partition whose
+/// buffer is full. See the crate docs for how settlements map onto offsets.
+pub struct KafkaSource {
+    shared: Arc<Shared>,
+    consumer: Option<Arc<Consumer_>>,
+    poller: Option<JoinHandle<()>>,
+    dlq: Arc<DeadLetter>,
+    cfg: KafkaSourceConfig,
+}
+
+impl std::fmt::Debug for KafkaSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSource")
+            .field("topics", &self.cfg.topics)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaSource {
+    /// Creates the consumer, subscribes, and starts the polling thread.
+    pub fn new(cfg: KafkaSourceConfig) -> Result<Self, KafkaSourceError> {
+        if cfg.topics.is_empty() {
+            return Err(KafkaSourceError::Config("no topics to subscribe to".into()));
+        }
+        if cfg.client.get("group.id").is_none() {
+            return Err(KafkaSourceError::Config(
+                "group.id is missing: a source commits offsets for a consumer group".into(),
+            ));
+        }
+        let mut client = cfg.client.clone();
+        client
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .set("enable.partition.eof", "false")
+            .set(
+                "isolation.level",
+                if cfg.read_committed {
+                    "read_committed"
+                } else {
+                    "read_uncommitted"
+                },
+            );
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            wake: Notify::new(),
+            stop: AtomicBool::new(false),
+        });
+        let consumer: Consumer_ = client
+            .create_with_context(Ctx {
+                shared: shared.clone(),
+            })
+            .map_err(|e| KafkaSourceError::Client(e.to_string()))?;
+        let topics: Vec<&str> = cfg.topics.iter().map(String::as_str).collect();
+        consumer
+            .subscribe(&topics)
+            .map_err(|e| KafkaSourceError::Client(e.to_string()))?;
+        let consumer = Arc::new(consumer);
+        let dlq = Arc::new(DeadLetter {
+            producer: KafkaPublisher::producer_for(&cfg.client)?,
+            cfg: cfg.clone(),
+        });
+        let poller = {
+            let consumer = consumer.clone();
+            let shared = shared.clone();
+            let cfg = cfg.clone();
+            std::thread::Builder::new()
+                .name("idemq-kafka-poll".into())
+                .spawn(move || poll_thread(consumer, shared, cfg))
+                .map_err(|e| KafkaSourceError::Client(e.to_string()))?
+        };
+        Ok(Self {
+            shared,
+            consumer: Some(consumer),
+            poller: Some(poller),
+            dlq,
+            cfg,
+        })
+    }
+
+    /// Partitions assigned to this consumer now.
+    pub fn assigned(&self) -> Vec<PartitionId> {
+        let mut v: Vec<_> = self.shared.lock().parts.keys().cloned().collect();
+        v.sort();
+        v
+    }
+
+    /// Commits what is committable now (asynchronously; a failure is offered again).
+    pub fn commit_now(&self) -> Result<(), SourceError> {
+        match &self.consumer {
+            Some(c) => commit_ready(c, &self.shared, CommitMode::Async),
+            None => Ok(()),
+        }
+    }
+
+    fn take_batch(&self, st: &mut State, max: usize) -> Vec<Delivery> {
+        let mut out = Vec::new();
+        for rec in st.delayed.pop_due(Instant::now(), max) {
+            if st.tracker.delivered(&rec.part, rec.epoch, rec.offset) {
+                out.push(self.delivery(rec));
+            }
+        }
+        let mut resume = TopicPartitionList::new();
+        let low_water = self.cfg.buffer_per_partition / 2;
+        let State {
+            tracker,
+            parts,
+            delayed,
+            ..
+        } = st;
+        for (p, ps) in parts.iter_mut() {
+            if delayed.holds(p) {
+                continue;
+            }
+            while out.len() < max {
+                let Some(rec) = ps.buffer.pop_front() else {
+                    break;
+                };
+                if tracker.delivered(&rec.part, rec.epoch, rec.offset) {
+                    out.push(self.delivery(rec));
+                }
+            }
+            if ps.paused && ps.buffer.len() <= low_water {
+                ps.paused = false;
+                let _ = resume.add_partition(&p.0, p.1);
+            }
+        }
+        if resume.count() > 0 {
+            if let Some(c) = &self.consumer {
+                if let Err(e) = c.resume(&resume) {
+                    tracing::warn!(error = %e, "resuming drained partitions failed");
+                }
+            }
+        }
+        out
+    }
+
+    fn delivery(&self, rec: Record) -> Delivery {
+        let envelope = rec.envelope.clone();
+        Delivery::new(
+            envelope,
+            Box::new(KafkaSettle {
+                shared: self.shared.clone(),
+                dlq: self.dlq.clone(),
+                record: Some(rec),
+            }),
+        )
+    }
+}
+
+fn commit_ready(
+    consumer: &Consumer_,
+    shared: &Shared,
+    mode: CommitMode,
+) -> Result<(), SourceError> {
+    let mut tpl = TopicPartitionList::new();
+    // Held while the commit is issued, so a revoke cannot slip between choosing the offsets
+    // and sending them: a partition no longer owned is never committed.
+    let mut st = shared.lock();
+    let commits = st.tracker.take_commits();
+    if commits.is_empty() {
+        return Ok(());
+    }
+    for ((topic, partition), offset) in &commits {
+        let _ = tpl.add_partition_offset(topic, *partition, Offset::Offset(*offset));
+    }
+    if matches!(mode, CommitMode::Sync) {
+        drop(st);
+    }
+    let result = consumer.commit(&tpl, mode);
+    if let Err(e) = &result {
+        let mut st = shared.lock();
+        for (p, o) in &commits {
+            st.tracker.commit_failed(p, *o);
+        }
+        return Err(SourceError::Broker(format!("offset commit failed: {e}")));
+    }
+    Ok(())
+}
+
+fn poll_thread(consumer: Arc<Consumer_>, shared: Arc<Shared>, cfg: KafkaSourceConfig) {
+    let mut last_commit = std::time::Instant::now();
+    let cap = cfg.buffer_per_partition.max(1);
+    while !shared.stop.load(Ordering::Acquire) {
+        match consumer.poll(Duration::from_millis(100)) {
+            Some(Ok(msg)) => {
+                let envelope = to_envelope(&msg, cfg.cluster.as_deref());
+                let part: PartitionId = (envelope.source.name.clone(), msg.partition());
+                let mut st = shared.lock();
+                if let Some(ps) = st.parts.get_mut(&part) {
+                    ps.buffer.push_back(Record {
+                        part: part.clone(),
+                        epoch: ps.epoch,
+                        offset: msg.offset(),
+                        envelope,
+                    });
+                    if ps.buffer.len() >= cap && !ps.paused {
+                        ps.paused = true;
+                        let mut tpl = TopicPartitionList::new();
+                        let _ = tpl.add_partition(&part.0, part.1);
+                        if let Err(e) = consumer.pause(&tpl) {
+                            tracing::warn!(error = %e, "pausing a full partition failed");
+                        }
+                    }
+                    drop(st);
+                    shared.wake.notify_one();
+                } else {
+                    tracing::debug!(topic = %part.0, partition = part.1, "record of an unassigned partition dropped");
+                }
+            }
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "kafka consumer error");
+                if let rdkafka::error::KafkaError::MessageConsumptionFatal(code) = e {
+                    shared.lock().fatal = Some(format!("fatal consumer error: {code}"));
+                    shared.wake.notify_one();
+                    break;
+                }
+            }
+            None => {}
+        }
+        if last_commit.elapsed() >= cfg.commit_interval {
+            last_commit = std::time::Instant::now();
+            if let Err(e) = commit_ready(&consumer, &shared, CommitMode::Async) {
+                tracing::warn!(error = %e, "periodic offset commit failed");
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Source for KafkaSource {
+    async fn poll(&mut self, max: usize) -> Result<Option<Vec<Delivery>>, SourceError> {
+        let max = max.max(1);
+        loop {
+            let next_due = {
+                let mut st = self.shared.lock();
+                if st.closed {
+                    return Ok(None);
+                }
+                if let Some(f) = &st.fatal {
+                    return Err(SourceError::Broker(f.clone()));
+                }
+                let batch = self.take_batch(&mut st, max);
+                if !batch.is_empty() {
+                    return Ok(Some(batch));
+                }
+                st.delayed.next_due()
+            };
+            // Nothing has left the shared state yet: dropping this future loses nothing.
+            let far = Instant::now() + Duration::from_secs(3600);
+            tokio::select! {
+                _ = self.shared.wake.notified() => {}
+                _ = tokio::time::sleep_until(next_due.unwrap_or(far)) => {}
+            }
+        }
+    }
+
+    async fn after_batch(&mut self) -> Result<(), SourceError> {
+        self.commit_now()
+    }
+
+    async fn close(&mut self) -> Result<(), SourceError> {
+        self.shared.stop.store(true, Ordering::Release);
+        let poller = self.poller.take();
+        let consumer = self.consumer.take();
+        let shared = self.shared.clone();
+        let result = tokio::task::spawn_blocking(move || {
+            if let Some(p) = poller {
+                let _ = p.join();
+            }
+            let Some(consumer) = consumer else {
+                return Ok(());
+            };
+            let committed = commit_ready(&consumer, &shared, CommitMode::Sync);
+            consumer.unsubscribe();
+            // Dropping the last handle closes the consumer: it leaves the group, running
+            // the revoke callback (which commits anything settled meanwhile).
+            drop(consumer);
+            committed
+        })
+        .await
+        .map_err(|e| SourceError::Broker(format!("closing the consumer panicked: {e}")))?;
+        let mut st = self.shared.lock();
+        st.closed = true;
+        st.parts.clear();
+        drop(st);
+        self.shared.wake.notify_one();
+        result
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        Capabilities {
+            delayed_redelivery: false,
+            min_redelivery_delay: Duration::ZERO,
+            dead_letter: true,
+            ordered: true,
+            transactional: false,
+        }
+    }
+}
+
+impl Drop for KafkaSource {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.shared.lock().closed = true;
+        let poller = self.poller.take();
+        let consumer = self.consumer.take();
+        if poller.is_some() || consumer.is_some() {
+            // Closing a consumer blocks (it leaves the group): never on an async worker.
+            let _ = std::thread::Builder::new()
+                .name("idemq-kafka-close".into())
+                .spawn(move || {
+                    if let Some(p) = poller {
+                        let _ = p.join();
+                    }
+                    drop(consumer);
+                });
+        }
+    }
+}
+
+/// The settlement handle of one Kafka delivery.
+struct KafkaSettle {
+    shared: Arc<Shared>,
+    dlq: Arc<DeadLetter>,
+    record: Option<Record>,
+}
+
+impl KafkaSettle {
+    fn current(&self, st: &State) -> Option<&Record> {
+        self.record
+            .as_ref()
+            .filter(|r| !st.closed && st.tracker.is_current(&r.part, r.epoch))
+    }
+
+    fn settle_done(&mut self) {
+        if let Some(r) = self.record.take() {
+            let mut st = self.shared.lock();
+            st.tracker.settled(&r.part, r.epoch, r.offset);
+        }
+    }
+
+    fn hold(&mut self, delay: Duration) {
+        let Some(mut r) = self.record.take() else {
+            return;
+        };
+        let mut st = self.shared.lock();
+        if self.current_of(&st, &r) {
+            r.envelope.delivery_count = Some(r.envelope.delivery_count.unwrap_or(1) + 1);
+            r.envelope.redelivered = true;
+            let lane = r.part.clone();
+            st.delayed.push(lane, r, Instant::now() + delay);
+            drop(st);
+            self.shared.wake.notify_one();
+        }
+    }
+
+    fn current_of(&self, st: &State, r: &Record) -> bool {
+        !st.closed && st.tracker.is_current(&r.part, r.epoch)
+    }
+}
+
+#[async_trait]
+impl Settle for KafkaSettle {
+    async fn ack(&mut self) -> Result<(), SourceError> {
+        self.settle_done();
+        Ok(())
+    }
+
+    async fn nack(&mut self, redeliver_after: Duration) -> Result<(), SourceError> {
+        self.hold(redeliver_after);
+        Ok(())
+    }
+
+    async fn reject(&mut self, reason: &str) -> Result<(), SourceError> {
+        let env = {
+            let st = self.shared.lock();
+            match self.current(&st) {
+                Some(r) => r.envelope.clone(),
+                // Stale: another consumer owns the partition now and will see the record.
+                None => return Ok(()),
+            }
+        };
+        let topic = self.dlq.cfg.dead_letter_topic_for(&env.source.name);
+        let mut headers = Headers::new();
+        for (n, v) in env.headers.iter() {
+            if !n.starts_with(props::PREFIX) {
+                headers.insert(n, v.clone());
+            }
+        }
+        headers.insert(DLQ_REASON, reason.to_string());
+        headers.insert(DLQ_TOPIC, env.source.name.clone());
+        let partition = env.source.partition.unwrap_or(-1);
+        headers.insert(DLQ_PARTITION, partition.to_string());
+        if let Some(idemq_core::envelope::Position::Offset(o)) = env.source.position {
+            headers.insert(DLQ_OFFSET, o.to_string());
+        }
+        produce(
+            &self.dlq.producer,
+            &topic,
+            env.key.as_deref(),
+            None,
+            &headers,
+            &env.payload,
+            self.dlq.cfg.dead_letter_timeout,
+        )
+        .await
+        .map_err(|e| SourceError::Broker(format!("dead-letter produce to {topic} failed: {e}")))?;
+        self.settle_done();
+        Ok(())
+    }
+
+    fn abandon(&mut self) {
+        self.hold(Duration::ZERO);
+    }
+
+    fn is_stale(&self) -> bool {
+        let st = self.shared.lock();
+        self.current(&st).is_none()
+    }
+}

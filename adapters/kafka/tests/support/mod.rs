@@ -1,0 +1,123 @@
+//! Shared fixtures for the Kafka tests: the broker address, fresh topics, consumers, and a
+//! dead-letter reader. Every test gets its own topics and consumer groups, so tests run in
+//! parallel against one broker.
+#![allow(dead_code)]
+
+use idemq_core::envelope::Envelope;
+use idemq_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use idemq_kafka::rdkafka::client::DefaultClientContext;
+use idemq_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
+use idemq_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
+use idemq_kafka::{KafkaProducerConfig, KafkaPublisher, KafkaSource, KafkaSourceConfig};
+use std::time::Duration;
+
+/// The test broker, or `None` to skip; panics when `IDEMQ_REQUIRE_SERVERS=1` demands one.
+pub fn brokers() -> Option<String> {
+    match std::env::var("IDEMQ_TEST_KAFKA_BROKERS") {
+        Ok(b) if !b.is_empty() => Some(b),
+        _ if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") => {
+            panic!("IDEMQ_REQUIRE_SERVERS=1 but IDEMQ_TEST_KAFKA_BROKERS is not set")
+        }
+        _ => {
+            eprintln!("skipped: IDEMQ_TEST_KAFKA_BROKERS is not set");
+            None
+        }
+    }
+}
+
+/// A name no other test run uses.
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}-{:08x}", rand_u32())
+}
+
+fn rand_u32() -> u32 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default(),
+    );
+    h.finish() as u32
+}
+
+/// Creates `topic` with `partitions` partitions (replication 1) and waits for it.
+pub async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("admin client");
+    let t = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
+    let res = admin
+        .create_topics([&t], &opts)
+        .await
+        .expect("create_topics");
+    for r in res {
+        if let Err((name, code)) = r {
+            if code != idemq_kafka::rdkafka::types::RDKafkaErrorCode::TopicAlreadyExists {
+                panic!("create topic {name}: {code}");
+            }
+        }
+    }
+}
+
+/// An idempotent publisher.
+pub fn publisher(brokers: &str) -> KafkaPublisher {
+    KafkaPublisher::new(&KafkaProducerConfig::idempotent(brokers)).expect("publisher")
+}
+
+/// Source settings tuned for tests: fast group joins and commits.
+pub fn source_config(brokers: &str, group: &str, topic: &str) -> KafkaSourceConfig {
+    let mut c = KafkaSourceConfig::new(brokers, group, &[topic])
+        .cluster("test")
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500")
+        .set("topic.metadata.refresh.interval.ms", "1000");
+    c.commit_interval = Duration::from_millis(500);
+    c
+}
+
+/// A subscribed source.
+pub fn subscribe(brokers: &str, group: &str, topic: &str) -> KafkaSource {
+    KafkaSource::new(source_config(brokers, group, topic)).expect("source")
+}
+
+/// Every record of `topic` (all partitions) as envelopes, read from the beginning until
+/// `quiet` passes without a new one.
+pub async fn read_all(brokers: &str, topic: &str, quiet: Duration) -> Vec<Envelope> {
+    let brokers = brokers.to_string();
+    let topic = topic.to_string();
+    tokio::task::spawn_blocking(move || {
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .set("group.id", unique("reader"))
+            .set("enable.auto.commit", "false")
+            .set("isolation.level", "read_committed")
+            .create()
+            .expect("reader");
+        let md = c
+            .fetch_metadata(Some(&topic), Duration::from_secs(10))
+            .expect("metadata");
+        let mut tpl = TopicPartitionList::new();
+        for t in md.topics().iter().filter(|t| t.name() == topic) {
+            for p in t.partitions() {
+                tpl.add_partition_offset(&topic, p.id(), Offset::Beginning)
+                    .expect("tpl");
+            }
+        }
+        c.assign(&tpl).expect("assign");
+        let mut out = Vec::new();
+        let mut last = std::time::Instant::now();
+        while last.elapsed() < quiet {
+            if let Some(Ok(m)) = c.poll(Duration::from_millis(100)) {
+                out.push(idemq_kafka::to_envelope(&m, None));
+                last = std::time::Instant::now();
+            }
+        }
+        out
+    })
+    .await
+    .expect("reader thread")
+}
