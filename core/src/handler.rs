@@ -28,31 +28,82 @@ pub type HandlerResult = Result<Option<Bytes>, HandlerError>;
 ///
 /// ```
 /// use idemq_core::handler::LeaseWatch;
-/// let (lost, watch) = LeaseWatch::pair();
+/// let (loss, watch) = LeaseWatch::pair();
 /// assert!(!watch.is_lost());
-/// lost.send_replace(true);
+/// loss.mark_lost();
 /// assert!(watch.is_lost());
 /// ```
 #[derive(Debug, Clone)]
 pub struct LeaseWatch {
-    rx: tokio::sync::watch::Receiver<bool>,
+    flags: std::sync::Arc<LeaseFlags>,
+    index: usize,
+}
+
+/// The lost flags of a batch's leases, and the wake-up for watchers.
+#[derive(Debug)]
+pub(crate) struct LeaseFlags {
+    lost: Vec<std::sync::atomic::AtomicBool>,
+    notify: tokio::sync::Notify,
+}
+
+impl LeaseFlags {
+    pub(crate) fn new(n: usize) -> std::sync::Arc<Self> {
+        std::sync::Arc::new(Self {
+            lost: (0..n).map(|_| Default::default()).collect(),
+            notify: tokio::sync::Notify::new(),
+        })
+    }
+    pub(crate) fn is_lost(&self, index: usize) -> bool {
+        self.lost
+            .get(index)
+            .is_some_and(|f| f.load(std::sync::atomic::Ordering::Acquire))
+    }
+    pub(crate) fn mark_lost(&self, index: usize) {
+        if let Some(f) = self.lost.get(index) {
+            f.store(true, std::sync::atomic::Ordering::Release);
+            self.notify.notify_waiters();
+        }
+    }
+    pub(crate) fn watch(self: &std::sync::Arc<Self>, index: usize) -> LeaseWatch {
+        LeaseWatch {
+            flags: self.clone(),
+            index,
+        }
+    }
+}
+
+/// Marks a [`LeaseWatch`] made by [`LeaseWatch::pair`] lost.
+#[derive(Debug, Clone)]
+pub struct LeaseLoss(LeaseWatch);
+
+impl LeaseLoss {
+    /// The lease is lost from now on.
+    pub fn mark_lost(&self) {
+        self.0.flags.mark_lost(self.0.index);
+    }
 }
 
 impl LeaseWatch {
-    /// A watch and the sender that marks it lost (for engines and tests).
-    pub fn pair() -> (tokio::sync::watch::Sender<bool>, Self) {
-        let (tx, rx) = tokio::sync::watch::channel(false);
-        (tx, Self { rx })
+    /// A watch and the handle that marks it lost (for tests of handlers).
+    pub fn pair() -> (LeaseLoss, Self) {
+        let w = LeaseFlags::new(1).watch(0);
+        (LeaseLoss(w.clone()), w)
     }
     /// True once the lease is lost.
     pub fn is_lost(&self) -> bool {
-        *self.rx.borrow()
+        self.flags.is_lost(self.index)
     }
     /// Resolves when the lease is lost; never, if it is kept until the batch ends.
     pub async fn lost(&self) {
-        let mut rx = self.rx.clone();
-        if rx.wait_for(|l| *l).await.is_err() {
-            std::future::pending::<()>().await;
+        loop {
+            let notified = self.flags.notify.notified();
+            tokio::pin!(notified);
+            // Registered before the check, so a loss between the two is not missed.
+            notified.as_mut().enable();
+            if self.is_lost() {
+                return;
+            }
+            notified.await;
         }
     }
 }

@@ -21,9 +21,9 @@ pub mod memory;
 pub mod metrics;
 pub mod publish;
 pub mod source;
-pub mod store;
 #[cfg(feature = "testkit")]
 pub mod source_kit;
+pub mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 

@@ -146,7 +146,10 @@ pub async fn acked_message_is_not_redelivered_after_restart(h: &dyn SourceHarnes
     let mut again = f.subscribe().await;
     let late = collect(&mut *again, 1, f.quiet()).await;
     let late: Vec<String> = late.iter().map(kit_key).collect();
-    assert!(late.is_empty(), "acked messages came back after a restart: {late:?}");
+    assert!(
+        late.is_empty(),
+        "acked messages came back after a restart: {late:?}"
+    );
     again.close().await.expect("close");
 }
 
@@ -166,7 +169,11 @@ pub async fn nacked_message_comes_back_after_its_delay(h: &dyn SourceHarness) {
     src.after_batch().await.expect("after_batch");
     let back = collect(&mut *src, 1, f.patience() + delay).await;
     let waited = nacked_at.elapsed();
-    assert_eq!(back.iter().map(kit_key).collect::<Vec<_>>(), vec![k], "the nacked message must come back");
+    assert_eq!(
+        back.iter().map(kit_key).collect::<Vec<_>>(),
+        vec![k],
+        "the nacked message must come back"
+    );
     // A little slack for clock granularity, none for an early redelivery.
     assert!(
         waited + Duration::from_millis(20) >= delay,
@@ -192,7 +199,11 @@ pub async fn rejected_message_reaches_the_dead_letter_with_its_reason(h: &dyn So
     let deadline = Instant::now() + f.patience();
     let dead = loop {
         let dead = f.dead_letters().await;
-        if dead.iter().any(|(e, _)| e.headers.get_str(crate::publish::DEDUP_HEADER) == Some(k.as_str())) || Instant::now() > deadline {
+        if dead
+            .iter()
+            .any(|(e, _)| e.headers.get_str(crate::publish::DEDUP_HEADER) == Some(k.as_str()))
+            || Instant::now() > deadline
+        {
             break dead;
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -201,7 +212,10 @@ pub async fn rejected_message_reaches_the_dead_letter_with_its_reason(h: &dyn So
         .iter()
         .find(|(e, _)| e.headers.get_str(crate::publish::DEDUP_HEADER) == Some(k.as_str()))
         .unwrap_or_else(|| panic!("{k} not in the dead letters: {dead:?}"));
-    assert!(why.contains(&reason), "dead-letter reason {why:?} must carry {reason:?}");
+    assert!(
+        why.contains(&reason),
+        "dead-letter reason {why:?} must carry {reason:?}"
+    );
     let again = collect(&mut *src, 1, f.quiet()).await;
     assert!(again.is_empty(), "a rejected message was redelivered");
     src.close().await.expect("close");
@@ -219,17 +233,28 @@ pub async fn dropped_deliveries_and_sources_are_redelivered(h: &dyn SourceHarnes
     assert_eq!(got.len(), 1, "the published message must arrive");
     drop(got);
     let back = collect(&mut *src, 1, f.patience()).await;
-    assert_eq!(back.iter().map(kit_key).collect::<Vec<_>>(), vec![a.clone()], "a dropped delivery must be redelivered");
+    assert_eq!(
+        back.iter().map(kit_key).collect::<Vec<_>>(),
+        vec![a.clone()],
+        "a dropped delivery must be redelivered"
+    );
     ack_all(&mut *src, back).await;
 
     publish_keys(&*f, std::slice::from_ref(&b)).await;
     let held = collect(&mut *src, 1, f.patience()).await;
-    assert_eq!(held.iter().map(kit_key).collect::<Vec<_>>(), vec![b.clone()]);
+    assert_eq!(
+        held.iter().map(kit_key).collect::<Vec<_>>(),
+        vec![b.clone()]
+    );
     drop(src); // a crash: no close, nothing settled
     drop(held);
     let mut next = f.subscribe().await;
     let back = collect(&mut *next, 1, f.patience()).await;
-    assert_eq!(back.iter().map(kit_key).collect::<Vec<_>>(), vec![b], "a dropped source's unsettled message must be redelivered");
+    assert_eq!(
+        back.iter().map(kit_key).collect::<Vec<_>>(),
+        vec![b],
+        "a dropped source's unsettled message must be redelivered"
+    );
     ack_all(&mut *next, back).await;
     next.close().await.expect("close");
 }
@@ -246,7 +271,9 @@ pub async fn cancelled_polls_lose_nothing(h: &dyn SourceHarness) {
         let dest = f.destination();
         tokio::spawn(async move {
             for k in keys {
-                let m = OutgoingMessage::new(dest.clone(), "{}").with_key("kit-entity").with_dedup_key(k);
+                let m = OutgoingMessage::new(dest.clone(), "{}")
+                    .with_key("kit-entity")
+                    .with_dedup_key(k);
                 pubr.publish(m).await.expect("publish");
                 tokio::time::sleep(Duration::from_millis(5)).await;
             }
@@ -258,7 +285,11 @@ pub async fn cancelled_polls_lose_nothing(h: &dyn SourceHarness) {
     while seen.len() < keys.len() && Instant::now() < deadline {
         round += 1;
         // Every other poll is cut off almost at once, mid-wait.
-        let limit = if round % 2 == 0 { Duration::from_micros(200) } else { Duration::from_millis(300) };
+        let limit = if round % 2 == 0 {
+            Duration::from_micros(200)
+        } else {
+            Duration::from_millis(300)
+        };
         match tokio::time::timeout(limit, src.poll(7)).await {
             Ok(Ok(Some(batch))) => {
                 for d in batch {
@@ -274,7 +305,10 @@ pub async fn cancelled_polls_lose_nothing(h: &dyn SourceHarness) {
     }
     publisher.await.expect("publisher task");
     let missing: Vec<&String> = keys.iter().filter(|k| !seen.contains(*k)).collect();
-    assert!(missing.is_empty(), "cancelled polls lost messages: {missing:?}");
+    assert!(
+        missing.is_empty(),
+        "cancelled polls lost messages: {missing:?}"
+    );
     src.close().await.expect("close");
 }
 
@@ -306,8 +340,14 @@ pub async fn out_of_order_acks_commit_only_the_contiguous_prefix(h: &dyn SourceH
         ack_all(&mut *next, ds).await;
         keys
     };
-    assert!(back.contains(&keys[1]), "the unsettled middle message must come back: {back:?}");
-    assert!(!back.contains(&keys[0]), "the acked first message came back (committed past nothing): {back:?}");
+    assert!(
+        back.contains(&keys[1]),
+        "the unsettled middle message must come back: {back:?}"
+    );
+    assert!(
+        !back.contains(&keys[0]),
+        "the acked first message came back (committed past nothing): {back:?}"
+    );
     next.close().await.expect("close");
 }
 
@@ -322,11 +362,18 @@ pub async fn a_stale_settle_is_harmless(h: &dyn SourceHarness) {
     let d = got.pop().expect("the published message must arrive");
     src.close().await.expect("close");
     drop(src);
-    assert!(d.is_stale(), "a delivery of a closed source must report stale");
+    assert!(
+        d.is_stale(),
+        "a delivery of a closed source must report stale"
+    );
     let _ = d.ack().await; // must not ack anything
     let mut next = f.subscribe().await;
     let back = collect(&mut *next, 1, f.patience()).await;
-    assert_eq!(back.iter().map(kit_key).collect::<Vec<_>>(), vec![k], "a stale ack must not settle the message");
+    assert_eq!(
+        back.iter().map(kit_key).collect::<Vec<_>>(),
+        vec![k],
+        "a stale ack must not settle the message"
+    );
     ack_all(&mut *next, back).await;
     next.close().await.expect("close");
 }
@@ -344,8 +391,15 @@ pub async fn the_dedup_header_survives_a_round_trip(h: &dyn SourceHarness) {
     let got = collect(&mut *src, 1, f.patience()).await;
     let d = got.first().expect("the published message must arrive");
     let keys = KeyStrategy::dedup_header("kit").expect("group");
-    assert_eq!(keys.derive(&d.envelope).expect("dedup key").as_str(), format!("kit:{k}"));
-    assert_eq!(d.envelope.headers.get_str("x-trace"), Some("t-1"), "user headers must survive");
+    assert_eq!(
+        keys.derive(&d.envelope).expect("dedup key").as_str(),
+        format!("kit:{k}")
+    );
+    assert_eq!(
+        d.envelope.headers.get_str("x-trace"),
+        Some("t-1"),
+        "user headers must survive"
+    );
     assert_eq!(&d.envelope.payload[..], br#"{"order":42}"#);
     ack_all(&mut *src, got).await;
     src.close().await.expect("close");
@@ -395,7 +449,12 @@ pub async fn ordered_consumption_keeps_order_across_a_nack(h: &dyn SourceHarness
             let seen = seen.clone();
             let poison = poison.clone();
             async move {
-                let k = m.envelope.headers.get_str(crate::publish::DEDUP_HEADER).unwrap_or("").to_string();
+                let k = m
+                    .envelope
+                    .headers
+                    .get_str(crate::publish::DEDUP_HEADER)
+                    .unwrap_or("")
+                    .to_string();
                 if k == poison && m.attempt == 1 {
                     return Err(HandlerError::retryable("kit: first attempt fails"));
                 }
@@ -416,7 +475,10 @@ pub async fn ordered_consumption_keeps_order_across_a_nack(h: &dyn SourceHarness
     })
     .await;
     let applied = applied.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    assert_eq!(applied, keys, "messages of one partition must apply in order across a nack");
+    assert_eq!(
+        applied, keys,
+        "messages of one partition must apply in order across a nack"
+    );
 }
 
 /// A storm of producer duplicates through the engine, with consumer crashes (mid-handler
@@ -447,8 +509,17 @@ pub async fn a_duplicate_storm_with_crashes_is_exactly_once(h: &dyn SourceHarnes
                         // The process is going down: never reaches its effect.
                         std::future::pending::<()>().await;
                     }
-                    let k = m.envelope.headers.get_str(crate::publish::DEDUP_HEADER).unwrap_or("").to_string();
-                    *effects.lock().unwrap_or_else(|e| e.into_inner()).entry(k).or_default() += 1;
+                    let k = m
+                        .envelope
+                        .headers
+                        .get_str(crate::publish::DEDUP_HEADER)
+                        .unwrap_or("")
+                        .to_string();
+                    *effects
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .entry(k)
+                        .or_default() += 1;
                     Ok(None)
                 }
             },

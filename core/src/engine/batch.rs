@@ -34,6 +34,8 @@ enum Lane {
 
 /// One primary delivery of a key and the in-batch copies that wait on it.
 struct Item {
+    /// Position in the batch's item list (its lease slot).
+    index: usize,
     delivery: Delivery,
     key: DedupKey,
     hash: Option<PayloadHash>,
@@ -89,7 +91,28 @@ impl<H: Handler> IdempotentConsumer<H> {
     /// was unavailable (the affected deliveries were nacked).
     pub async fn process_batch(&self, batch: Vec<Delivery>) -> bool {
         let span = tracing::debug_span!("idemq.batch", size = batch.len(), group = %self.keys.group().as_str());
-        self.run_stages(batch).instrument(span).await
+        let store_down = self.run_stages(batch).instrument(span).await;
+        self.flush_metrics();
+        store_down
+    }
+
+    /// Reports the batch's outcome counts to `metrics`, one call per label set.
+    fn flush_metrics(&self) {
+        const BROKERS: [crate::envelope::BrokerKind; 4] = [
+            crate::envelope::BrokerKind::Kafka,
+            crate::envelope::BrokerKind::RabbitMq,
+            crate::envelope::BrokerKind::RocketMq,
+            crate::envelope::BrokerKind::Memory,
+        ];
+        for broker in BROKERS {
+            let row = &self.counters.unflushed[super::broker_index(broker)];
+            for (i, outcome) in Outcome::ALL.iter().enumerate() {
+                let n = row[i].swap(0, Ordering::Relaxed);
+                if n > 0 {
+                    metrics::counter!(m::MESSAGES, "outcome" => outcome.label, "broker" => broker.as_str(), "group" => self.keys.group().as_str().to_string()).increment(n);
+                }
+            }
+        }
     }
 
     async fn run_stages(&self, batch: Vec<Delivery>) -> bool {
@@ -111,7 +134,16 @@ impl<H: Handler> IdempotentConsumer<H> {
         // Leases of this batch live from the claim until their completion is durable (or
         // they are given back): one heartbeat keeps all of them, including handlers still
         // waiting for a concurrency slot and finished ones waiting for the batch.
-        let live = Arc::new(LiveLeases::default());
+        let live = Arc::new(LiveLeases::new(
+            items
+                .iter()
+                .zip(&outcomes)
+                .map(|(it, o)| match o {
+                    Ok(ClaimOutcome::Acquired(l)) => Some((it.key.clone(), l.token, l.until_ms)),
+                    _ => None,
+                })
+                .collect(),
+        ));
         let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
             self.store.clone(),
             live.clone(),
@@ -161,6 +193,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                     index.insert(key.clone(), items.len());
                     let lane = self.lane_of(&d);
                     items.push(Item {
+                        index: items.len(),
                         delivery: d,
                         key,
                         hash,
@@ -264,6 +297,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                 Err(e) => self.store_refused(item, &e).await,
                 Ok(ClaimOutcome::Acquired(lease)) => {
                     if let Some(delay) = held_for {
+                        live.remove(index);
                         self.release(&item.key, lease.token).await;
                         self.settle_item(item, Settlement::Nack(delay), Outcome::DEFERRED)
                             .await;
@@ -273,6 +307,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                         // The claim sat blocked (a row lock, a slow store) until most of its
                         // lease was gone: another worker could take it over mid-handler.
                         tracing::warn!(key = %item.key, "claim answered with less than half its lease left; releasing and redelivering");
+                        live.remove(index);
                         self.release(&item.key, lease.token).await;
                         let d = self.cfg.store_backoff;
                         self.settle_item(item, Settlement::Nack(d), Outcome::STORE_DOWN)
@@ -282,6 +317,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                         // The source can no longer settle it (partition revoked): its new
                         // owner will run it.
                         tracing::info!(key = %item.key, "delivery went stale before its handler ran; giving the claim back");
+                        live.remove(index);
                         self.release(&item.key, lease.token).await;
                         let d = self.cfg.redelivery_delay;
                         self.settle_item(item, Settlement::Nack(d), Outcome::STALE)
@@ -294,7 +330,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                                 .increment(1);
                             tracing::info!(key = %item.key, attempt = lease.attempt, "took over an expired lease");
                         }
-                        let watch = live.insert(item.key.clone(), lease.token, lease.until_ms);
+                        let watch = live.watch(index);
                         let msg = ClaimedMessage::new(
                             item.delivery.envelope.clone(),
                             item.key.clone(),
@@ -377,33 +413,39 @@ impl<H: Handler> IdempotentConsumer<H> {
 
 impl<H: Handler> IdempotentConsumer<H> {
     /// Runs each lane's jobs one after another (an unordered message is a lane of its own),
-    /// lanes concurrently, at most `max_concurrency` handlers at a time. A job whose lane had
-    /// a message sent back is not run.
+    /// on at most `max_concurrency` workers that take lanes from one queue. A job whose lane
+    /// had a message sent back is not run.
     async fn run_lanes(&self, lanes: Vec<Vec<Job>>) -> Vec<(usize, Verdict)> {
-        let semaphore = Arc::new(tokio::sync::Semaphore::new(self.cfg.max_concurrency));
+        let workers = self.cfg.max_concurrency.min(lanes.len());
+        let queue = Arc::new(std::sync::Mutex::new(lanes));
         let mut running = tokio::task::JoinSet::new();
-        for jobs in lanes {
+        for _ in 0..workers {
             let handler = self.handler.clone();
-            let sem = semaphore.clone();
+            let queue = queue.clone();
             let limit = self.cfg.handler_timeout;
             let retry = self.cfg.retry;
             let max_result = self.cfg.max_result_bytes;
             running.spawn(async move {
-                let mut out = Vec::with_capacity(jobs.len());
-                let mut hold: Option<Duration> = None;
-                for Job { index, msg } in jobs {
-                    if let Some(d) = hold {
-                        out.push((index, Verdict::NotRun(d)));
-                        continue;
+                let mut out = Vec::new();
+                loop {
+                    // Lanes are taken from the back; their order across lanes is free.
+                    let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop();
+                    let Some(jobs) = next else { break };
+                    let mut hold: Option<Duration> = None;
+                    for Job { index, msg } in jobs {
+                        if let Some(d) = hold {
+                            out.push((index, Verdict::NotRun(d)));
+                            continue;
+                        }
+                        let attempt = msg.attempt;
+                        let span = tracing::info_span!("idemq.handle", broker = %msg.envelope.broker, source = %msg.envelope.source.name, key = %msg.key, attempt);
+                        let res = run_handler(&*handler, msg, limit).instrument(span).await;
+                        let v = verdict(res, attempt, &retry, max_result);
+                        if let Verdict::Failed(Settlement::Nack(d), _) = &v {
+                            hold = Some(*d);
+                        }
+                        out.push((index, v));
                     }
-                    let attempt = msg.attempt;
-                    let span = tracing::info_span!("idemq.handle", broker = %msg.envelope.broker, source = %msg.envelope.source.name, key = %msg.key, attempt);
-                    let res = run_handler(&*handler, msg, &sem, limit).instrument(span).await;
-                    let v = verdict(res, attempt, &retry, max_result);
-                    if let Verdict::Failed(Settlement::Nack(d), _) = &v {
-                        hold = Some(*d);
-                    }
-                    out.push((index, v));
                 }
                 out
             });
@@ -443,7 +485,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                     self.give_back(live, item, lease.token, how).await;
                 }
                 Verdict::NotRun(delay) => {
-                    live.remove(&item.key);
+                    live.remove(item.index);
                     self.release(&item.key, lease.token).await;
                     self.settle_item(item, Settlement::Nack(delay), Outcome::DEFERRED)
                         .await;
@@ -680,7 +722,7 @@ impl<H: Handler> IdempotentConsumer<H> {
 
     /// A failed message: stop heartbeating its key, release it, and reject or nack.
     async fn give_back(&self, live: &LiveLeases, item: Item, token: FencingToken, how: Settlement) {
-        live.remove(&item.key);
+        live.remove(item.index);
         self.release(&item.key, token).await;
         match how {
             Settlement::Reject(reason) => self.dead_letter(item, reason).await,
@@ -706,7 +748,8 @@ impl<H: Handler> IdempotentConsumer<H> {
 
     fn count(&self, outcome: &Outcome, d: &Delivery, n: u64) {
         (outcome.counter)(&self.counters).fetch_add(n, Ordering::Relaxed);
-        metrics::counter!(m::MESSAGES, "outcome" => outcome.label, "broker" => d.envelope.broker.as_str(), "group" => self.keys.group().as_str().to_string()).increment(n);
+        self.counters.unflushed[super::broker_index(d.envelope.broker)][outcome.index]
+            .fetch_add(n, Ordering::Relaxed);
     }
 
     /// Settles a message and its in-batch copies the same way.
@@ -741,60 +784,82 @@ impl<H: Handler> IdempotentConsumer<H> {
 /// Which counter and metric label an outcome feeds.
 struct Outcome {
     label: &'static str,
+    /// Its place in [`Outcome::ALL`].
+    index: usize,
     counter: fn(&super::Counters) -> &AtomicU64,
 }
 
 impl Outcome {
+    const ALL: [Outcome; super::OUTCOME_KINDS] = [
+        Self::PROCESSED,
+        Self::DUPLICATE,
+        Self::IN_FLIGHT,
+        Self::RETRIED,
+        Self::REJECTED,
+        Self::FENCED,
+        Self::STORE_DOWN,
+        Self::STORE_ERROR,
+        Self::DEFERRED,
+        Self::STALE,
+    ];
     const PROCESSED: Outcome = Outcome {
+        index: 0,
         label: m::outcome::PROCESSED,
         counter: |c| &c.processed,
     };
     const DUPLICATE: Outcome = Outcome {
+        index: 1,
         label: m::outcome::DUPLICATE,
         counter: |c| &c.duplicates,
     };
     const IN_FLIGHT: Outcome = Outcome {
+        index: 2,
         label: m::outcome::IN_FLIGHT,
         counter: |c| &c.in_flight,
     };
     const RETRIED: Outcome = Outcome {
+        index: 3,
         label: m::outcome::RETRIED,
         counter: |c| &c.retried,
     };
     const REJECTED: Outcome = Outcome {
+        index: 4,
         label: m::outcome::REJECTED,
         counter: |c| &c.rejected,
     };
     const FENCED: Outcome = Outcome {
+        index: 5,
         label: m::outcome::FENCED,
         counter: |c| &c.fenced,
     };
     const STORE_DOWN: Outcome = Outcome {
+        index: 6,
         label: m::outcome::STORE_UNAVAILABLE,
         counter: |c| &c.store_unavailable,
     };
     const STORE_ERROR: Outcome = Outcome {
+        index: 7,
         label: m::outcome::STORE_ERROR,
         counter: |c| &c.store_unavailable,
     };
     const DEFERRED: Outcome = Outcome {
+        index: 8,
         label: m::outcome::DEFERRED,
         counter: |c| &c.deferred,
     };
     const STALE: Outcome = Outcome {
+        index: 9,
         label: m::outcome::STALE,
         counter: |c| &c.stale,
     };
 }
 
-/// Runs one handler under the concurrency limit, its timeout and its lease.
+/// Runs one handler under its timeout and its lease.
 async fn run_handler<H: Handler>(
     handler: &H,
     msg: ClaimedMessage,
-    sem: &tokio::sync::Semaphore,
     limit: Option<Duration>,
 ) -> Result<HandlerResult, HandlerFailure> {
-    let _permit = sem.acquire().await;
     let lease: LeaseWatch = msg.lease.clone();
     let work = AssertUnwindSafe(handler.handle(msg)).catch_unwind();
     let bounded = async {

@@ -1,77 +1,66 @@
-//! The leases a batch holds, their heartbeat, and the lease watch handlers see.
+//! The leases a batch holds and their heartbeat.
 
-use crate::handler::LeaseWatch;
+use crate::handler::{LeaseFlags, LeaseWatch};
 use crate::key::DedupKey;
 use crate::metrics as m;
 use crate::store::{now_ms, DedupStore, ExtendOutcome, FencingToken};
-use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-struct Held {
+struct Slot {
+    key: DedupKey,
     token: FencingToken,
     /// End of the lease as last confirmed by the store.
-    until_ms: i64,
-    lost: tokio::sync::watch::Sender<bool>,
+    until_ms: AtomicI64,
+    /// Still ours to renew: cleared when the key is completed or given back.
+    held: AtomicBool,
 }
 
-/// The leases a batch holds, from the claim until their completion is durable or they are
-/// given back. One heartbeat renews all of them.
-#[derive(Default)]
-pub(crate) struct LiveLeases(std::sync::Mutex<HashMap<DedupKey, Held>>);
+/// The leases a batch holds, one slot per item of the batch (empty for items not acquired),
+/// from the claim until their completion is durable or they are given back. One heartbeat
+/// renews all of them; each handler watches its own slot's lost flag.
+pub(crate) struct LiveLeases {
+    slots: Vec<Option<Slot>>,
+    flags: Arc<LeaseFlags>,
+}
 
 impl LiveLeases {
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<DedupKey, Held>> {
-        // The map holds plain data: a panic elsewhere leaves it usable.
-        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    /// Slots for a batch: `Some((key, token, until))` for each acquired item, by index.
+    pub(crate) fn new(acquired: Vec<Option<(DedupKey, FencingToken, i64)>>) -> Self {
+        let flags = LeaseFlags::new(acquired.len());
+        let slots = acquired
+            .into_iter()
+            .map(|a| {
+                a.map(|(key, token, until)| Slot {
+                    key,
+                    token,
+                    until_ms: AtomicI64::new(until),
+                    held: AtomicBool::new(true),
+                })
+            })
+            .collect();
+        Self { slots, flags }
     }
 
-    /// Starts tracking a lease; the returned watch flips when it is lost.
-    pub(crate) fn insert(&self, key: DedupKey, token: FencingToken, until_ms: i64) -> LeaseWatch {
-        let (lost, watch) = LeaseWatch::pair();
-        self.map().insert(
-            key,
-            Held {
-                token,
-                until_ms,
-                lost,
-            },
-        );
-        watch
+    /// The watch a handler of item `index` sees.
+    pub(crate) fn watch(&self, index: usize) -> LeaseWatch {
+        self.flags.watch(index)
     }
 
-    pub(crate) fn remove(&self, key: &DedupKey) {
-        self.map().remove(key);
-    }
-
-    fn owned(&self) -> Vec<(DedupKey, FencingToken)> {
-        self.map()
-            .iter()
-            .filter(|(_, h)| !*h.lost.borrow())
-            .map(|(k, h)| (k.clone(), h.token))
-            .collect()
-    }
-
-    fn extended(&self, key: &DedupKey, until_ms: i64) {
-        if let Some(h) = self.map().get_mut(key) {
-            h.until_ms = until_ms;
+    /// Item `index` no longer needs its lease renewed.
+    pub(crate) fn remove(&self, index: usize) {
+        if let Some(Some(s)) = self.slots.get(index) {
+            s.held.store(false, Ordering::Relaxed);
         }
     }
 
-    fn mark_lost(&self, key: &DedupKey) {
-        if let Some(h) = self.map().get(key) {
-            h.lost.send_replace(true);
-        }
-    }
-
-    /// Keys whose lease end has passed on this clock (heartbeats failed meanwhile): someone
-    /// else may hold them now.
-    fn expired(&self, now: i64, margin_ms: i64) -> Vec<DedupKey> {
-        self.map()
-            .iter()
-            .filter(|(_, h)| !*h.lost.borrow() && h.until_ms - margin_ms <= now)
-            .map(|(k, _)| k.clone())
-            .collect()
+    fn renewable(&self) -> impl Iterator<Item = (usize, &Slot)> {
+        self.slots.iter().enumerate().filter_map(|(i, s)| {
+            s.as_ref()
+                .filter(|s| s.held.load(Ordering::Relaxed) && !self.flags.is_lost(i))
+                .map(|s| (i, s))
+        })
     }
 }
 
@@ -100,12 +89,15 @@ pub(crate) async fn heartbeat(
     let margin_ms = crate::store::duration_ms(beat).min(crate::store::duration_ms(lease) / 2);
     loop {
         tick.tick().await;
-        for (key, token) in live.owned() {
-            match tokio::time::timeout(timeout, store.extend(&key, token, lease)).await {
-                Ok(Ok(ExtendOutcome::Extended { until_ms })) => live.extended(&key, until_ms),
+        for (i, slot) in live.renewable() {
+            let key = &slot.key;
+            match tokio::time::timeout(timeout, store.extend(key, slot.token, lease)).await {
+                Ok(Ok(ExtendOutcome::Extended { until_ms })) => {
+                    slot.until_ms.store(until_ms, Ordering::Relaxed)
+                }
                 Ok(Ok(ExtendOutcome::Fenced)) => {
                     tracing::warn!(%key, "lease lost (heartbeat fenced): another worker took the key over");
-                    live.mark_lost(&key);
+                    live.flags.mark_lost(i);
                 }
                 Ok(Err(e)) => {
                     metrics::counter!(m::STORE_ERRORS, "op" => "extend").increment(1);
@@ -117,9 +109,17 @@ pub(crate) async fn heartbeat(
                 }
             }
         }
-        for key in live.expired(now_ms(), margin_ms) {
-            tracing::warn!(%key, "lease ran out while heartbeats failed; treating it as lost");
-            live.mark_lost(&key);
+        let now = now_ms();
+        let expired: Vec<usize> = live
+            .renewable()
+            .filter(|(_, s)| s.until_ms.load(Ordering::Relaxed) - margin_ms <= now)
+            .map(|(i, _)| i)
+            .collect();
+        for i in expired {
+            if let Some(Some(s)) = live.slots.get(i) {
+                tracing::warn!(key = %s.key, "lease ran out while heartbeats failed; treating it as lost");
+            }
+            live.flags.mark_lost(i);
         }
     }
 }

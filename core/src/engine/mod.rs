@@ -53,6 +53,23 @@ pub(crate) struct Counters {
     pub(crate) deferred: AtomicU64,
     pub(crate) stale: AtomicU64,
     pub(crate) settle_failures: AtomicU64,
+    /// Per broker kind and outcome: counted but not yet reported to `metrics` (reported
+    /// once per batch, not once per message: a labelled metric costs allocations).
+    pub(crate) unflushed: [[AtomicU64; OUTCOME_KINDS]; 4],
+}
+
+/// How many outcome labels the engine counts.
+pub(crate) const OUTCOME_KINDS: usize = 10;
+
+/// Index of a broker kind in [`Counters::unflushed`].
+pub(crate) fn broker_index(b: crate::envelope::BrokerKind) -> usize {
+    use crate::envelope::BrokerKind::*;
+    match b {
+        Kafka => 0,
+        RabbitMq => 1,
+        RocketMq => 2,
+        Memory => 3,
+    }
 }
 
 /// A snapshot of an engine's counters (deliveries, not distinct messages).
