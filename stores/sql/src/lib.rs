@@ -41,6 +41,7 @@ mod backend;
 mod entity;
 mod ident;
 pub mod migrate;
+mod outbox;
 mod queries;
 mod store;
 
@@ -49,6 +50,11 @@ pub use backend::{map_sqlx_error, Dialect, SqlBackend};
 pub use backend::{ErrorClass, Kind, Row, Val};
 pub use entity::{EntityId, StateMachine, Transition, VersionOutcome, VersionedEntity};
 pub use ident::{is_valid_ident, ColumnName, Ident, TableName, DEFAULT_TABLE, MAX_IDENT_LEN};
+pub use outbox::{
+    Enqueued, Outbox, OutboxCounts, OutboxEntry, OutboxError, OutboxOptions, OutboxRelay,
+    OutboxStatus, RelayOptions, RelayReport, DEFAULT_OUTBOX_TABLE, MAX_OUTBOX_DEDUP_KEY_BYTES,
+    MAX_OUTBOX_TABLE_LEN,
+};
 pub use store::{KeyInsert, SqlStore, SqlStoreOptions, SqliteSynchronous, MAX_WORKER_BYTES};
 
 /// The SQLite store (feature `sqlite`).

@@ -43,6 +43,34 @@ const MYSQL: &[Migration] = &[Migration {
     sql: include_str!("../migrations/mysql/0001_dedup_table.sql"),
 }];
 
+const SQLITE_OUTBOX: &[Migration] = &[Migration {
+    version: 1,
+    name: "outbox/0001_outbox.sql",
+    sql: include_str!("../migrations/sqlite/outbox/0001_outbox.sql"),
+}];
+
+const POSTGRES_OUTBOX: &[Migration] = &[Migration {
+    version: 1,
+    name: "outbox/0001_outbox.sql",
+    sql: include_str!("../migrations/postgres/outbox/0001_outbox.sql"),
+}];
+
+const MYSQL_OUTBOX: &[Migration] = &[Migration {
+    version: 1,
+    name: "outbox/0001_outbox.sql",
+    sql: include_str!("../migrations/mysql/outbox/0001_outbox.sql"),
+}];
+
+/// The outbox-table migrations of a dialect, in order (`migrations/<backend>/outbox/`),
+/// tracked in [`SCHEMA_VERSION_TABLE`] under the outbox table's name.
+pub fn outbox_migrations(dialect: Dialect) -> &'static [Migration] {
+    match dialect {
+        Dialect::Sqlite => SQLITE_OUTBOX,
+        Dialect::Postgres => POSTGRES_OUTBOX,
+        Dialect::MySql => MYSQL_OUTBOX,
+    }
+}
+
 /// The migrations of a dialect, in order.
 pub fn migrations(dialect: Dialect) -> &'static [Migration] {
     match dialect {
@@ -82,6 +110,16 @@ pub(crate) async fn run<DB: SqlBackend>(
     table: &TableName,
     keys_table: &TableName,
 ) -> Result<i64, StoreError> {
+    run_set::<DB>(pool, migrations(DB::DIALECT), table, keys_table).await
+}
+
+/// Brings `table` up to date with the migration series `set`; returns its version.
+pub(crate) async fn run_set<DB: SqlBackend>(
+    pool: &Pool<DB>,
+    set: &'static [Migration],
+    table: &TableName,
+    keys_table: &TableName,
+) -> Result<i64, StoreError> {
     let err = |e| map_sqlx_error::<DB>("migration", e);
     match DB::DIALECT {
         Dialect::MySql => {
@@ -99,7 +137,7 @@ pub(crate) async fn run<DB: SqlBackend>(
                     "mysql migration: timed out waiting for the migration lock".into(),
                 ));
             }
-            let res = apply::<DB>(&mut conn, table, keys_table).await;
+            let res = apply::<DB>(&mut conn, set, table, keys_table).await;
             let unlock = DB::execute(
                 &mut conn,
                 "SELECT RELEASE_LOCK(?)",
@@ -126,7 +164,7 @@ pub(crate) async fn run<DB: SqlBackend>(
                 .await
                 .map_err(err)?;
             }
-            let version = apply::<DB>(&mut tx, table, keys_table).await?;
+            let version = apply::<DB>(&mut tx, set, table, keys_table).await?;
             tx.commit().await.map_err(err)?;
             Ok(version)
         }
@@ -135,6 +173,7 @@ pub(crate) async fn run<DB: SqlBackend>(
 
 async fn apply<DB: SqlBackend>(
     conn: &mut DB::Connection,
+    set: &'static [Migration],
     table: &TableName,
     keys_table: &TableName,
 ) -> Result<i64, StoreError> {
@@ -168,18 +207,18 @@ async fn apply<DB: SqlBackend>(
         None => None,
     };
     let from = current.unwrap_or(0);
-    let latest = latest_version(d);
+    let latest = set.last().map_or(0, |m| m.version);
     if from > latest {
         tracing::warn!(
             table = %table,
             schema_version = from,
             known = latest,
-            "dedup table schema is newer than this idemq build; continuing"
+            "table schema is newer than this idemq build; continuing"
         );
         return Ok(from);
     }
     let mut version = from;
-    for m in migrations(d).iter().filter(|m| m.version > from) {
+    for m in set.iter().filter(|m| m.version > from) {
         tracing::info!(table = %table, backend = d.name(), migration = m.name, "applying idemq migration");
         for stmt in render(m.sql, table, keys_table) {
             DB::execute(conn, &stmt, vec![])
@@ -257,6 +296,8 @@ mod tests {
     #[test]
     fn versions_increase() {
         for d in [Dialect::Sqlite, Dialect::Postgres, Dialect::MySql] {
+            let o: Vec<i64> = outbox_migrations(d).iter().map(|m| m.version).collect();
+            assert!(o.windows(2).all(|w| w[0] < w[1]), "{d:?} outbox: {o:?}");
             let v: Vec<i64> = migrations(d).iter().map(|m| m.version).collect();
             assert!(v.windows(2).all(|w| w[0] < w[1]), "{d:?}: {v:?}");
             assert_eq!(latest_version(d), *v.last().unwrap());
