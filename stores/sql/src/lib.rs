@@ -14,6 +14,8 @@
 //!   newer, or compare-and-set on an expected version; one row per entity.
 //! - **state machine** — [`StateMachine`]: `UPDATE … SET status = to WHERE id = ? AND
 //!   status IN (from…)`, answering applied / already there / illegal / not found.
+//! - **transactional outbox** — [`Outbox`] enqueues outgoing messages in the business
+//!   transaction; [`OutboxRelay`] publishes them through any `Publisher` with stable dedup keys.
 //!
 //! Table and column names are [`Ident`]s, validated before they reach SQL text.
 //!
