@@ -112,8 +112,8 @@ impl LeaseWatch {
 #[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct ClaimedMessage {
-    /// The delivery.
-    pub envelope: Envelope,
+    /// The delivery (shared, not copied: read it as `msg.envelope.payload`).
+    pub envelope: std::sync::Arc<Envelope>,
     /// Its dedup key.
     pub key: DedupKey,
     /// Proof of ownership: pass it to a store's in-transaction completion so the effect and
@@ -131,7 +131,7 @@ pub struct ClaimedMessage {
 impl ClaimedMessage {
     /// A claimed message (engines build these; tests of handlers too).
     pub fn new(
-        envelope: Envelope,
+        envelope: std::sync::Arc<Envelope>,
         key: DedupKey,
         token: FencingToken,
         attempt: u32,

@@ -285,7 +285,7 @@ pub async fn cancelled_polls_lose_nothing(h: &dyn SourceHarness) {
     while seen.len() < keys.len() && Instant::now() < deadline {
         round += 1;
         // Every other poll is cut off almost at once, mid-wait.
-        let limit = if round % 2 == 0 {
+        let limit = if round.is_multiple_of(2) {
             Duration::from_micros(200)
         } else {
             Duration::from_millis(300)

@@ -3,6 +3,7 @@
 use super::config::{DeliveryOrder, RetryPolicy, MIN_REDELIVERY_DELAY};
 use super::lease::{heartbeat, AbortOnDrop, LiveLeases};
 use super::IdempotentConsumer;
+use crate::envelope::Envelope;
 use crate::handler::{ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseWatch};
 use crate::key::DedupKey;
 use crate::metrics as m;
@@ -289,13 +290,15 @@ impl<H: Handler> IdempotentConsumer<H> {
         let mut held: HashMap<Lane, Duration> = HashMap::new();
         let mut lanes: Vec<Vec<Job>> = Vec::new();
         let mut lane_slot: HashMap<Lane, usize> = HashMap::new();
-        let mut acquired: HashMap<usize, (Item, Lease)> = HashMap::new();
+        let mut acquired: Vec<Option<(Item, Lease, Arc<Envelope>)>> = Vec::new();
+        acquired.resize_with(outcomes.len(), || None);
         for (index, (item, outcome)) in items.into_iter().zip(outcomes).enumerate() {
             let lane = item.lane.clone();
             let held_for = lane.as_ref().and_then(|l| held.get(l)).copied();
             let sent_back = match outcome {
                 Err(e) => self.store_refused(item, &e).await,
                 Ok(ClaimOutcome::Acquired(lease)) => {
+                    let mut item = item;
                     if let Some(delay) = held_for {
                         live.remove(index);
                         self.release(&item.key, lease.token).await;
@@ -331,8 +334,14 @@ impl<H: Handler> IdempotentConsumer<H> {
                             tracing::info!(key = %item.key, attempt = lease.attempt, "took over an expired lease");
                         }
                         let watch = live.watch(index);
+                        // Lent to the handler, not copied; taken back after it (see
+                        // `stage_dispatch`'s end).
+                        let placeholder =
+                            Envelope::new(item.delivery.envelope.broker, "", Bytes::new());
+                        let envelope =
+                            Arc::new(std::mem::replace(&mut item.delivery.envelope, placeholder));
                         let msg = ClaimedMessage::new(
-                            item.delivery.envelope.clone(),
+                            envelope.clone(),
                             item.key.clone(),
                             lease.token,
                             lease.attempt,
@@ -350,7 +359,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                             }
                         };
                         lanes[slot].push(Job { index, msg });
-                        acquired.insert(index, (item, lease));
+                        acquired[index] = Some((item, lease, envelope));
                         continue;
                     }
                 }
@@ -393,19 +402,16 @@ impl<H: Handler> IdempotentConsumer<H> {
                 held.entry(lane).or_insert(delay);
             }
         }
-        let mut out = Vec::with_capacity(acquired.len());
+        let mut out = Vec::with_capacity(lanes.len());
         for (index, verdict) in self.run_lanes(lanes).await {
-            if let Some((item, lease)) = acquired.remove(&index) {
+            if let Some((mut item, lease, envelope)) =
+                acquired.get_mut(index).and_then(Option::take)
+            {
+                // The handler has dropped its share unless it kept a clone.
+                item.delivery.envelope =
+                    Arc::try_unwrap(envelope).unwrap_or_else(|shared| (*shared).clone());
                 out.push((item, lease, verdict));
             }
-        }
-        // A lane task that vanished (cancelled) leaves its items here: send them back.
-        for (_, (item, lease)) in acquired.drain() {
-            let failure = (
-                Settlement::Nack(self.cfg.redelivery_delay),
-                "handler task ended abnormally".to_string(),
-            );
-            out.push((item, lease, Verdict::Failed(failure.0, failure.1)));
         }
         out
     }
@@ -415,51 +421,47 @@ impl<H: Handler> IdempotentConsumer<H> {
     /// Runs each lane's jobs one after another (an unordered message is a lane of its own),
     /// on at most `max_concurrency` workers that take lanes from one queue. A job whose lane
     /// had a message sent back is not run.
+    ///
+    /// The workers are futures polled together on the consumer's task (as
+    /// `StreamExt::for_each_concurrent` does), not spawned tasks: handlers wait on I/O
+    /// concurrently without a task and a cross-thread wake-up per message. CPU-heavy work in
+    /// a handler belongs in `spawn_blocking`; run several consumers for more cores.
     async fn run_lanes(&self, lanes: Vec<Vec<Job>>) -> Vec<(usize, Verdict)> {
         let workers = self.cfg.max_concurrency.min(lanes.len());
-        let queue = Arc::new(std::sync::Mutex::new(lanes));
-        let mut running = tokio::task::JoinSet::new();
-        for _ in 0..workers {
-            let handler = self.handler.clone();
-            let queue = queue.clone();
-            let limit = self.cfg.handler_timeout;
-            let retry = self.cfg.retry;
-            let max_result = self.cfg.max_result_bytes;
-            running.spawn(async move {
-                let mut out = Vec::new();
-                loop {
-                    // Lanes are taken from the back; their order across lanes is free.
-                    let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop();
-                    let Some(jobs) = next else { break };
-                    let mut hold: Option<Duration> = None;
-                    for Job { index, msg } in jobs {
-                        if let Some(d) = hold {
-                            out.push((index, Verdict::NotRun(d)));
-                            continue;
-                        }
-                        let attempt = msg.attempt;
-                        let span = tracing::info_span!("idemq.handle", broker = %msg.envelope.broker, source = %msg.envelope.source.name, key = %msg.key, attempt);
-                        let res = run_handler(&*handler, msg, limit).instrument(span).await;
-                        let v = verdict(res, attempt, &retry, max_result);
-                        if let Verdict::Failed(Settlement::Nack(d), _) = &v {
-                            hold = Some(*d);
-                        }
-                        out.push((index, v));
+        let queue = std::sync::Mutex::new(lanes);
+        let handler = &*self.handler;
+        let limit = self.cfg.handler_timeout;
+        let retry = &self.cfg.retry;
+        let max_result = self.cfg.max_result_bytes;
+        let worker = || async {
+            let mut out = Vec::new();
+            loop {
+                // Lanes are taken from the back; their order across lanes is free.
+                let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop();
+                let Some(jobs) = next else { break };
+                let mut hold: Option<Duration> = None;
+                for Job { index, msg } in jobs {
+                    if let Some(d) = hold {
+                        out.push((index, Verdict::NotRun(d)));
+                        continue;
                     }
+                    let attempt = msg.attempt;
+                    let span = tracing::info_span!("idemq.handle", broker = %msg.envelope.broker, source = %msg.envelope.source.name, key = %msg.key, attempt);
+                    let res = run_handler(handler, msg, limit).instrument(span).await;
+                    let v = verdict(res, attempt, retry, max_result);
+                    if let Verdict::Failed(Settlement::Nack(d), _) = &v {
+                        hold = Some(*d);
+                    }
+                    out.push((index, v));
                 }
-                out
-            });
-        }
-        let mut verdicts = Vec::new();
-        while let Some(joined) = running.join_next().await {
-            match joined {
-                Ok(v) => verdicts.extend(v),
-                // Only cancellation gets here (panics are caught in the task); the caller
-                // sends back what has no verdict.
-                Err(e) => tracing::error!(error = %e, "handler task ended abnormally"),
             }
-        }
-        verdicts
+            out
+        };
+        futures::future::join_all((0..workers).map(|_| worker()))
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
     }
 
     /// Stage 4a: failed handlers give their keys back; the successes go on to completion.
