@@ -49,6 +49,7 @@
 
 mod config;
 mod envelope;
+pub mod metrics;
 mod publisher;
 mod source;
 

@@ -175,6 +175,7 @@ impl ConsumerContext for Ctx {
             committing = finals.count(),
             "kafka partitions revoked"
         );
+        metrics::counter!(crate::metrics::PARTITIONS_REVOKED).increment(tpl.count() as u64);
         if finals.count() > 0 && !consumer.assignment_lost() {
             if let Err(e) = consumer.commit(&finals, CommitMode::Sync) {
                 tracing::warn!(error = %e, "final commit of revoked partitions failed; their settled records will be redelivered");
@@ -214,6 +215,7 @@ impl ConsumerContext for Ctx {
     fn commit_callback(&self, result: KafkaResult<()>, offsets: &TopicPartitionList) {
         if let Err(e) = result {
             tracing::warn!(error = %e, "kafka offset commit failed; offering it again");
+            metrics::counter!(crate::metrics::COMMIT_FAILURES).increment(1);
             let mut st = self.shared.lock();
             for el in offsets.elements() {
                 if let Offset::Offset(o) = el.offset() {
@@ -406,6 +408,7 @@ fn commit_ready(
     }
     let result = consumer.commit(&tpl, mode);
     if let Err(e) = &result {
+        metrics::counter!(crate::metrics::COMMIT_FAILURES).increment(1);
         let mut st = shared.lock();
         for (p, o) in &commits {
             st.tracker.commit_failed(p, *o);
@@ -433,6 +436,7 @@ fn poll_thread(consumer: Arc<Consumer_>, shared: Arc<Shared>, cfg: KafkaSourceCo
                     });
                     if ps.buffer.len() >= cap && !ps.paused {
                         ps.paused = true;
+                        metrics::counter!(crate::metrics::PARTITIONS_PAUSED).increment(1);
                         let mut tpl = TopicPartitionList::new();
                         let _ = tpl.add_partition(&part.0, part.1);
                         if let Err(e) = consumer.pause(&tpl) {
@@ -643,6 +647,7 @@ impl Settle for KafkaSettle {
         )
         .await
         .map_err(|e| SourceError::Broker(format!("dead-letter produce to {topic} failed: {e}")))?;
+        metrics::counter!(crate::metrics::DEAD_LETTERS, "topic" => topic).increment(1);
         self.settle_done();
         Ok(())
     }

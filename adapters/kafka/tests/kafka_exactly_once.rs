@@ -49,7 +49,7 @@ fn engine(
                 // The documented duty of a handler whose effect is not committed with its
                 // dedup record: after a takeover, check whether the crashed worker got as far
                 // as the effect. Only a takeover may skip; any other repeat is a double.
-                if !(m.takeover && !done.is_empty()) {
+                if !m.takeover || done.is_empty() {
                     done.push(who);
                 }
                 Ok::<_, HandlerError>(None)
