@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
-# Local PostgreSQL 15, MariaDB 10.11, Redis 7 and Apache Kafka 4.4 for idemq's integration tests.
+# Local PostgreSQL 15, MariaDB 10.11, Redis 7, Apache Kafka 4.4 and RabbitMQ 3.10 for idemq's
+# integration tests.
 #
 #   scripts/servers.sh start [SERVER...]  install what is missing, start what is not running
 #   scripts/servers.sh stop [SERVER...]   stop them (by pid file / the server's own command)
-#   scripts/servers.sh status             show what runs; exit 0 only if all four do
+#   scripts/servers.sh status             show what runs; exit 0 only if all of them do
 #   scripts/servers.sh env                export lines: eval "$(scripts/servers.sh env)"
 #   scripts/servers.sh restart-redis      stop + start Redis only (same port, same module, same data)
 #   scripts/servers.sh restart-kafka      stop + start Kafka only (same port, same data)
+#   scripts/servers.sh restart-rabbitmq   stop + start RabbitMQ only (same port, same data)
 #
-# SERVER is any of: postgres mariadb redis kafka (default: all of them).
+# SERVER is any of: postgres mariadb redis kafka rabbitmq (default: all of them).
 # Every server gets a private data dir under $IDEMQ_STATE_DIR, listens on
 # 127.0.0.1 only, on a non-default port, so it never collides with a
 # system-wide instance or another checkout's defaults. Data is thrown away on
-# every start (restart-redis keeps Redis's AOF, restart-kafka Kafka's logs):
-# tests create their own tables and topics. Kafka's jars come from Maven
-# Central once, into $IDEMQ_CACHE_DIR/kafka.
+# every start (restart-redis keeps Redis's AOF, restart-kafka Kafka's logs,
+# restart-rabbitmq RabbitMQ's mnesia dir): tests create their own tables,
+# topics and queues. Kafka's jars come from Maven Central once, into
+# $IDEMQ_CACHE_DIR/kafka; RabbitMQ is Debian's rabbitmq-server, run without
+# systemd as its own Erlang node (with its own epmd) under our state dir.
 set -euo pipefail
 
 # CI runs with a trimmed environment; derive HOME rather than die under `set -u`.
@@ -29,6 +33,14 @@ MY_PORT=53306
 REDIS_PORT=56379
 KAFKA_PORT=19092
 KAFKA_CONTROLLER_PORT=19093
+RABBIT_PORT=55672
+RABBIT_STREAM_PORT=55552
+# Erlang distribution: the default (AMQP port + 20000) would overflow 65535.
+# rabbitmqctl & co. take a port of their own in 35672..35682 (their default):
+# the node's must lie outside. Our own epmd on a private port, so that
+# `epmd -kill` can only ever stop ours.
+RABBIT_DIST_PORT=45672
+RABBIT_EPMD_PORT=54369
 
 PG_BIN=/usr/lib/postgresql/15/bin
 PG_DIR=$STATE_DIR/postgres
@@ -61,6 +73,15 @@ KAFKA_HOME=$CACHE_DIR/kafka
 KAFKA_LIBS=$KAFKA_HOME/libs
 # The broker is ready in ~5 s here, but 15-25 s was seen on a loaded machine.
 KAFKA_TIMEOUT=${IDEMQ_KAFKA_TIMEOUT:-120}
+
+RABBIT_DIR=$STATE_DIR/rabbitmq
+RABBIT_PID=$RABBIT_DIR/rabbitmq.pid
+RABBIT_LOG_DIR=$RABBIT_DIR/log
+RABBIT_NODE=idemq@localhost
+# The /usr/sbin wrappers switch to the rabbitmq user; these run as we are.
+RABBIT_BIN=/usr/lib/rabbitmq/bin
+# `rabbitmqctl wait` for a booting node: 6-9 s here, more on a loaded machine.
+RABBIT_TIMEOUT=${IDEMQ_RABBITMQ_TIMEOUT:-120}
 # group:artifact:version of everything the broker and its tools need (the
 # tools' jar has TopicCommand for the readiness check). Without slf4j-api 2.0
 # and a binding, Kafka logs nothing at all.
@@ -80,8 +101,11 @@ POSTGRES_URL="postgres://postgres@127.0.0.1:$PG_PORT/idemq"
 MYSQL_URL="mysql://$MY_USER:$MY_PASSWORD@127.0.0.1:$MY_PORT/idemq"
 REDIS_URL="redis://127.0.0.1:$REDIS_PORT/"
 KAFKA_BROKERS="127.0.0.1:$KAFKA_PORT"
+# guest may only log in over loopback: that is all we listen on.
+AMQP_URL="amqp://guest:guest@127.0.0.1:$RABBIT_PORT/%2f"
+RABBIT_STREAM_URL="rabbitmq-stream://guest:guest@127.0.0.1:$RABBIT_STREAM_PORT/%2f"
 
-ALL_SERVERS=(postgres mariadb redis kafka)
+ALL_SERVERS=(postgres mariadb redis kafka rabbitmq)
 SELECTED=("${ALL_SERVERS[@]}")
 
 SCRIPT_PATH=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
@@ -194,6 +218,9 @@ install_packages() {
     command -v java >/dev/null || pkgs+=(openjdk-17-jre-headless)
     # Maven only fetches the jars: not needed once they are cached.
     kafka_libs_cached || command -v mvn >/dev/null || pkgs+=(maven)
+  fi
+  if selected rabbitmq; then
+    [[ -x $RABBIT_BIN/rabbitmq-server && -x $RABBIT_BIN/rabbitmqctl ]] || pkgs+=(rabbitmq-server)
   fi
   ((${#pkgs[@]})) || return 0
 
@@ -646,6 +673,114 @@ stop_kafka() {
   log "kafka stopped"
 }
 
+# --------------------------------------------------------------- rabbitmq --
+
+# Run a RabbitMQ script against our node: private HOME (the Erlang cookie),
+# config, mnesia, logs, plugins and pid file; nothing from /etc/rabbitmq or
+# /var/lib/rabbitmq. The server and every CLI call must see the same values.
+rabbit_env() {
+  env HOME="$RABBIT_DIR/home" PATH="$RABBIT_BIN:$PATH" \
+    RABBITMQ_NODENAME="$RABBIT_NODE" \
+    RABBITMQ_NODE_IP_ADDRESS=127.0.0.1 RABBITMQ_NODE_PORT="$RABBIT_PORT" \
+    RABBITMQ_DIST_PORT="$RABBIT_DIST_PORT" \
+    ERL_EPMD_ADDRESS=127.0.0.1 ERL_EPMD_PORT="$RABBIT_EPMD_PORT" \
+    RABBITMQ_CONFIG_FILE="$RABBIT_DIR/rabbitmq.conf" \
+    RABBITMQ_ADVANCED_CONFIG_FILE="$RABBIT_DIR/advanced.config" \
+    RABBITMQ_CONF_ENV_FILE="$RABBIT_DIR/rabbitmq-env.conf" \
+    RABBITMQ_ENABLED_PLUGINS_FILE="$RABBIT_DIR/enabled_plugins" \
+    RABBITMQ_MNESIA_BASE="$RABBIT_DIR/mnesia" \
+    RABBITMQ_LOG_BASE="$RABBIT_LOG_DIR" \
+    RABBITMQ_PID_FILE="$RABBIT_PID" \
+    ERL_CRASH_DUMP="$RABBIT_LOG_DIR/erl_crash.dump" \
+    "$@"
+}
+
+rabbitmqctl() { rabbit_env rabbitmqctl "$@"; }
+
+# The pid in our pid file is alive and is our node's Erlang VM (the node name
+# is not on beam's command line; our private HOME is).
+rabbit_pid_ours() {
+  pid_alive "$RABBIT_PID" &&
+    tr '\0' ' ' <"/proc/$(cat "$RABBIT_PID")/cmdline" 2>/dev/null | grep -qF -- "-home $RABBIT_DIR/home "
+}
+
+# Cheap (no Erlang VM): status and the "already running" check use it.
+rabbit_running() { rabbit_pid_ours && port_open "$RABBIT_PORT"; }
+
+rabbit_died() { ! proc_alive "$RABBIT_LAUNCH_PID"; }
+
+write_rabbit_config() {
+  # Listeners on loopback only, on our ports. The stream plugin advertises
+  # host and port to clients, which then reconnect there: say 127.0.0.1.
+  cat >"$RABBIT_DIR/rabbitmq.conf" <<EOF
+# Written by idemq's scripts/servers.sh.
+listeners.tcp.1 = 127.0.0.1:$RABBIT_PORT
+stream.listeners.tcp.1 = 127.0.0.1:$RABBIT_STREAM_PORT
+stream.advertised_host = 127.0.0.1
+stream.advertised_port = $RABBIT_STREAM_PORT
+loopback_users.guest = true
+log.file.level = info
+log.console = false
+EOF
+  : >"$RABBIT_DIR/rabbitmq-env.conf"
+}
+
+# Start the node; $1=keep keeps the mnesia dir (a restart), anything else
+# starts empty.
+start_rabbitmq() {
+  local keep=${1:-} start=$SECONDS
+  if rabbit_running; then
+    log "rabbitmq already running on 127.0.0.1:$RABBIT_PORT"
+    return 0
+  fi
+  if rabbit_pid_ours; then
+    die "rabbitmq pid $(cat "$RABBIT_PID") is alive but does not listen on 127.0.0.1:$RABBIT_PORT; run: $0 stop rabbitmq"
+  fi
+  require_port_free "$RABBIT_PORT" rabbitmq
+  require_port_free "$RABBIT_STREAM_PORT" rabbitmq
+  require_port_free "$RABBIT_DIST_PORT" rabbitmq
+  if [[ $keep == keep ]]; then
+    rm -rf "$RABBIT_LOG_DIR"
+  else
+    rm -rf "$RABBIT_DIR"
+  fi
+  mkdir -p "$RABBIT_DIR/home" "$RABBIT_DIR/mnesia" "$RABBIT_LOG_DIR"
+  rm -f "$RABBIT_PID"
+  write_rabbit_config
+  # Offline: writes the enabled_plugins file, no node needed.
+  rabbit_env rabbitmq-plugins enable --offline rabbitmq_stream \
+    >"$RABBIT_DIR/plugins.log" 2>&1 || die_with_log "rabbitmq-plugins enable failed" "$RABBIT_DIR/plugins.log"
+  # setsid: own session, so the node outlives this script and its terminal.
+  rabbit_env setsid rabbitmq-server </dev/null >>"$RABBIT_DIR/rabbitmq.out" 2>&1 9>&- &
+  RABBIT_LAUNCH_PID=$!
+  local TIMEOUT=$RABBIT_TIMEOUT
+  # `wait` returns once the pid file exists and the rabbit app has booted.
+  wait_ready rabbit_died rabbitmqctl wait --timeout 10 "$RABBIT_PID" ||
+    die_with_log "rabbitmq did not become ready (exited, or not within ${TIMEOUT}s)" \
+      "$RABBIT_DIR/rabbitmq.out" "$RABBIT_LOG_DIR/$RABBIT_NODE.log"
+  port_open "$RABBIT_PORT" ||
+    die_with_log "rabbitmq booted but does not listen on 127.0.0.1:$RABBIT_PORT" "$RABBIT_LOG_DIR/$RABBIT_NODE.log"
+  log "rabbitmq started on 127.0.0.1:$RABBIT_PORT (streams :$RABBIT_STREAM_PORT) in $((SECONDS - start))s"
+}
+
+stop_rabbitmq() {
+  if rabbit_pid_ours; then
+    local pid
+    pid=$(cat "$RABBIT_PID")
+    # `shutdown` waits until the node's OS process has exited.
+    rabbitmqctl shutdown >/dev/null 2>&1 || kill -TERM "$pid" 2>/dev/null || true
+    if ! wait_pid_gone "$pid"; then
+      warn "rabbitmq (pid $pid) did not stop in ${TIMEOUT}s; killing it"
+      kill -KILL "$pid" 2>/dev/null || true
+      wait_pid_gone "$pid" || die_with_log "rabbitmq (pid $pid) survived SIGKILL" "$RABBIT_LOG_DIR/$RABBIT_NODE.log"
+    fi
+    log "rabbitmq stopped"
+  fi
+  rm -f "$RABBIT_PID"
+  # Our epmd only: it listens on our private port, the one ERL_EPMD_PORT names.
+  rabbit_env epmd -kill >/dev/null 2>&1 || true
+}
+
 # ------------------------------------------------------------------- main --
 
 # Serialise start/stop: test.sh, a developer and a test calling
@@ -680,6 +815,11 @@ cmd_status() {
   else
     echo "kafka     stopped"; rc=3
   fi
+  if rabbit_running; then
+    echo "rabbitmq  running  127.0.0.1:$RABBIT_PORT  pid $(cat "$RABBIT_PID")  streams: 127.0.0.1:$RABBIT_STREAM_PORT"
+  else
+    echo "rabbitmq  stopped"; rc=3
+  fi
   return "$rc"
 }
 
@@ -692,13 +832,16 @@ export IDEMQ_TEST_REDIS_RESTART_CMD='$SCRIPT_PATH restart-redis'
 export IDEMQ_TEST_KAFKA_BROKERS=$KAFKA_BROKERS
 export IDEMQ_TEST_KAFKA_RESTART_CMD='$SCRIPT_PATH restart-kafka'
 export IDEMQ_KAFKA_LIBS='$KAFKA_LIBS'
+export IDEMQ_TEST_AMQP_URL='$AMQP_URL'
+export IDEMQ_TEST_RABBITMQ_STREAM_URL='$RABBIT_STREAM_URL'
+export IDEMQ_TEST_RABBITMQ_RESTART_CMD='$SCRIPT_PATH restart-rabbitmq'
 export IDEMQ_STATE_DIR='$STATE_DIR'
 export IDEMQ_REQUIRE_SERVERS=1
 EOF
 }
 
 usage() {
-  sed -n '2,11s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
+  sed -n '2,13s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
   exit 2
 }
 
@@ -750,6 +893,11 @@ main() {
       take_lock
       stop_kafka
       start_kafka keep
+      ;;
+    restart-rabbitmq)
+      take_lock
+      stop_rabbitmq
+      start_rabbitmq keep
       ;;
     status) cmd_status ;;
     env) cmd_env ;;
