@@ -30,6 +30,10 @@
 //! exceeds `max.poll.interval.ms`; a partition whose local buffer is full is paused and
 //! resumed once drained.
 //!
+//! **Kafka → Kafka exactly once.** [`TransactionalProcessor`] consumes `read_committed`, produces
+//! a batch's outputs and `send_offsets_to_transaction` in one transaction; a failure aborts and
+//! rewinds to the committed offsets, a fenced producer stops with [`TxnError::Fenced`].
+//!
 //! **Producing.** [`KafkaProducerConfig`] keeps librdkafka's keys as they are and adds
 //! [`KafkaProducerConfig::idempotent`] and [`KafkaProducerConfig::transactional`] with a
 //! validator that names each unsafe combination and its fix. [`KafkaPublisher`] implements
@@ -52,6 +56,7 @@ mod envelope;
 pub mod metrics;
 mod publisher;
 mod source;
+mod transactional;
 
 pub use config::{
     ConfigError, ConfigProblem, KafkaProducerConfig, ProducerMode,
@@ -62,6 +67,7 @@ pub use publisher::{partition_of, publish_error, KafkaPublisher};
 pub use source::{
     KafkaSource, KafkaSourceConfig, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC,
 };
+pub use transactional::{TransactionalProcessor, TxnError};
 
 /// Re-export of the rdkafka version this crate is built on.
 pub use rdkafka;
