@@ -33,8 +33,12 @@ enum Lane {
     Key(String, Bytes),
 }
 
-/// One primary delivery of a key and the in-batch copies that wait on it.
-struct Item {
+/// One primary delivery of a key and the in-batch copies that wait on it. Boxed: it moves
+/// through every stage, and a delivery is a few hundred bytes.
+type Item = Box<ItemData>;
+
+/// The contents of an [`Item`].
+struct ItemData {
     /// Position in the batch's item list (its lease slot).
     index: usize,
     delivery: Delivery,
@@ -79,6 +83,12 @@ enum Verdict {
     Failed(Settlement, String),
     /// Not run: an earlier message of its lane was sent back with this delay.
     NotRun(Duration),
+}
+
+/// The jobs of one lane, in order (most lanes hold one job: no allocation for it).
+struct LaneJobs {
+    first: Job,
+    rest: Vec<Job>,
 }
 
 /// A handler to run: the index of its item and the message it sees.
@@ -164,7 +174,7 @@ impl<H: Handler> IdempotentConsumer<H> {
     /// into its first delivery.
     async fn stage_keys(&self, batch: Vec<Delivery>) -> Vec<Item> {
         let mut items: Vec<Item> = Vec::with_capacity(batch.len());
-        let mut index: HashMap<DedupKey, usize> = HashMap::new();
+        let mut index: HashMap<DedupKey, usize> = HashMap::with_capacity(batch.len());
         for d in batch {
             let key = match self.keys.derive(&d.envelope) {
                 Ok(k) => k,
@@ -193,14 +203,14 @@ impl<H: Handler> IdempotentConsumer<H> {
                 None => {
                     index.insert(key.clone(), items.len());
                     let lane = self.lane_of(&d);
-                    items.push(Item {
+                    items.push(Box::new(ItemData {
                         index: items.len(),
                         delivery: d,
                         key,
                         hash,
                         lane,
                         followers: Vec::new(),
-                    });
+                    }));
                 }
             }
         }
@@ -288,7 +298,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         // Lanes with a message sent back in this batch, and the delay it was sent back with:
         // the lane's later messages go back unrun with the same delay.
         let mut held: HashMap<Lane, Duration> = HashMap::new();
-        let mut lanes: Vec<Vec<Job>> = Vec::new();
+        let mut lanes: Vec<LaneJobs> = Vec::new();
         let mut lane_slot: HashMap<Lane, usize> = HashMap::new();
         let mut acquired: Vec<Option<(Item, Lease, Arc<Envelope>)>> = Vec::new();
         acquired.resize_with(outcomes.len(), || None);
@@ -348,17 +358,19 @@ impl<H: Handler> IdempotentConsumer<H> {
                             lease.takeover,
                             watch,
                         );
-                        let slot = match &item.lane {
-                            Some(l) => *lane_slot.entry(l.clone()).or_insert_with(|| {
-                                lanes.push(Vec::new());
-                                lanes.len() - 1
-                            }),
+                        let job = Job { index, msg };
+                        match item.lane.as_ref().and_then(|l| lane_slot.get(l)) {
+                            Some(&slot) => lanes[slot].rest.push(job),
                             None => {
-                                lanes.push(Vec::new());
-                                lanes.len() - 1
+                                if let Some(l) = &item.lane {
+                                    lane_slot.insert(l.clone(), lanes.len());
+                                }
+                                lanes.push(LaneJobs {
+                                    first: job,
+                                    rest: Vec::new(),
+                                });
                             }
-                        };
-                        lanes[slot].push(Job { index, msg });
+                        }
                         acquired[index] = Some((item, lease, envelope));
                         continue;
                     }
@@ -426,7 +438,7 @@ impl<H: Handler> IdempotentConsumer<H> {
     /// `StreamExt::for_each_concurrent` does), not spawned tasks: handlers wait on I/O
     /// concurrently without a task and a cross-thread wake-up per message. CPU-heavy work in
     /// a handler belongs in `spawn_blocking`; run several consumers for more cores.
-    async fn run_lanes(&self, lanes: Vec<Vec<Job>>) -> Vec<(usize, Verdict)> {
+    async fn run_lanes(&self, lanes: Vec<LaneJobs>) -> Vec<(usize, Verdict)> {
         let workers = self.cfg.max_concurrency.min(lanes.len());
         let queue = std::sync::Mutex::new(lanes);
         let handler = &*self.handler;
@@ -438,9 +450,11 @@ impl<H: Handler> IdempotentConsumer<H> {
             loop {
                 // Lanes are taken from the back; their order across lanes is free.
                 let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop();
-                let Some(jobs) = next else { break };
+                let Some(LaneJobs { first, rest }) = next else {
+                    break;
+                };
                 let mut hold: Option<Duration> = None;
-                for Job { index, msg } in jobs {
+                for Job { index, msg } in std::iter::once(first).chain(rest) {
                     if let Some(d) = hold {
                         out.push((index, Verdict::NotRun(d)));
                         continue;
@@ -765,7 +779,6 @@ impl<H: Handler> IdempotentConsumer<H> {
 
     async fn settle(&self, d: Delivery, how: Settlement) {
         let broker = d.envelope.broker.as_str();
-        let source = d.envelope.source.name.clone();
         let (r, what) = match how {
             Settlement::Ack => (d.ack().await, "ack"),
             Settlement::Nack(delay) => (d.nack(delay).await, "nack"),
@@ -778,7 +791,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                 .fetch_add(1, Ordering::Relaxed);
             metrics::counter!(m::SETTLE_FAILURES, "broker" => broker, "settlement" => what)
                 .increment(1);
-            tracing::warn!(%source, error = %e, settlement = what, "settling a delivery failed");
+            tracing::warn!(broker, error = %e, settlement = what, "settling a delivery failed");
         }
     }
 }
