@@ -21,8 +21,14 @@
 //!
 //! A business key longer than [`KeyStrategy::max_key_bytes`] (or containing a NUL byte) is,
 //! by default, replaced by
-//! `sha256:` and the lowercase hex SHA-256 of its bytes (71 bytes), so the stored key is
+//! `#sha256:` and the lowercase hex SHA-256 of its bytes (72 bytes), so the stored key is
 //! bounded whatever the producer sends. [`OversizeKey::Reject`] turns that into an error.
+//! Raw keys that begin with `#` are stored with a second `#` in front, so the hashed and the
+//! raw namespaces never meet ([`HASHED_KEY_PREFIX`]).
+//!
+//! JSON pointer keys take the field's text: the number `42` and the string `"42"` give the
+//! same key `42`. That is deliberate (producers drift between the two for ids); a payload
+//! conflict check still tells different payloads apart.
 
 use crate::envelope::Envelope;
 use bytes::Bytes;
@@ -154,7 +160,7 @@ impl fmt::Display for DedupKey {
 /// What to do with a business key longer than the bound.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OversizeKey {
-    /// Replace it by `sha256:<hex>` (the default).
+    /// Replace it by `#sha256:<hex>` (the default).
     #[default]
     Hash,
     /// Reject the message with [`KeyError::TooLong`].
@@ -374,17 +380,29 @@ fn dedup_header_key(env: &Envelope) -> Result<String, KeyError> {
     native.ok_or_else(|| KeyError::MissingHeader(name.to_string()))
 }
 
+/// What a hashed business key starts with. Raw keys that start with `#` are stored with one
+/// more `#`, so no raw key can ever equal a hashed one (a producer sending the literal text
+/// `#sha256:<hex>` gets `##sha256:<hex>`).
+pub const HASHED_KEY_PREFIX: &str = "#sha256:";
+
 fn build_key(
     group: &ConsumerGroup,
     raw: &str,
     max: usize,
     oversize: OversizeKey,
 ) -> Result<DedupKey, KeyError> {
+    let escape = raw.starts_with('#');
+    let hashed = || {
+        format!(
+            "{HASHED_KEY_PREFIX}{}",
+            hex::encode(Sha256::digest(raw.as_bytes()))
+        )
+    };
     // A NUL byte is refused by PostgreSQL text and truncates C strings elsewhere: such a key
     // is stored hashed, like an oversize one, so every store accepts it.
-    let business = if raw.contains('\0') {
-        format!("sha256:{}", hex::encode(Sha256::digest(raw.as_bytes())))
-    } else if raw.len() > max {
+    let hashed_form = if raw.contains('\0') {
+        Some(hashed())
+    } else if raw.len() + usize::from(escape) > max {
         match oversize {
             OversizeKey::Reject => {
                 return Err(KeyError::TooLong {
@@ -392,12 +410,26 @@ fn build_key(
                     max,
                 })
             }
-            OversizeKey::Hash => format!("sha256:{}", hex::encode(Sha256::digest(raw.as_bytes()))),
+            OversizeKey::Hash => Some(hashed()),
         }
     } else {
-        raw.to_string()
+        None
     };
-    Ok(DedupKey(format!("{}:{}", group.as_str(), business).into()))
+    let g = group.as_str();
+    let mut key =
+        String::with_capacity(g.len() + 2 + hashed_form.as_ref().map_or(raw.len(), String::len));
+    key.push_str(g);
+    key.push(':');
+    match &hashed_form {
+        Some(h) => key.push_str(h),
+        None => {
+            if escape {
+                key.push('#');
+            }
+            key.push_str(raw);
+        }
+    }
+    Ok(DedupKey(key.into()))
 }
 
 fn check_pointer(p: &str) -> Result<(), KeyError> {
@@ -548,8 +580,8 @@ mod tests {
         let k = KeyStrategy::header("g", "id").unwrap();
         let e = env("{}").with_header("id", long.clone());
         let key = k.derive(&e).unwrap();
-        assert!(key.as_str().starts_with("g:sha256:"));
-        assert_eq!(key.as_str().len(), 2 + 7 + 64);
+        assert!(key.as_str().starts_with("g:#sha256:"));
+        assert_eq!(key.as_str().len(), 2 + 8 + 64);
         assert!(key.as_str().len() <= MAX_DEDUP_KEY_BYTES);
         // the same long key hashes to the same dedup key
         assert_eq!(key, k.derive(&e).unwrap());
@@ -568,7 +600,7 @@ mod tests {
     fn a_key_with_a_nul_byte_is_stored_hashed() {
         let k = KeyStrategy::header("g", "id").unwrap();
         let key = k.derive(&env("{}").with_header("id", "a\0b")).unwrap();
-        assert!(key.as_str().starts_with("g:sha256:"), "{key}");
+        assert!(key.as_str().starts_with("g:#sha256:"), "{key}");
         assert!(!key.as_str().contains('\0'));
         assert_ne!(key, k.derive(&env("{}").with_header("id", "a\0c")).unwrap());
     }
@@ -634,5 +666,23 @@ mod tests {
         );
         let c = KeyStrategy::custom("g", |e| Ok(format!("len-{}", e.payload.len()))).unwrap();
         assert_eq!(c.derive(&env("abc")).unwrap().as_str(), "g:len-3");
+    }
+
+    #[test]
+    fn a_raw_key_never_equals_the_hashed_form_of_another() {
+        let g = ConsumerGroup::new("g").expect("group");
+        let long = "x".repeat(500);
+        let hashed = DedupKey::new(&g, &long).expect("hashed key");
+        let business = hashed.as_str().trim_start_matches("g:");
+        // A producer that sends the hashed text itself as its key gets another key.
+        let raw = DedupKey::new(&g, business).expect("raw key");
+        assert_ne!(raw, hashed);
+        assert_eq!(raw.as_str(), format!("g:#{business}"));
+        // The same for a NUL-bearing key and the old unprefixed form.
+        let nul = DedupKey::new(&g, "a\0b").expect("nul key");
+        let spoof = DedupKey::new(&g, nul.as_str().trim_start_matches("g:")).expect("spoof");
+        assert_ne!(nul, spoof);
+        let plain = DedupKey::new(&g, &format!("sha256:{}", &business[8..])).expect("plain");
+        assert_ne!(plain, hashed);
     }
 }

@@ -51,6 +51,14 @@ pub fn duration_ms(d: Duration) -> i64 {
 pub struct FencingToken(pub i64);
 
 impl FencingToken {
+    /// A token from a stored or caller-chosen value, if it is in range (`1..=i64::MAX`).
+    pub fn new(value: i64) -> Option<Self> {
+        Self(value).is_valid().then_some(Self(value))
+    }
+    /// True when the value is in range; stores refuse claims with other tokens.
+    pub fn is_valid(self) -> bool {
+        self.0 > 0
+    }
     /// A fresh random token.
     pub fn random() -> Self {
         use rand::Rng;
@@ -460,10 +468,20 @@ pub fn evaluate_claim_request(
     evaluate_claim(existing, req.payload_hash.as_ref(), now)
 }
 
-/// Rejects batches that name a key twice: the answer for the second would depend on order.
+/// Rejects batches that name a key twice (the answer for the second would depend on order)
+/// and caller-chosen tokens out of `1..=i64::MAX` (a store could not keep or parse them).
+/// Every store calls it first in `claim_batch`.
 pub fn check_distinct_keys(reqs: &[ClaimRequest]) -> Result<(), StoreError> {
     let mut seen = std::collections::HashSet::with_capacity(reqs.len());
     for r in reqs {
+        if let Some(t) = r.token {
+            if !t.is_valid() {
+                return Err(StoreError::Backend(format!(
+                    "claim of `{}` with fencing token {} out of range: tokens are 1..=i64::MAX; use FencingToken::random()",
+                    r.key, t.0
+                )));
+            }
+        }
         if !seen.insert(&r.key) {
             return Err(StoreError::Backend(format!(
                 "claim_batch got key `{}` twice; dedup the batch first",

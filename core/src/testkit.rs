@@ -246,6 +246,24 @@ pub async fn lease_expiry_takeover_and_fencing(h: &Handles) {
     ));
 }
 
+/// A caller-chosen token out of `1..=i64::MAX` is refused with an error naming the range,
+/// and claims nothing (the key stays free for a valid claim).
+pub async fn out_of_range_tokens_are_refused(h: &Handles) {
+    let g = group();
+    let k = key(&g, "bad-token");
+    for bad in [0, -5, i64::MIN] {
+        let r = h[0]
+            .claim(&req(&k, LONG).with_token(FencingToken(bad)))
+            .await;
+        let e = r.expect_err("a claim with an out-of-range token must be refused");
+        assert!(
+            e.to_string().contains("1..=i64::MAX"),
+            "error must name the range: {e}"
+        );
+    }
+    acquire(&h[0], &k, LONG).await;
+}
+
 /// A claim retried with the same token (its first reply was lost) gets back the lease it
 /// holds, not `InFlight` against itself; another claimer still sees `InFlight`.
 pub async fn retried_claim_with_its_token_is_idempotent(h: &Handles) {
@@ -699,6 +717,7 @@ macro_rules! store_contract_tests {
             race_takeover_exactly_one_acquired,
             lease_expiry_takeover_and_fencing,
             retried_claim_with_its_token_is_idempotent,
+            out_of_range_tokens_are_refused,
             extend_keeps_the_lease,
             release_makes_the_key_claimable,
             retention_expiry_and_purge,
