@@ -106,7 +106,7 @@ async fn a_consumer_joining_mid_run_takes_partitions_without_loss_or_double_effe
     };
     let topic = support::unique("rebalance");
     support::create_topic(&brokers, &topic, 4).await;
-    let keys: Vec<String> = (0..800).map(|i| format!("{topic}-{i:04}")).collect();
+    let keys: Vec<String> = (0..1000).map(|i| format!("{topic}-{i:04}")).collect();
     publish(&brokers, &topic, &keys, 0).await;
 
     let store = Arc::new(MemoryStore::new());
@@ -118,7 +118,8 @@ async fn a_consumer_joining_mid_run_takes_partitions_without_loss_or_double_effe
             store.clone(),
             effects.clone(),
             who,
-            Duration::from_millis(5),
+            // Slow enough that the first consumer is still busy when the second joins.
+            Duration::from_millis(30),
             Crashing::default(),
         );
         let mut src = support::subscribe(&brokers, &group, &topic);
