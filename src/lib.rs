@@ -51,5 +51,9 @@ pub use idemq_layered as layered;
 #[cfg(feature = "kafka")]
 pub use idemq_kafka as kafka;
 
+/// The RabbitMQ adapter: manual-ack source, confirmed dedup-header publisher.
+#[cfg(feature = "rabbitmq")]
+pub use idemq_rabbitmq as rabbitmq;
+
 mod open;
 pub use open::{open_store, OpenStoreError, SUPPORTED_SCHEMES};

@@ -1,0 +1,184 @@
+//! AMQP field values ↔ envelope headers: the value's text under the header's name, its wire
+//! type under [`props::type_of`] when it is not a byte string, so nothing is lost either way.
+
+use bytes::Bytes;
+use idemq_core::envelope::{props, Headers};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+/// The type name recorded under [`props::type_of`] for each non-string AMQP field type.
+fn type_name(v: &AMQPValue) -> Option<&'static str> {
+    Some(match v {
+        AMQPValue::LongString(_) => return None,
+        AMQPValue::Boolean(_) => "bool",
+        AMQPValue::ShortShortInt(_) => "i8",
+        AMQPValue::ShortShortUInt(_) => "u8",
+        AMQPValue::ShortInt(_) => "i16",
+        AMQPValue::ShortUInt(_) => "u16",
+        AMQPValue::LongInt(_) => "i32",
+        AMQPValue::LongUInt(_) => "u32",
+        AMQPValue::LongLongInt(_) => "i64",
+        AMQPValue::Float(_) => "f32",
+        AMQPValue::Double(_) => "f64",
+        AMQPValue::DecimalValue(_) => "decimal",
+        AMQPValue::ShortString(_) => "short-string",
+        AMQPValue::Timestamp(_) => "timestamp",
+        AMQPValue::FieldArray(_) => "array",
+        AMQPValue::FieldTable(_) => "table",
+        AMQPValue::ByteArray(_) => "bytes",
+        AMQPValue::Void => "void",
+    })
+}
+
+/// A JSON-like text of a value (strings quoted inside arrays and tables).
+fn render(v: &AMQPValue, out: &mut String, nested: bool) {
+    use std::fmt::Write;
+    let _ = match v {
+        AMQPValue::LongString(s) if nested => {
+            write!(out, "{:?}", String::from_utf8_lossy(s.as_bytes()))
+        }
+        AMQPValue::LongString(s) => write!(out, "{}", String::from_utf8_lossy(s.as_bytes())),
+        AMQPValue::ShortString(s) if nested => write!(out, "{:?}", s.as_str()),
+        AMQPValue::ShortString(s) => write!(out, "{}", s.as_str()),
+        AMQPValue::Boolean(b) => write!(out, "{b}"),
+        AMQPValue::ShortShortInt(n) => write!(out, "{n}"),
+        AMQPValue::ShortShortUInt(n) => write!(out, "{n}"),
+        AMQPValue::ShortInt(n) => write!(out, "{n}"),
+        AMQPValue::ShortUInt(n) => write!(out, "{n}"),
+        AMQPValue::LongInt(n) => write!(out, "{n}"),
+        AMQPValue::LongUInt(n) => write!(out, "{n}"),
+        AMQPValue::LongLongInt(n) => write!(out, "{n}"),
+        AMQPValue::Float(x) => write!(out, "{x}"),
+        AMQPValue::Double(x) => write!(out, "{x}"),
+        AMQPValue::DecimalValue(d) => write!(out, "{}e-{}", d.value, d.scale),
+        AMQPValue::Timestamp(t) => write!(out, "{t}"),
+        AMQPValue::ByteArray(b) => write!(out, "{:?}", b.as_slice()),
+        AMQPValue::Void => write!(out, "null"),
+        AMQPValue::FieldArray(a) => {
+            out.push('[');
+            for (i, item) in a.as_slice().iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                render(item, out, true);
+            }
+            out.push(']');
+            Ok(())
+        }
+        AMQPValue::FieldTable(t) => {
+            out.push('{');
+            for (i, (k, item)) in t.inner().iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                let _ = write!(out, "{:?}:", k.as_str());
+                render(item, out, true);
+            }
+            out.push('}');
+            Ok(())
+        }
+    };
+}
+
+/// The envelope form of one field value: its bytes (raw for byte strings, text otherwise)
+/// and its type name (`None` for a long string).
+pub(crate) fn to_header(v: &AMQPValue) -> (Bytes, Option<&'static str>) {
+    match v {
+        AMQPValue::LongString(s) => (Bytes::copy_from_slice(s.as_bytes()), None),
+        AMQPValue::ByteArray(b) => (Bytes::copy_from_slice(b.as_slice()), Some("bytes")),
+        other => {
+            let mut text = String::new();
+            render(other, &mut text, false);
+            (Bytes::from(text), type_name(other))
+        }
+    }
+}
+
+/// Appends an AMQP header table to envelope headers (typed values keep their type).
+pub(crate) fn table_to_headers(table: &FieldTable, headers: &mut Headers) {
+    for (name, value) in table.inner() {
+        let (bytes, ty) = to_header(value);
+        headers.insert(name.as_str(), bytes);
+        if let Some(ty) = ty {
+            headers.insert(props::type_of(name.as_str()), ty);
+        }
+    }
+}
+
+/// The AMQP value for a header about to be published: scalars recorded with a type (by a
+/// consumer that received them typed) are sent typed again; everything else as a long string.
+pub(crate) fn from_header(value: &Bytes, ty: Option<&str>) -> AMQPValue {
+    let text = std::str::from_utf8(value).ok();
+    let parsed = match (ty, text) {
+        (Some("bool"), Some(t)) => t.parse().ok().map(AMQPValue::Boolean),
+        (Some("i8"), Some(t)) => t.parse().ok().map(AMQPValue::ShortShortInt),
+        (Some("u8"), Some(t)) => t.parse().ok().map(AMQPValue::ShortShortUInt),
+        (Some("i16"), Some(t)) => t.parse().ok().map(AMQPValue::ShortInt),
+        (Some("u16"), Some(t)) => t.parse().ok().map(AMQPValue::ShortUInt),
+        (Some("i32"), Some(t)) => t.parse().ok().map(AMQPValue::LongInt),
+        (Some("u32"), Some(t)) => t.parse().ok().map(AMQPValue::LongUInt),
+        (Some("i64"), Some(t)) => t.parse().ok().map(AMQPValue::LongLongInt),
+        (Some("f32"), Some(t)) => t.parse().ok().map(AMQPValue::Float),
+        (Some("f64"), Some(t)) => t.parse().ok().map(AMQPValue::Double),
+        (Some("timestamp"), Some(t)) => t.parse().ok().map(AMQPValue::Timestamp),
+        (Some("bytes"), _) => Some(AMQPValue::ByteArray(value.to_vec().into())),
+        _ => None,
+    };
+    parsed.unwrap_or_else(|| AMQPValue::LongString(LongString::from(value.to_vec())))
+}
+
+/// Inserts a string-valued header.
+pub(crate) fn put_str(table: &mut FieldTable, name: &str, value: &str) {
+    table.insert(
+        ShortString::from(name.to_string()),
+        AMQPValue::LongString(value.into()),
+    );
+}
+
+/// Reads an integer header of any width (RabbitMQ's `x-delivery-count` is a long, a client
+/// may write a long long).
+pub(crate) fn get_u64(table: &FieldTable, name: &str) -> Option<u64> {
+    match table.inner().get(name)? {
+        AMQPValue::ShortShortUInt(n) => Some(u64::from(*n)),
+        AMQPValue::ShortUInt(n) => Some(u64::from(*n)),
+        AMQPValue::LongUInt(n) => Some(u64::from(*n)),
+        AMQPValue::ShortShortInt(n) => u64::try_from(*n).ok(),
+        AMQPValue::ShortInt(n) => u64::try_from(*n).ok(),
+        AMQPValue::LongInt(n) => u64::try_from(*n).ok(),
+        AMQPValue::LongLongInt(n) => u64::try_from(*n).ok(),
+        AMQPValue::Timestamp(n) => Some(*n),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn typed_values_keep_their_type_and_come_back_typed() {
+        let mut t = FieldTable::default();
+        t.insert("n".into(), AMQPValue::LongInt(-7));
+        t.insert("ok".into(), AMQPValue::Boolean(true));
+        t.insert("s".into(), AMQPValue::LongString("text".into()));
+        let mut h = Headers::new();
+        table_to_headers(&t, &mut h);
+        assert_eq!(h.get_str("n"), Some("-7"));
+        assert_eq!(h.get_str(&props::type_of("n")), Some("i32"));
+        assert_eq!(h.get_str(&props::type_of("s")), None);
+        let back = from_header(h.get("n").unwrap(), h.get_str(&props::type_of("n")));
+        assert_eq!(back, AMQPValue::LongInt(-7));
+        let back = from_header(h.get("ok").unwrap(), Some("bool"));
+        assert_eq!(back, AMQPValue::Boolean(true));
+    }
+
+    #[test]
+    fn tables_render_as_text() {
+        let mut inner = FieldTable::default();
+        inner.insert("count".into(), AMQPValue::LongLongInt(2));
+        inner.insert("queue".into(), AMQPValue::LongString("q".into()));
+        let v = AMQPValue::FieldArray(vec![AMQPValue::FieldTable(inner)].into());
+        let (text, ty) = to_header(&v);
+        assert_eq!(&text[..], br#"[{"count":2,"queue":"q"}]"#);
+        assert_eq!(ty, Some("array"));
+    }
+}
