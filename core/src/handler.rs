@@ -3,6 +3,20 @@
 //! Dedup, heartbeats, metrics and tracing wrap it (the engine); the handler itself only
 //! performs the effect. Any `Fn(ClaimedMessage) -> impl Future<Output = HandlerResult>`
 //! closure is a handler.
+//!
+//! Struct handlers implement [`Handler`] with the re-exported [`async_trait`] attribute; no
+//! dependency of your own is needed:
+//!
+//! ```
+//! use idemq_core::{async_trait, Bytes, ClaimedMessage, Handler, HandlerResult};
+//! struct Receipts;
+//! #[async_trait]
+//! impl Handler for Receipts {
+//!     async fn handle(&self, msg: ClaimedMessage) -> HandlerResult {
+//!         Ok(Some(Bytes::from(format!("receipt for {}", msg.key))))
+//!     }
+//! }
+//! ```
 
 use crate::envelope::Envelope;
 use crate::key::DedupKey;
@@ -121,9 +135,15 @@ pub struct ClaimedMessage {
     pub token: FencingToken,
     /// 1 on the first acquisition, more after failures and takeovers.
     pub attempt: u32,
-    /// True when a crashed worker's lease was taken over: the effect may be half done, so
-    /// handlers with external effects should check before repeating them.
+    /// True when an earlier attempt may have started effects: a crashed worker's expired
+    /// lease was taken over, or an earlier run here was cut off (panic, `handler_timeout`,
+    /// lost lease) and its lease left to expire. A run after a clean failure (the handler
+    /// returned an error; the key was released) says false. Handlers with external effects
+    /// should check before repeating them.
     pub takeover: bool,
+    /// How long the completed record is kept: what an in-transaction completion
+    /// (`idemq_sql`'s `complete_in_tx`) must store, the consumer's own setting.
+    pub retention: std::time::Duration,
     /// Whether this worker still holds the key (see [`LeaseWatch`]).
     pub lease: LeaseWatch,
 }
@@ -144,8 +164,15 @@ impl ClaimedMessage {
             token,
             attempt,
             takeover,
+            retention: std::time::Duration::from_secs(7 * 24 * 3600),
             lease,
         }
+    }
+
+    /// Sets the retention an in-transaction completion stores (builder form).
+    pub fn with_retention(mut self, retention: std::time::Duration) -> Self {
+        self.retention = retention;
+        self
     }
 }
 

@@ -27,6 +27,10 @@ pub mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
 
+/// The attribute for implementing [`Handler`] (and the other async traits) on your types.
+pub use async_trait::async_trait;
+/// The byte buffer of payloads and stored results.
+pub use bytes::Bytes;
 pub use engine::{
     ConsumerConfig, ConsumerError, ConsumerStats, DeliveryOrder, IdempotentConsumer, RetryPolicy,
 };

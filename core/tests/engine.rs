@@ -245,7 +245,7 @@ async fn a_store_that_stays_down_after_the_effect_means_no_ack() {
 }
 
 #[tokio::test]
-async fn a_handler_over_its_timeout_is_cancelled_released_and_retried() {
+async fn a_handler_over_its_timeout_is_cancelled_and_retried_as_a_takeover() {
     let broker = MemoryBroker::new();
     broker.publish(payment("hangs-once"));
     let effects: Effects = Arc::default();
@@ -277,7 +277,11 @@ async fn a_handler_over_its_timeout_is_cancelled_released_and_retried() {
         vec![1]
     );
     assert_eq!(c.stats().retried, 1);
-    assert_eq!(c.stats().takeovers, 0, "released, not left to expire");
+    assert_eq!(
+        c.stats().takeovers,
+        1,
+        "cut off mid-effect: its lease is left to expire, so the retry is a takeover"
+    );
 }
 
 #[tokio::test]

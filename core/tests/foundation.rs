@@ -439,3 +439,63 @@ async fn a_handler_whose_lease_runs_out_is_told_and_cancelled_before_its_effect(
         "the first attempt is cut off before its effect; the retry applies it once"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_timeout_the_redelivery_says_takeover_and_after_a_clean_failure_it_does_not() {
+    let broker = MemoryBroker::new();
+    for k in ["timed-out", "failed-cleanly"] {
+        broker.publish(
+            Envelope::new(BrokerKind::Memory, "orders", k).with_header("x-idempotency-key", k),
+        );
+    }
+    let seen: Arc<Mutex<Vec<(String, u32, bool)>>> = Arc::default();
+    let s2 = seen.clone();
+    let consumer = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        keys(),
+        move |m: ClaimedMessage| {
+            let seen = s2.clone();
+            async move {
+                let k = String::from_utf8_lossy(&m.envelope.payload).to_string();
+                seen.lock()
+                    .expect("lock")
+                    .push((k.clone(), m.attempt, m.takeover));
+                if m.attempt == 1 {
+                    if k == "timed-out" {
+                        // Cut off mid-effect by the handler timeout.
+                        tokio::time::sleep(Duration::from_secs(5)).await;
+                    } else {
+                        return Err(HandlerError::retryable("clean failure, nothing done"));
+                    }
+                }
+                Ok(None)
+            }
+        },
+    )
+    .with_config(ConsumerConfig {
+        lease: Duration::from_millis(400),
+        handler_timeout: Some(Duration::from_millis(100)),
+        ..quick()
+    });
+    let mut src = broker.subscribe();
+    tokio::time::timeout(Duration::from_secs(20), consumer.run_until_idle(&mut src))
+        .await
+        .expect("finishes")
+        .expect("run");
+    let seen = seen.lock().expect("lock").clone();
+    let second = |k: &str| {
+        seen.iter()
+            .find(|(key, a, _)| key == k && *a == 2)
+            .map(|(_, _, t)| *t)
+    };
+    assert_eq!(
+        second("timed-out"),
+        Some(true),
+        "a cut-off attempt may have half-done effects: the retry must say takeover ({seen:?})"
+    );
+    assert_eq!(
+        second("failed-cleanly"),
+        Some(false),
+        "a clean failure released the key: no takeover ({seen:?})"
+    );
+}

@@ -81,6 +81,9 @@ enum Verdict {
     Done(Option<Bytes>),
     /// The handler failed: give the key back and settle so.
     Failed(Settlement, String),
+    /// The handler was cut off (panic, timeout, lost lease): its effect may be half done.
+    /// The key is not released, so the next run is a takeover and says so (`takeover`).
+    CutOff(Settlement, String),
     /// Not run: an earlier message of its lane was sent back with this delay.
     NotRun(Duration),
 }
@@ -357,7 +360,8 @@ impl<H: Handler> IdempotentConsumer<H> {
                             lease.attempt,
                             lease.takeover,
                             watch,
-                        );
+                        )
+                        .with_retention(self.cfg.retention);
                         let job = Job { index, msg };
                         match item.lane.as_ref().and_then(|l| lane_slot.get(l)) {
                             Some(&slot) => lanes[slot].rest.push(job),
@@ -463,7 +467,9 @@ impl<H: Handler> IdempotentConsumer<H> {
                     let span = tracing::info_span!("idemq.handle", broker = %msg.envelope.broker, source = %msg.envelope.source.name, key = %msg.key, attempt);
                     let res = run_handler(handler, msg, limit).instrument(span).await;
                     let v = verdict(res, attempt, retry, max_result);
-                    if let Verdict::Failed(Settlement::Nack(d), _) = &v {
+                    if let Verdict::Failed(Settlement::Nack(d), _)
+                    | Verdict::CutOff(Settlement::Nack(d), _) = &v
+                    {
                         hold = Some(*d);
                     }
                     out.push((index, v));
@@ -498,7 +504,11 @@ impl<H: Handler> IdempotentConsumer<H> {
                 }
                 Verdict::Failed(how, why) => {
                     tracing::warn!(key = %item.key, attempt = lease.attempt, error = %why, "handler failed");
-                    self.give_back(live, item, lease.token, how).await;
+                    self.give_back(live, item, Some(lease.token), how).await;
+                }
+                Verdict::CutOff(how, why) => {
+                    tracing::warn!(key = %item.key, attempt = lease.attempt, error = %why, "handler cut off; its lease is left to expire so the next run is a takeover");
+                    self.give_back(live, item, None, how).await;
                 }
                 Verdict::NotRun(delay) => {
                     live.remove(item.index);
@@ -638,7 +648,7 @@ impl<H: Handler> IdempotentConsumer<H> {
             &format!("the dedup store refused its completion: {e}"),
         );
         tracing::warn!(key = %item.key, error = %e, "completion refused for this key");
-        self.give_back(live, item, lease.token, how).await;
+        self.give_back(live, item, Some(lease.token), how).await;
         false
     }
 
@@ -736,10 +746,19 @@ impl<H: Handler> IdempotentConsumer<H> {
         }
     }
 
-    /// A failed message: stop heartbeating its key, release it, and reject or nack.
-    async fn give_back(&self, live: &LiveLeases, item: Item, token: FencingToken, how: Settlement) {
+    /// A failed message: stop heartbeating its key, release it (unless `token` is `None`:
+    /// a cut-off handler's key waits out its lease), and reject or nack.
+    async fn give_back(
+        &self,
+        live: &LiveLeases,
+        item: Item,
+        token: Option<FencingToken>,
+        how: Settlement,
+    ) {
         live.remove(item.index);
-        self.release(&item.key, token).await;
+        if let Some(token) = token {
+            self.release(&item.key, token).await;
+        }
         match how {
             Settlement::Reject(reason) => self.dead_letter(item, reason).await,
             other => self.settle_item(item, other, Outcome::RETRIED).await,
@@ -925,7 +944,7 @@ fn verdict(
         }
         Err(failure) => {
             let why = failure.to_string();
-            Verdict::Failed(
+            Verdict::CutOff(
                 retry_or_give_up(retry, attempt, retry.delay(attempt), &why),
                 why,
             )

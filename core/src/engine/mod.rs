@@ -20,7 +20,8 @@
 //! | payload conflict | – | reject with reason |
 //! | handler ok, completion durable | complete | ack |
 //! | handler ok, lease lost (fenced) | – | nack |
-//! | handler retryable error / panic / timeout / lease lost | release | nack after the retry policy's delay; reject once attempts are exhausted |
+//! | handler retryable error | release | nack after the retry policy's delay; reject once attempts are exhausted |
+//! | handler panic / timeout / lease lost (cut off: its effect may be half done) | – (the lease runs out, so the next run is a takeover with `takeover == true`) | as above |
 //! | handler permanent error | release | reject with reason |
 //! | delivery gone stale (partition revoked) | release | – (the settle is ignored) |
 //! | store unavailable | – | nack after back-off |
