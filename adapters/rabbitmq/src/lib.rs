@@ -64,7 +64,7 @@ mod source;
 mod topology;
 
 pub use publisher::{route, RabbitPublisher, PLUGIN_DEDUP_HEADER};
-pub use source::{RabbitSource, RabbitSourceConfig, DLQ_QUEUE, DLQ_REASON, RETRIES};
+pub use source::{to_envelope, RabbitSource, RabbitSourceConfig, DLQ_QUEUE, DLQ_REASON, RETRIES};
 pub use topology::{
     declare_dedup_exchange, declare_dedup_queue, detect_dedup_plugin, retry_queue_name, retry_tier,
     DedupExchange, DedupPlugin, QueueType, DEDUP_EXCHANGE_TYPE, DEDUP_PLUGIN,

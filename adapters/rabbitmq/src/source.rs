@@ -403,15 +403,23 @@ async fn open_session(shared: &Shared) -> Result<Session, RabbitError> {
     })
 }
 
-/// The envelope of a lapin delivery.
-fn to_envelope(
-    cfg: &RabbitSourceConfig,
+/// The envelope of a delivery (or a `basic.get`) from `queue`: `message_id` as message id
+/// and key, AMQP properties under the reserved [`props`] names, headers with their types,
+/// `redelivered`, and `delivery_count` from `x-delivery-count` plus retry-queue round trips.
+pub fn to_envelope(queue: &str, delivery: &lapin::message::Delivery) -> Envelope {
+    let payload = Bytes::copy_from_slice(&delivery.data);
+    envelope_of(queue, None, delivery, payload).0
+}
+
+fn envelope_of(
+    queue: &str,
+    cluster: Option<&String>,
     d: &lapin::message::Delivery,
     payload: Bytes,
 ) -> (Envelope, u64) {
     let p = &d.properties;
-    let mut env = Envelope::new(BrokerKind::RabbitMq, cfg.queue.clone(), payload);
-    env.source.cluster = cfg.cluster.clone();
+    let mut env = Envelope::new(BrokerKind::RabbitMq, queue, payload);
+    env.source.cluster = cluster.cloned();
     env.source.position = Some(Position::DeliveryTag(d.delivery_tag));
     env.redelivered = d.redelivered;
     if let Some(id) = p.message_id() {
@@ -523,7 +531,8 @@ async fn pump(
             }
         };
         let payload = Bytes::from(d.data.clone());
-        let (env, retries) = to_envelope(&shared.cfg, &d, payload.clone());
+        let cfg = &shared.cfg;
+        let (env, retries) = envelope_of(&cfg.queue, cfg.cluster.as_ref(), &d, payload.clone());
         let raw = Arc::new(Raw {
             properties: d.properties.clone(),
             payload,

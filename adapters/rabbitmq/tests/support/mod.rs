@@ -1,0 +1,81 @@
+//! What the RabbitMQ tests share: the broker URL (or a skip), fresh queue names, sources,
+//! publishers, and a reader for a queue's messages.
+#![allow(dead_code)]
+
+use idemq_core::Envelope;
+use idemq_rabbitmq::lapin::options::{BasicGetOptions, QueueDeleteOptions};
+use idemq_rabbitmq::lapin::{Connection, ConnectionProperties};
+use idemq_rabbitmq::{QueueType, RabbitPublisher, RabbitSource, RabbitSourceConfig};
+
+/// `IDEMQ_TEST_AMQP_URL`; `None` skips the test unless `IDEMQ_REQUIRE_SERVERS=1`.
+pub fn amqp_url() -> Option<String> {
+    let url = std::env::var("IDEMQ_TEST_AMQP_URL")
+        .ok()
+        .filter(|u| !u.is_empty());
+    if url.is_none() {
+        assert_ne!(
+            std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref(),
+            Ok("1"),
+            "IDEMQ_REQUIRE_SERVERS=1 but IDEMQ_TEST_AMQP_URL is not set (scripts/servers.sh env)"
+        );
+        eprintln!("skipped: IDEMQ_TEST_AMQP_URL is not set");
+    }
+    url
+}
+
+/// A queue name of this run only.
+pub fn fresh_queue(what: &str) -> String {
+    format!("idemq-test.{what}.{:08x}", rand::random::<u32>())
+}
+
+/// Settings for tests: small prefetch, quick reconnects.
+pub fn config(url: &str, queue: &str, kind: QueueType) -> RabbitSourceConfig {
+    let mut c = RabbitSourceConfig::new(url, queue)
+        .declare(kind)
+        .prefetch(32);
+    c.reconnect_max = std::time::Duration::from_secs(1);
+    c
+}
+
+pub async fn source(cfg: RabbitSourceConfig) -> RabbitSource {
+    let q = cfg.queue.clone();
+    RabbitSource::connect(cfg)
+        .await
+        .unwrap_or_else(|e| panic!("consume {q}: {e}"))
+}
+
+pub async fn publisher(url: &str) -> RabbitPublisher {
+    RabbitPublisher::connect(url).await.expect("publisher")
+}
+
+pub async fn connection(url: &str) -> Connection {
+    let props = ConnectionProperties::default()
+        .with_executor(tokio_executor_trait::Tokio::current())
+        .with_reactor(tokio_reactor_trait::Tokio);
+    Connection::connect(url, props)
+        .await
+        .expect("test connection")
+}
+
+/// Takes every message now in `queue` (`basic.get`, auto-ack).
+pub async fn take_all(url: &str, queue: &str) -> Vec<Envelope> {
+    let conn = connection(url).await;
+    let ch = conn.create_channel().await.expect("channel");
+    let mut out = Vec::new();
+    let opts = BasicGetOptions { no_ack: true };
+    while let Ok(Some(m)) = ch.basic_get(queue, opts).await {
+        out.push(idemq_rabbitmq::to_envelope(queue, &m.delivery));
+    }
+    let _ = conn.close(200, "done").await;
+    out
+}
+
+/// Deletes queues left by a test.
+pub async fn delete_queues(url: &str, queues: &[String]) {
+    let conn = connection(url).await;
+    let ch = conn.create_channel().await.expect("channel");
+    for q in queues {
+        let _ = ch.queue_delete(q, QueueDeleteOptions::default()).await;
+    }
+    let _ = conn.close(200, "done").await;
+}
