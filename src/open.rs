@@ -21,7 +21,11 @@ pub enum OpenStoreError {
     #[error("`{0}` is not a store URL: expected e.g. sqlite://idemq.db, postgres://host/db, mysql://host/db, redis://host/ or memory://")]
     NotAUrl(String),
     /// The scheme is not one idemq knows.
-    #[error("unknown store URL scheme `{scheme}`: use one of {}", list_schemes())]
+    #[error(
+        "unknown store URL scheme `{scheme}`: {}use one of {}",
+        did_you_mean(scheme),
+        list_schemes()
+    )]
     UnknownScheme {
         /// The scheme given.
         scheme: String,
@@ -37,6 +41,33 @@ pub enum OpenStoreError {
     /// The store refused to open.
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// `did you mean `postgres://`? ` for a scheme one or two edits away from a known one.
+fn did_you_mean(scheme: &str) -> String {
+    SUPPORTED_SCHEMES
+        .iter()
+        .chain(&[("rediss", "redis")])
+        .map(|(s, _)| (edit_distance(scheme, s), *s))
+        .filter(|(d, _)| *d <= 2)
+        .min()
+        .map(|(_, s)| format!("did you mean `{s}://`? "))
+        .unwrap_or_default()
+}
+
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut row: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut prev = row[0];
+        row[0] = i + 1;
+        for (j, cb) in b.iter().enumerate() {
+            let cur = row[j + 1];
+            row[j + 1] = (prev + usize::from(ca != *cb)).min(row[j] + 1).min(cur + 1);
+            prev = cur;
+        }
+    }
+    row[b.len()]
 }
 
 fn list_schemes() -> String {
@@ -128,6 +159,19 @@ mod tests {
             msg.contains("mongodb") && msg.contains("sqlite://") && msg.contains("redis://"),
             "{msg}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_misspelt_scheme_gets_a_suggestion() {
+        let msg = open_store("postgress://u:secret@localhost/db")
+            .await
+            .err()
+            .expect("error")
+            .to_string();
+        assert!(msg.contains("did you mean `postgres://`?"), "{msg}");
+        assert!(!msg.contains("secret"), "{msg}");
+        let far = open_store("cassandra://x").await.err().expect("error");
+        assert!(!far.to_string().contains("did you mean"), "{far}");
     }
 
     #[tokio::test]

@@ -29,11 +29,14 @@
 #[cfg(feature = "bloom")]
 mod bloom;
 pub mod codec;
+mod errors;
 mod lua;
+mod sniff;
 mod store;
 
 #[cfg(feature = "bloom")]
 pub use bloom::{redisbloom_loaded, RedisBloomFilter};
+pub use errors::{handler_error, is_retryable_redis_error, RedisResultExt, REDIS_SCHEMES};
 pub use store::{
     map_redis_error, validate_prefix, RedisStore, RedisStoreBuilder, RedisStoreOptions,
     DEFAULT_COMPLETED_GRACE, DEFAULT_IN_PROGRESS_GRACE, DEFAULT_MAX_KEYS_PER_SCRIPT,

@@ -266,10 +266,30 @@ impl RedisStoreBuilder {
 
     /// Validates the configuration, connects (a [`ConnectionManager`] of its own, which
     /// reconnects after a Redis restart) and loads the scripts.
+    ///
+    /// Startup fails at once with a [`StoreError::Config`] naming what to fix on a scheme
+    /// other than `redis://`, `rediss://`, `redis+unix://`, `unix://`; on `rediss://` when
+    /// the `redis` crate was built without TLS (the message names the cargo feature); on a
+    /// refused connection (host and port named); on a port where PostgreSQL or MySQL
+    /// answers (named); on a refused login. A first `PING` on a connection of its own
+    /// checks all this before the reconnecting manager is built.
+    ///
+    /// ```
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// let err = idemq_redis::RedisStore::builder("reddis://localhost/").connect().await.unwrap_err();
+    /// assert!(err.to_string().contains("use redis://"));
+    /// # });
+    /// ```
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
         let settings = self.settings()?;
-        let client = redis::Client::open(self.url.as_str())
-            .map_err(|e| StoreError::Config(format!("invalid Redis URL: {e}")))?;
+        let client = crate::errors::open_client(&self.url)?;
+        crate::errors::probe(
+            &client,
+            &self.url,
+            self.opts.connect_timeout,
+            self.opts.response_timeout,
+        )
+        .await?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(self.opts.connect_timeout)
             .set_response_timeout(self.opts.response_timeout)

@@ -40,17 +40,22 @@
 #![warn(missing_docs)]
 
 mod backend;
+mod claimed;
 mod entity;
+mod errors;
 mod ident;
 pub mod migrate;
 mod outbox;
 mod queries;
+mod sniff;
 mod store;
 
 pub use backend::{map_sqlx_error, Dialect, SqlBackend};
 #[doc(hidden)]
 pub use backend::{ErrorClass, Kind, Row, Val};
+pub use claimed::{LeaseLost, MessageTx};
 pub use entity::{EntityId, StateMachine, Transition, VersionOutcome, VersionedEntity};
+pub use errors::{handler_error, is_retryable_sqlx_error, SqlResultExt};
 pub use ident::{is_valid_ident, ColumnName, Ident, TableName, DEFAULT_TABLE, MAX_IDENT_LEN};
 pub use outbox::{
     Enqueued, Outbox, OutboxCounts, OutboxEntry, OutboxError, OutboxOptions, OutboxRelay,

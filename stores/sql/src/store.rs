@@ -68,6 +68,10 @@ pub struct SqlStoreOptions {
     pub acquire_timeout: Duration,
     /// SQLite only: how long a statement waits for another writer's lock (default 5 s).
     pub busy_timeout: Duration,
+    /// PostgreSQL and MySQL: how long [`SqlStore::connect`]'s first connection may take
+    /// before startup fails (default 5 s). A refused connection fails at once, naming the
+    /// host and port, whatever this says.
+    pub connect_timeout: Duration,
     /// SQLite only: durability of commits (default [`SqliteSynchronous::Full`]).
     pub sqlite_synchronous: SqliteSynchronous,
     /// The most keys written by one statement; larger batches are split (default 500).
@@ -83,6 +87,7 @@ impl Default for SqlStoreOptions {
             max_connections: 10,
             acquire_timeout: Duration::from_secs(10),
             busy_timeout: Duration::from_secs(5),
+            connect_timeout: Duration::from_secs(5),
             sqlite_synchronous: SqliteSynchronous::Full,
             max_batch: 500,
         }
@@ -540,14 +545,27 @@ impl<DB: SqlBackend> SqlStore<DB> {
             });
             let rows = retry_now!(
                 "claim read-back",
-                DB::fetch(conn, &sql, args(), RECORD_KINDS)
+                DB::fetch(conn, &sql, args(), READ_BACK_KINDS)
             )?;
             drop(args);
+            // The rows come with the database's clock: the records are judged by
+            // `evaluate_claim` at the store's time, like the statement that skipped them.
+            let mut now = None;
             let mut found: HashMap<String, StoredRecord> = HashMap::with_capacity(rows.len());
             for row in &rows {
                 let s = decode_record(row)?;
+                now = Some(
+                    row.i64(RECORD_KINDS.len())
+                        .map_err(|reason| StoreError::Corrupt {
+                            key: s.rec.key.as_str().to_owned(),
+                            reason,
+                        })?,
+                );
                 found.insert(s.rec.key.as_str().to_owned(), s);
             }
+            // No row at all: every key was deleted in between, and a missing record is
+            // claimed afresh whatever the time.
+            let now = now.unwrap_or(0);
             let mut retry = Vec::new();
             for i in rest {
                 let req = &reqs[i];
@@ -916,6 +934,7 @@ mod sqlite_connect {
         /// use WAL journaling and [`SqlStoreOptions::busy_timeout`]; migrations run unless
         /// disabled.
         pub async fn connect(url: &str, options: SqlStoreOptions) -> Result<Self, StoreError> {
+            crate::errors::check_scheme(url, "SqliteStore", &["sqlite"], OTHER_STORES)?;
             let mut co = SqliteConnectOptions::from_str(url).map_err(|e| {
                 StoreError::Config(format!("invalid SQLite URL `{url}`: {e} (expected e.g. sqlite://idemq.db or sqlite::memory:)"))
             })?;
@@ -955,16 +974,40 @@ mod sqlite_connect {
 #[cfg(feature = "postgres")]
 mod postgres_connect {
     use super::*;
-    use sqlx::postgres::{PgPoolOptions, Postgres};
+    use crate::errors::{check_scheme, probe};
+    use crate::sniff::{endpoint, Server};
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions, Postgres};
+    use std::str::FromStr;
 
     impl SqlStore<Postgres> {
-        /// Connects to PostgreSQL (`postgres://user:pass@host:port/db`) and runs the
-        /// migrations unless disabled.
+        /// Connects to PostgreSQL (`postgres://user:pass@host:port/db`, or `postgresql://`)
+        /// and runs the migrations unless disabled.
+        ///
+        /// Startup fails at once, with a [`StoreError::Config`] naming what to fix, on
+        /// another scheme, on a refused connection (host and port named), on a port where
+        /// another server answers (named), and on a refused login; a server that accepts the
+        /// connection but does not answer within [`SqlStoreOptions::connect_timeout`] is
+        /// [`StoreError::Unavailable`].
+        ///
+        /// ```
+        /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+        /// let err = idemq_sql::PgStore::connect("postgress://localhost/db", Default::default())
+        ///     .await
+        ///     .unwrap_err();
+        /// assert!(err.to_string().contains("postgres:// or postgresql://"));
+        /// # });
+        /// ```
         pub async fn connect(url: &str, options: SqlStoreOptions) -> Result<Self, StoreError> {
+            check_scheme(url, "PgStore", &["postgres", "postgresql"], OTHER_STORES)?;
+            let co = PgConnectOptions::from_str(url).map_err(|e| {
+                StoreError::Config(format!("invalid PostgreSQL URL `{}`: {e}", redact(url)))
+            })?;
+            let ep = endpoint(url, 5432);
+            probe::<Postgres>(&co, ep.as_ref(), Server::Postgres, options.connect_timeout).await?;
             let pool = PgPoolOptions::new()
                 .max_connections(options.max_connections.max(1))
                 .acquire_timeout(options.acquire_timeout)
-                .connect(url)
+                .connect_with(co)
                 .await
                 .map_err(|e| {
                     map_sqlx_error::<Postgres>(&format!("connect to {}", redact(url)), e)
@@ -977,26 +1020,54 @@ mod postgres_connect {
 #[cfg(feature = "mysql")]
 mod mysql_connect {
     use super::*;
-    use sqlx::mysql::{MySql, MySqlPoolOptions};
+    use crate::errors::{check_scheme, probe};
+    use crate::sniff::{endpoint, Server};
+    use sqlx::mysql::{MySql, MySqlConnectOptions, MySqlPoolOptions};
+    use std::str::FromStr;
 
     impl SqlStore<MySql> {
         /// Connects to MySQL or MariaDB (`mysql://user:pass@host:port/db`; `mariadb://` is
         /// accepted too) and runs the migrations unless disabled.
+        ///
+        /// Startup errors name what to fix, as for [`SqlStore::<Postgres>::connect`]:
+        /// another scheme, a refused connection, another server on the port (a MySQL
+        /// client waits for a greeting a PostgreSQL or Redis server never sends, so that
+        /// case takes [`SqlStoreOptions::connect_timeout`]), a refused login.
+        ///
+        /// ```
+        /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+        /// let err = idemq_sql::MySqlStore::connect("postgres://localhost/db", Default::default())
+        ///     .await
+        ///     .unwrap_err();
+        /// assert!(err.to_string().contains("mysql:// or mariadb://"));
+        /// # });
+        /// ```
         pub async fn connect(url: &str, options: SqlStoreOptions) -> Result<Self, StoreError> {
-            let url = match url.strip_prefix("mariadb://") {
-                Some(rest) => format!("mysql://{rest}"),
-                None => url.to_owned(),
+            check_scheme(url, "MySqlStore", &["mysql", "mariadb"], OTHER_STORES)?;
+            let url = match url.split_once("://") {
+                Some((s, rest)) if s.eq_ignore_ascii_case("mariadb") => format!("mysql://{rest}"),
+                _ => url.to_owned(),
             };
+            let co = MySqlConnectOptions::from_str(&url).map_err(|e| {
+                StoreError::Config(format!("invalid MySQL URL `{}`: {e}", redact(&url)))
+            })?;
+            let ep = endpoint(&url, 3306);
+            probe::<MySql>(&co, ep.as_ref(), Server::MySql, options.connect_timeout).await?;
             let pool = MySqlPoolOptions::new()
                 .max_connections(options.max_connections.max(1))
                 .acquire_timeout(options.acquire_timeout)
-                .connect(&url)
+                .connect_with(co)
                 .await
                 .map_err(|e| map_sqlx_error::<MySql>(&format!("connect to {}", redact(&url)), e))?;
             Self::from_pool(pool, options).await
         }
     }
 }
+
+/// The stores to use for other URLs, for scheme errors.
+#[allow(dead_code)]
+const OTHER_STORES: &str = "PostgreSQL: PgStore with postgres://, MySQL/MariaDB: MySqlStore \
+     with mysql://, SQLite: SqliteStore with sqlite://, Redis: idemq-redis";
 
 /// Hides the password of a URL for messages.
 #[allow(dead_code)]

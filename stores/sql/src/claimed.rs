@@ -1,0 +1,169 @@
+//! Completing a claimed message in the business transaction, with what the engine knows.
+//!
+//! [`SqlStore::begin_for`] opens a transaction on the store's pool for one
+//! [`ClaimedMessage`]; the handler writes its effect through it, and
+//! [`MessageTx::commit`] completes the dedup record with the message's own key, fencing
+//! token and retention in the same transaction, then commits. The effect and the record
+//! commit together or not at all.
+//!
+//! When the completion answers [`CompleteOutcome::Fenced`] (this worker's lease was lost:
+//! another worker took the key over after it expired, or it was released), `commit` rolls
+//! the transaction back and returns a [`HandlerError::Retryable`] whose source is
+//! [`LeaseLost`]: nothing of this attempt is kept, the engine settles the delivery as a
+//! failure, and the redelivery meets the key's current owner (a duplicate once that owner
+//! completes). Dropping a [`MessageTx`] without committing (an early `?`) rolls back too.
+
+use crate::backend::SqlBackend;
+use crate::errors::handler_error;
+use crate::store::SqlStore;
+use bytes::Bytes;
+use idemq_core::{
+    ClaimedMessage, CompleteOutcome, DedupKey, FencingToken, HandlerError, HandlerResult,
+    StoreError,
+};
+use std::ops::{Deref, DerefMut};
+use std::time::Duration;
+
+/// This worker's lease on a key ended before its transaction committed; the transaction was
+/// rolled back (see [`MessageTx::commit`]).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "lease on `{key}` lost before the transaction committed (taken over by another worker \
+     after it expired, or released): rolled back, nothing of this attempt kept; the \
+     redelivery goes to the key's current owner"
+)]
+pub struct LeaseLost {
+    /// The key.
+    pub key: DedupKey,
+}
+
+/// A transaction on a [`SqlStore`]'s pool for one claimed message: write the effect through
+/// it (it dereferences to the connection: `execute(&mut *tx)`), then [`MessageTx::commit`].
+///
+/// ```no_run
+/// use idemq_core::{ClaimedMessage, HandlerResult};
+/// use idemq_sql::{sqlx, PgStore, SqlResultExt};
+///
+/// async fn apply(store: &PgStore, msg: ClaimedMessage) -> HandlerResult {
+///     let mut tx = store.begin_for(&msg).await?;
+///     sqlx::query("UPDATE accounts SET balance = balance + 100 WHERE id = 7")
+///         .execute(&mut *tx)
+///         .await
+///         .classify()?;
+///     tx.commit().await // completes with msg's key, token and retention, then commits
+/// }
+/// ```
+pub struct MessageTx<DB: SqlBackend> {
+    tx: sqlx::Transaction<'static, DB>,
+    store: SqlStore<DB>,
+    key: DedupKey,
+    token: FencingToken,
+    retention: Duration,
+}
+
+impl<DB: SqlBackend> std::fmt::Debug for MessageTx<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MessageTx")
+            .field("key", &self.key)
+            .field("token", &self.token)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: SqlBackend> Deref for MessageTx<DB> {
+    type Target = DB::Connection;
+    fn deref(&self) -> &DB::Connection {
+        &self.tx
+    }
+}
+
+impl<DB: SqlBackend> DerefMut for MessageTx<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        &mut self.tx
+    }
+}
+
+impl<DB: SqlBackend> MessageTx<DB> {
+    /// Completes the message with no stored result and commits (see
+    /// [`MessageTx::commit_with`]).
+    pub async fn commit(self) -> HandlerResult {
+        self.commit_with(None).await
+    }
+
+    /// Completes the message in this transaction, storing `result` (replayed to
+    /// duplicates), and commits; returns what the handler returns.
+    ///
+    /// Errors: [`LeaseLost`] as [`HandlerError::Retryable`] after a rollback when the lease
+    /// was lost; a failed commit classified by [`handler_error`] (a serialization failure
+    /// at commit is retryable).
+    pub async fn commit_with(mut self, result: Option<Bytes>) -> HandlerResult {
+        let outcome = self
+            .store
+            .complete_in_tx(
+                &mut *self.tx,
+                &self.key,
+                self.token,
+                result.as_deref(),
+                self.retention,
+            )
+            .await?;
+        match outcome {
+            CompleteOutcome::Completed => {
+                self.tx.commit().await.map_err(handler_error)?;
+                Ok(result)
+            }
+            CompleteOutcome::Fenced => {
+                if let Err(e) = self.tx.rollback().await {
+                    tracing::debug!(key = %self.key, error = %e, "rollback after a lost lease failed (the server rolls back on disconnect)");
+                }
+                Err(HandlerError::Retryable(LeaseLost { key: self.key }.into()))
+            }
+        }
+    }
+
+    /// Rolls back (dropping the transaction does too).
+    pub async fn rollback(self) -> Result<(), StoreError> {
+        self.tx
+            .rollback()
+            .await
+            .map_err(|e| crate::backend::map_sqlx_error::<DB>("rollback", e))
+    }
+
+    /// The message's key.
+    pub fn key(&self) -> &DedupKey {
+        &self.key
+    }
+}
+
+impl<DB: SqlBackend> SqlStore<DB> {
+    /// Opens a transaction on this store's pool for `msg`, to be completed with `msg`'s own
+    /// key, token and retention by [`MessageTx::commit`] (see the [module](self) docs for
+    /// the lost-lease case). The store handed to the consumer and the one the handler uses
+    /// may be clones of each other (cloning shares the pool).
+    pub async fn begin_for(&self, msg: &ClaimedMessage) -> Result<MessageTx<DB>, StoreError> {
+        let tx = self
+            .pool()
+            .begin()
+            .await
+            .map_err(|e| crate::backend::map_sqlx_error::<DB>("begin", e))?;
+        Ok(MessageTx {
+            tx,
+            store: self.clone(),
+            key: msg.key.clone(),
+            token: msg.token,
+            retention: msg.retention,
+        })
+    }
+
+    /// [`SqlStore::complete_in_tx`] with `msg`'s key, token and retention, in a transaction
+    /// of your own (on your own pool to the same database, for instance).
+    pub async fn complete_message_in_tx(
+        &self,
+        conn: &mut DB::Connection,
+        msg: &ClaimedMessage,
+        result: Option<&[u8]>,
+    ) -> Result<CompleteOutcome, StoreError> {
+        self.complete_in_tx(conn, &msg.key, msg.token, result, msg.retention)
+            .await
+    }
+}
