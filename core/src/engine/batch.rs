@@ -393,10 +393,21 @@ impl<H: Handler> IdempotentConsumer<H> {
                 Ok(ClaimOutcome::InFlight { until_ms }) => {
                     metrics::counter!(m::IN_FLIGHT_CONFLICTS, "group" => self.keys.group().as_str().to_string())
                         .increment(1);
-                    let wait =
+                    let wait = if super::lease::held_here(&item.key) {
+                        // Held by another engine of this process: it is usually done within
+                        // milliseconds, so come back soon, backing off per redelivery.
+                        let n = item
+                            .delivery
+                            .envelope
+                            .delivery_count
+                            .unwrap_or(1)
+                            .clamp(1, 16);
+                        (MIN_REDELIVERY_DELAY * (1 << (n - 1))).min(self.cfg.in_flight_delay_max)
+                    } else {
                         Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64)
                             .min(self.cfg.in_flight_delay_max)
-                            .max(MIN_REDELIVERY_DELAY);
+                            .max(MIN_REDELIVERY_DELAY)
+                    };
                     let wait = wait.max(held_for.unwrap_or_default());
                     self.settle_item(item, Settlement::Nack(wait), Outcome::IN_FLIGHT)
                         .await;

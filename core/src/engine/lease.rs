@@ -20,15 +20,54 @@ struct Slot {
 /// The leases a batch holds, one slot per item of the batch (empty for items not acquired),
 /// from the claim until their completion is durable or they are given back. One heartbeat
 /// renews all of them; each handler watches its own slot's lost flag.
+///
+/// While a batch lives its keys are also listed in [`held_here`], so that a copy of one of
+/// them meeting `InFlight` in another engine of this process comes back soon (the holder is
+/// next door and usually done in milliseconds) instead of after the whole lease.
 pub(crate) struct LiveLeases {
     slots: Vec<Option<Slot>>,
     flags: Arc<LeaseFlags>,
+}
+
+/// Keys held by live batches of this process, with a count (two engines may hold the same
+/// key one after the other within one batch's life).
+fn held_here_map() -> std::sync::MutexGuard<'static, std::collections::HashMap<DedupKey, u32>> {
+    static HELD: std::sync::OnceLock<std::sync::Mutex<std::collections::HashMap<DedupKey, u32>>> =
+        std::sync::OnceLock::new();
+    HELD.get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+}
+
+/// True when a live batch of this process holds `key`.
+pub(crate) fn held_here(key: &DedupKey) -> bool {
+    held_here_map().contains_key(key)
+}
+
+impl Drop for LiveLeases {
+    fn drop(&mut self) {
+        let mut held = held_here_map();
+        for s in self.slots.iter().flatten() {
+            if let Some(n) = held.get_mut(&s.key) {
+                *n -= 1;
+                if *n == 0 {
+                    held.remove(&s.key);
+                }
+            }
+        }
+    }
 }
 
 impl LiveLeases {
     /// Slots for a batch: `Some((key, token, until))` for each acquired item, by index.
     pub(crate) fn new(acquired: Vec<Option<(DedupKey, FencingToken, i64)>>) -> Self {
         let flags = LeaseFlags::new(acquired.len());
+        {
+            let mut held = held_here_map();
+            for (key, _, _) in acquired.iter().flatten() {
+                *held.entry(key.clone()).or_default() += 1;
+            }
+        }
         let slots = acquired
             .into_iter()
             .map(|a| {
