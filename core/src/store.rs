@@ -21,8 +21,10 @@
 //! starts afresh and [`DedupStore::purge_expired`] deletes it. A released record keeps its
 //! row (and its attempt count) with an ended lease.
 //!
-//! Time is milliseconds since the Unix epoch, read from the clock of the process running the
-//! store operation; lease margins must exceed the clock skew between workers.
+//! Time is milliseconds since the Unix epoch. Leases, retention and expiry are decided on the
+//! *store's* clock (the SQL database's own time, Redis `TIME` inside the scripts), so workers
+//! whose clocks disagree still agree on who holds a lease; [`Lease::until_ms`] and the record
+//! times are on that clock. ([`crate::MemoryStore`]'s store clock is its process's.)
 
 use crate::key::DedupKey;
 use async_trait::async_trait;
@@ -31,12 +33,25 @@ use sha2::{Digest, Sha256};
 use std::fmt;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-/// Milliseconds since the Unix epoch, now.
+/// Milliseconds since the Unix epoch, now, by this process's clock (plus the test skew of
+/// [`set_test_clock_skew_ms`], normally 0). Stores decide leases on *their own* clock (the
+/// database's, Redis `TIME`), never on this one.
 pub fn now_ms() -> i64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
         .unwrap_or(0)
+        .saturating_add(TEST_CLOCK_SKEW_MS.load(std::sync::atomic::Ordering::Relaxed))
+}
+
+static TEST_CLOCK_SKEW_MS: std::sync::atomic::AtomicI64 = std::sync::atomic::AtomicI64::new(0);
+
+/// Test hook: skews [`now_ms`] for the whole process by `ms` (negative: behind), to show that
+/// a client whose clock is wrong neither takes over a live lease nor sees a dead one as live.
+/// Every client-side clock read of idemq goes through [`now_ms`]. Not for production use.
+#[doc(hidden)]
+pub fn set_test_clock_skew_ms(ms: i64) {
+    TEST_CLOCK_SKEW_MS.store(ms, std::sync::atomic::Ordering::Relaxed);
 }
 
 /// A duration in whole milliseconds, saturating (stores keep `i64` millis).

@@ -8,14 +8,18 @@
 //! ```
 //!
 //! The identity part (token, payload hash, worker) comes first, so every rewrite keeps it
-//! as one substring. Times are milliseconds since the Unix epoch, read by the client
-//! process (`idemq_core::now_ms`) and passed to every script as `ARGV[1]`: the fresh-claim
-//! fast path writes whole records without a script, so scripts use the same clock.
+//! as one substring. Times are milliseconds since the Unix epoch on **the server's clock**:
+//! every script reads `TIME` itself (allowed in scripts since Redis 5, which replicate a
+//! script's effects, not the script; on 3.2/4 the prelude switches effects replication on),
+//! so consumers whose clocks disagree still agree on who holds a lease. `ARGV[1]` is unused
+//! (it carried the client's time once; kept so the argument layouts stay put).
 
 use std::sync::LazyLock;
 
 const PRELUDE: &str = r#"
-local now = tonumber(ARGV[1])
+if redis.replicate_commands then pcall(redis.replicate_commands) end
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local function fmt(n) return string.format('%d', n) end
 -- body: 'token|payload|wlen|worker|' (identity, kept by every rewrite); tail: result marker
 local function parse(v)
@@ -34,12 +38,12 @@ end
 /// over → fresh; lease ended, by crash or release → takeover whatever the payload;
 /// payload differs → conflict; completed → duplicate; else in flight).
 ///
-/// `KEYS` = the keys; `ARGV[1]` = now, `ARGV[2]` = in-progress grace ms; then per key its
+/// `KEYS` = the keys; `ARGV[1]` unused, `ARGV[2]` = in-progress grace ms; then per key its
 /// lease ms and the identity part of its fresh record,
 /// `i1|0|<token>|<payload hex or empty>|<worker len or empty>|<worker>|`.
 ///
-/// Reply: a flat list `[i, code, payload, ...]` naming only the keys that were *not*
-/// acquired fresh (`i` is the 1-based key index): code 1 re-acquired after release
+/// Reply: the server's time (the leases acquired end there plus their lease ms), then a
+/// flat list `[i, code, payload, ...]` naming only the keys that were *not* acquired fresh (`i` is the 1-based key index): code 1 re-acquired after release
 /// (payload attempt), 2 takeover (payload attempt), 3 duplicate (payload record), 4 in
 /// flight (payload lease end), 5 conflict (payload record), 6 the caller's own live lease
 /// under the same token, a retried claim (payload record), 9 unreadable value (payload
@@ -47,8 +51,8 @@ end
 const CLAIM_BODY: &str = r#"
 local grace = tonumber(ARGV[2])
 local nows = fmt(now)
-local out = {}
-local n = 0
+local out = { now }
+local n = 1
 for i = 1, #KEYS do
   local k = KEYS[i]
   local lease = tonumber(ARGV[1 + 2 * i])
@@ -96,7 +100,7 @@ end
 return out
 "#;
 
-/// `KEYS` = the keys; `ARGV[1]` = now, `ARGV[2]` = completed grace ms; then per key:
+/// `KEYS` = the keys; `ARGV[1]` unused, `ARGV[2]` = completed grace ms; then per key:
 /// token, retention ms, result field (`-` or `+<bytes>`). Reply: one integer per key,
 /// 1 completed (idempotent for the owning token), 0 fenced (another token, released, or
 /// gone), 9 unreadable value.
@@ -134,7 +138,7 @@ end
 return out
 "#;
 
-/// `KEYS[1]`; `ARGV` = now, token, in-progress grace ms. Reply 1 released, 0 fenced (not
+/// `KEYS[1]`; `ARGV` = unused, token, in-progress grace ms. Reply 1 released, 0 fenced (not
 /// the token's, completed, or already released), 9 unreadable.
 const RELEASE_BODY: &str = r#"
 local v = redis.pcall('GET', KEYS[1])
@@ -149,7 +153,8 @@ redis.call('SET', KEYS[1], nv, 'PX', tonumber(ARGV[3]))
 return 1
 "#;
 
-/// `KEYS[1]`; `ARGV` = now, token, lease ms, in-progress grace ms. Reply: new lease end,
+/// `KEYS[1]`; `ARGV` = unused, token, lease ms, in-progress grace ms. Reply: new lease end
+/// (server time),
 /// 0 fenced (not the token's, completed, or released), -1 unreadable. An ended lease not
 /// taken over still belongs to its token and can be extended.
 const EXTEND_BODY: &str = r#"
@@ -167,7 +172,7 @@ redis.call('SET', KEYS[1], nv, 'PX', lease + tonumber(ARGV[4]))
 return lu
 "#;
 
-/// `KEYS` = candidate keys from a SCAN; `ARGV` = now, how many may still be deleted.
+/// `KEYS` = candidate keys from a SCAN; `ARGV` = unused, how many may still be deleted.
 /// Deletes completed records whose retention ended; replies with the count.
 const PURGE_BODY: &str = r#"
 local lim = tonumber(ARGV[2])

@@ -134,7 +134,8 @@ pub struct RedisStoreOptions {
     /// `SCAN` work one `purge_expired` call may do, in slots examined (each `SCAN` counts
     /// its `COUNT`); default unlimited: one full sweep at most per call.
     pub purge_scan_budget: usize,
-    /// `SET NX GET` claim fast path on Redis >= 7.0 (default `true`).
+    /// `SET NX GET` claim fast path on Redis >= 7.0 (default `false`: it writes lease ends
+    /// from this process's clock; see [`RedisStoreBuilder::fast_claims`]).
     pub fast_claims: bool,
 }
 
@@ -151,7 +152,7 @@ impl Default for RedisStoreOptions {
             max_keys_per_script: DEFAULT_MAX_KEYS_PER_SCRIPT,
             scan_count: 1000,
             purge_scan_budget: usize::MAX,
-            fast_claims: true,
+            fast_claims: false,
         }
     }
 }
@@ -228,8 +229,15 @@ impl RedisStoreBuilder {
     /// used only when the server is Redis 7.0 or newer): fresh, duplicate, in-flight and
     /// conflict answers then cost what a raw `SET NX` costs, in one round trip; the keys
     /// whose record must be rewritten (takeover after a crash, retention over) go through
-    /// the claim script in a second round trip. `false`: every batch is one script call,
-    /// always one round trip, about 1.5x the server CPU per key.
+    /// the claim script in a second round trip. `false` (the default): every batch is one
+    /// script call, always one round trip, about 1.5x the server CPU per key.
+    ///
+    /// The fast path writes a fresh record, lease end included, before the server can be
+    /// asked the time, so its leases end by **this process's clock**, and it judges the
+    /// records it finds by that clock too; the scripts decide on the server's `TIME`. Turn it
+    /// on only where every consumer's clock is synchronised well within
+    /// `lease − heartbeat interval`: a consumer whose clock runs behind by more writes leases
+    /// that others see as already ended.
     pub fn fast_claims(mut self, on: bool) -> Self {
         self.opts.fast_claims = on;
         self
@@ -327,15 +335,13 @@ struct Settings {
 /// only ever created by `SET NX` and only ever changed by a Lua script, so every
 /// read-decide-write is atomic.
 ///
-/// - **claim** (batch = one round trip): a pipelined `SET key record NX GET PX ttl` per
-///   key. Nil = acquired fresh; otherwise the existing record comes back and
-///   [`idemq_core::evaluate_claim`] itself answers duplicate / in flight / conflict (a
-///   snapshot read: no write, nothing to race). Only the keys whose record must be
-///   rewritten — an expired lease to take over (attempt + 1), a completed record past its
-///   retention — go through the claim script, which applies the same rules atomically in
-///   Lua (a second round trip, on the crash-recovery path only). With
-///   [`fast_claims(false)`](RedisStoreBuilder::fast_claims), or on Redis < 7.0, every batch
-///   is one script call instead.
+/// - **claim** (batch = one round trip): one claim script call per batch (per hash-tag
+///   group), which applies [`idemq_core::evaluate_claim`]'s rules atomically in Lua at the
+///   server's `TIME`: `SET NX` for new keys, takeover of an ended lease (attempt + 1), a
+///   fresh lifecycle after retention, else duplicate / in flight / conflict. With the opt-in
+///   [`fast_claims(true)`](RedisStoreBuilder::fast_claims) on Redis >= 7.0, a pipelined
+///   `SET key record NX GET PX ttl` per key answers first (nil = acquired fresh; an existing
+///   record is judged by `evaluate_claim` locally) and only rewrites go through the script.
 /// - **complete**: compare-token-and-set, idempotent for the owning token, else `Fenced`;
 ///   **release**: compare-token, lease set to 0; **extend**: compare-token, new lease.
 ///   Batches are one script call per group with hash tags, in one pipeline.
@@ -344,9 +350,11 @@ struct Settings {
 ///   is claimable afresh exactly when its retention ends; the grace only keeps it around
 ///   for `get` / `purge_expired`. Redis deletes it by itself afterwards, so purging is
 ///   optional on Redis.
-/// - **time**: milliseconds since the epoch from this process's clock
-///   ([`idemq_core::now_ms`]), for the fast path and every script alike; as the contract
-///   says, lease margins must exceed the clock skew between workers.
+/// - **time**: milliseconds since the epoch on the **server's clock**: every script reads
+///   `TIME` itself, so consumers whose clocks disagree (by an hour, say) still agree on who
+///   holds a lease, and lease ends ([`Lease::until_ms`](idemq_core::Lease)) are server
+///   times. The opt-in fast path is the exception: it writes fresh leases by this process's
+///   clock (see [`RedisStoreBuilder::fast_claims`]).
 /// - **errors**: connection refused, IO and timeouts are [`StoreError::Unavailable`]; the
 ///   [`ConnectionManager`] reconnects in the background after a restart, and scripts are
 ///   reloaded after `NOSCRIPT`. A reply lost in a crash can leave a claim made and
@@ -464,6 +472,17 @@ impl RedisStore {
             "redis dedup store ready"
         );
         Ok(store)
+    }
+
+    /// The server's clock (`TIME`), in milliseconds since the Unix epoch: the clock leases
+    /// are decided on.
+    async fn server_now_ms(&self) -> Result<i64, StoreError> {
+        let mut con = self.conn.clone();
+        let (secs, micros): (i64, i64) = redis::cmd("TIME")
+            .query_async(&mut con)
+            .await
+            .map_err(store_err)?;
+        Ok(secs.saturating_mul(1000).saturating_add(micros / 1000))
     }
 
     async fn server_version(&self) -> Result<(u32, u32), StoreError> {
@@ -782,7 +801,6 @@ impl RedisStore {
         idx: &[usize],
         answers: &mut [Option<ClaimAnswer>],
     ) -> Result<(), StoreError> {
-        let now = now_ms();
         let parts: Vec<Vec<usize>> = self
             .partition(idx.iter().map(|&i| &reqs[i].key))
             .into_iter()
@@ -796,7 +814,8 @@ impl RedisStore {
                 for &i in part {
                     c.arg(self.redis_key(&reqs[i].key));
                 }
-                c.arg(now).arg(self.cfg.in_progress_grace_ms);
+                // ARGV[1] is unused: the script reads the server's `TIME`.
+                c.arg(0).arg(self.cfg.in_progress_grace_ms);
                 for &i in part {
                     let r = &reqs[i];
                     c.arg(leases[i]).arg(claim_identity(
@@ -810,6 +829,28 @@ impl RedisStore {
             .collect();
         let replies = self.eval_many(&lua::CLAIM, &cmds).await?;
         for (part, reply) in parts.iter().zip(&replies) {
+            // The reply starts with the server's time: the leases acquired end there.
+            let (now, vals) = match reply {
+                Value::Array(v) if v.len() % 3 == 1 => match Self::int(&v[0]) {
+                    Ok(now) => (now, &v[1..]),
+                    Err(e) => {
+                        for &i in part {
+                            answers[i] = Some(Err(StoreError::Backend(format!(
+                                "claim reply without the server's time: {e}"
+                            ))));
+                        }
+                        continue;
+                    }
+                },
+                other => {
+                    for &i in part {
+                        answers[i] = Some(Err(StoreError::Backend(format!(
+                            "unexpected claim reply {other:?}"
+                        ))));
+                    }
+                    continue;
+                }
+            };
             let lease = |i: usize, attempt: u32, takeover: bool| {
                 ClaimOutcome::Acquired(Lease {
                     token: tokens[i],
@@ -822,17 +863,6 @@ impl RedisStore {
             for &i in part {
                 answers[i] = Some(Ok(lease(i, 1, false)));
             }
-            let vals = match reply {
-                Value::Array(v) if v.len() % 3 == 0 => v,
-                other => {
-                    for &i in part {
-                        answers[i] = Some(Err(StoreError::Backend(format!(
-                            "unexpected claim reply {other:?}"
-                        ))));
-                    }
-                    continue;
-                }
-            };
             for t in vals.chunks_exact(3) {
                 let pos = match Self::int(&t[0]).map(usize::try_from) {
                     Ok(Ok(p)) if (1..=part.len()).contains(&p) => p,
@@ -968,7 +998,7 @@ impl DedupStore for RedisStore {
                 for &i in idx {
                     c.arg(self.redis_key(&items[i].key));
                 }
-                c.arg(now_ms()).arg(self.cfg.completed_grace_ms);
+                c.arg(0).arg(self.cfg.completed_grace_ms);
                 for &i in idx {
                     let it = &items[i];
                     c.arg(it.token.0)
@@ -1009,7 +1039,7 @@ impl DedupStore for RedisStore {
         c.arg(&lua::RELEASE.sha)
             .arg(1)
             .arg(self.redis_key(key))
-            .arg(now_ms())
+            .arg(0)
             .arg(token.0)
             .arg(self.cfg.in_progress_grace_ms);
         let v = self
@@ -1032,7 +1062,7 @@ impl DedupStore for RedisStore {
         c.arg(&lua::EXTEND.sha)
             .arg(1)
             .arg(self.redis_key(key))
-            .arg(now_ms())
+            .arg(0)
             .arg(token.0)
             .arg(clamp_ms(lease))
             .arg(self.cfg.in_progress_grace_ms);
@@ -1076,7 +1106,7 @@ impl DedupStore for RedisStore {
                 for k in &keys {
                     c.arg(k);
                 }
-                c.arg(now_ms()).arg(limit - purged);
+                c.arg(0).arg(limit - purged);
                 let v = self
                     .eval_many(&lua::PURGE, std::slice::from_ref(&c))
                     .await?;
@@ -1102,10 +1132,14 @@ impl DedupStore for RedisStore {
         stale_for: Duration,
         limit: usize,
     ) -> Result<Vec<DedupRecord>, StoreError> {
-        let cutoff = now_ms().saturating_sub(duration_ms(stale_for));
+        let mut con = self.conn.clone();
+        // Leases end on the server's clock: ask it.
+        let cutoff = self
+            .server_now_ms()
+            .await?
+            .saturating_sub(duration_ms(stale_for));
         let mut found: Vec<DedupRecord> = Vec::new();
         let mut cursor = 0u64;
-        let mut con = self.conn.clone();
         loop {
             let (next, keys) = self.scan_chunk(cursor).await?;
             if !keys.is_empty() {

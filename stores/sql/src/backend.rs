@@ -71,6 +71,33 @@ impl Dialect {
         }
     }
 
+    /// The database's own clock, in milliseconds since the Unix epoch: every lease, retention
+    /// and expiry of the dedup table is decided on it, never on a client's clock (a consumer
+    /// whose clock runs ahead would otherwise take over live leases). The value is fixed for
+    /// the whole statement, so one statement never sees two different "now"s.
+    ///
+    /// - PostgreSQL: `statement_timestamp()` (the current statement's start; `now()` would be
+    ///   the start of a long business transaction);
+    /// - MySQL/MariaDB: `UTC_TIMESTAMP(6)`, counted from the epoch with `TIMESTAMPDIFF` (pure
+    ///   arithmetic: `UNIX_TIMESTAMP(NOW(3))` goes through the session time zone and is
+    ///   ambiguous in a DST fall-back hour);
+    /// - SQLite: `julianday('now')` (millisecond precision, stable within a statement; works
+    ///   on every SQLite 3.35+, unlike `unixepoch('subsec')` which needs 3.42). SQLite runs
+    ///   in the client's process, so there the database's clock *is* that host's clock.
+    pub(crate) fn now_ms_sql(self) -> &'static str {
+        match self {
+            Dialect::Sqlite => {
+                "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)"
+            }
+            Dialect::Postgres => {
+                "CAST(FLOOR(EXTRACT(EPOCH FROM statement_timestamp()) * 1000) AS BIGINT)"
+            }
+            Dialect::MySql => {
+                "(TIMESTAMPDIFF(MICROSECOND, '1970-01-01 00:00:00', UTC_TIMESTAMP(6)) DIV 1000)"
+            }
+        }
+    }
+
     /// `CAST(expr AS <64-bit integer>)`.
     pub(crate) fn cast_i64(self, expr: &str) -> String {
         match self {
@@ -508,7 +535,12 @@ mod mysql_impl {
                 .map(|e| e.number())
                 .unwrap_or(0);
             match number {
-                1213 => ErrorClass::RetryNow, // ER_LOCK_DEADLOCK
+                // ER_LOCK_DEADLOCK; ER_CHECKREAD (1020, "Record has changed since last read"):
+                // MariaDB's snapshot isolation (`innodb_snapshot_isolation=ON`, the default
+                // from 11.6) refusing to lock or update a row changed after the transaction's
+                // read view was taken — a serialization failure like PostgreSQL's 40001:
+                // retrying the whole transaction can succeed.
+                1213 | 1020 => ErrorClass::RetryNow,
                 // lock wait timeout, too many connections, shutdown in progress, server gone
                 // away, lost connection, connection killed, read-only server, idle disconnect,
                 // statement time limits (MariaDB 1969, MySQL 3024), query interrupted,

@@ -32,6 +32,23 @@ pub(crate) const RECORD_KINDS: &[Kind] = &[
     Kind::Text,
 ];
 
+/// [`RECORD_KINDS`] and the database's clock: the columns of [`Queries::read_back`].
+pub(crate) const READ_BACK_KINDS: &[Kind] = &[
+    Kind::Text,
+    Kind::I64,
+    Kind::I64,
+    Kind::I64,
+    Kind::I64,
+    Kind::I64,
+    Kind::Bytes,
+    Kind::Bytes,
+    Kind::I64,
+    Kind::I64,
+    Kind::I64,
+    Kind::Text,
+    Kind::I64,
+];
+
 /// Columns returned by a claim statement that acquired: key, token, lease end, attempts,
 /// takeover flag.
 pub(crate) const ACQUIRED_KINDS: &[Kind] =
@@ -39,7 +56,13 @@ pub(crate) const ACQUIRED_KINDS: &[Kind] =
 
 /// The conflict clause of the SQLite / PostgreSQL claim. `SET` expressions read the old row
 /// (`t.*`); the `WHERE` lets only new keys, ended leases (whatever their payload), and
-/// completed records past retention through. Binds `?now ?now`.
+/// completed records past retention through — [`idemq_core::evaluate_claim`]'s `AcquireFresh`
+/// and `TakeOver` verdicts, evaluated at the database's clock (`{now}`: see
+/// [`Dialect::now_ms_sql`]). Binds nothing.
+fn upsert_tail(now: &str) -> String {
+    UPSERT_TAIL.replace("{now}", now)
+}
+
 const UPSERT_TAIL: &str = " ON CONFLICT (dedup_key) DO UPDATE SET \
      attempts = CASE WHEN t.status = 0 THEN t.attempts + 1 ELSE 1 END, \
      took_over = CASE WHEN t.status = 0 AND t.lease_until_ms > 0 THEN 1 ELSE 0 END, \
@@ -47,8 +70,8 @@ const UPSERT_TAIL: &str = " ON CONFLICT (dedup_key) DO UPDATE SET \
      status = 0, token = excluded.token, lease_until_ms = excluded.lease_until_ms, \
      payload_hash = excluded.payload_hash, result = NULL, completed_ms = NULL, \
      expires_ms = NULL, worker = excluded.worker \
-     WHERE (t.status = 1 AND t.expires_ms <= ?) \
-     OR (t.status = 0 AND t.lease_until_ms <= ?) \
+     WHERE (t.status = 1 AND t.expires_ms <= {now}) \
+     OR (t.status = 0 AND t.lease_until_ms <= {now}) \
      RETURNING dedup_key, token, lease_until_ms, attempts, took_over";
 
 /// A stored record plus the flag telling whether its latest acquisition was a takeover.
@@ -110,7 +133,8 @@ pub(crate) fn decode_record(row: &Row) -> Result<StoredRecord, StoreError> {
 pub(crate) struct ClaimRow<'a> {
     pub key: &'a DedupKey,
     pub token: FencingToken,
-    pub until_ms: i64,
+    /// The lease length: the statement adds it to the database's clock.
+    pub lease_ms: i64,
     pub payload_hash: Option<&'a PayloadHash>,
     pub worker: Option<&'a str>,
 }
@@ -120,7 +144,8 @@ pub(crate) struct CompleteRow<'a> {
     pub key: &'a DedupKey,
     pub token: FencingToken,
     pub result: Option<&'a [u8]>,
-    pub expires_ms: i64,
+    /// The retention: the statement adds it to the database's clock.
+    pub retention_ms: i64,
 }
 
 /// A statement and its arguments.
@@ -140,21 +165,25 @@ pub(crate) struct Queries {
     pub get: String,
     /// `?key ?token` → rows affected.
     pub release: String,
-    /// `?lease_until ?key ?token` → rows affected.
+    /// SQLite/PostgreSQL: `?lease_ms ?key ?token` → the new lease end (`RETURNING`).
+    /// MySQL: `?lease_until ?key ?token` → rows affected (with `until` computed from
+    /// [`Queries::now`], read first on the same connection: MySQL has no `UPDATE … RETURNING`).
     pub extend: String,
-    /// `?result ?completed ?expires ?key ?token` → rows affected.
+    /// `SELECT <the database's clock>` → one row, one integer.
+    pub now: String,
+    /// `?result ?retention_ms ?key ?token` → rows affected.
     pub complete_one: String,
     /// `?key` → (token, status), locking read.
     pub probe: String,
     /// `?key` → rows affected.
     pub forget: String,
-    /// `?now ?limit [?now]` → rows affected.
+    /// `?limit` → rows affected.
     pub purge: String,
-    /// `?cutoff ?limit` → records.
+    /// `?stale_for_ms ?limit` → records.
     pub list_stuck: String,
-    /// `?key ?created` → rows affected (1 inserted, 0 duplicate).
+    /// `?key` → rows affected (1 inserted, 0 duplicate).
     pub insert_key: String,
-    /// `?cutoff ?limit` → rows affected.
+    /// `?age_ms ?limit` → rows affected.
     pub purge_keys: String,
 }
 
@@ -163,9 +192,11 @@ impl Queries {
         let t = table.as_str();
         let k = keys_table.as_str();
         let p = |s: String| dialect.placeholders(s);
+        // Every time below is the database's clock (see `Dialect::now_ms_sql`).
+        let now = dialect.now_ms_sql();
         let purge = match dialect {
             Dialect::MySql => format!(
-                "DELETE FROM {t} WHERE status = 1 AND expires_ms <= ? ORDER BY expires_ms LIMIT ?"
+                "DELETE FROM {t} WHERE status = 1 AND expires_ms <= {now} ORDER BY expires_ms LIMIT ?"
             ),
             // The outer conditions are checked again on the row actually deleted, so a
             // record re-acquired since the subquery ran is left alone.
@@ -173,41 +204,41 @@ impl Queries {
             // rows this statement already deleted, exceed the limit); rows a claim holds are
             // skipped, not waited for.
             Dialect::Postgres => format!(
-                "WITH doomed AS (SELECT dedup_key FROM {t} WHERE status = 1 AND expires_ms <= ? \
+                "WITH doomed AS (SELECT dedup_key FROM {t} WHERE status = 1 AND expires_ms <= {now} \
                  ORDER BY expires_ms LIMIT ? FOR UPDATE SKIP LOCKED) \
                  DELETE FROM {t} AS t USING doomed WHERE t.dedup_key = doomed.dedup_key \
-                 AND t.status = 1 AND t.expires_ms <= ?"
+                 AND t.status = 1 AND t.expires_ms <= {now}"
             ),
             Dialect::Sqlite => format!(
                 "DELETE FROM {t} WHERE dedup_key IN (SELECT dedup_key FROM {t} \
-                 WHERE status = 1 AND expires_ms <= ? ORDER BY expires_ms LIMIT ?) \
-                 AND status = 1 AND expires_ms <= ?"
+                 WHERE status = 1 AND expires_ms <= {now} ORDER BY expires_ms LIMIT ?) \
+                 AND status = 1 AND expires_ms <= {now}"
             ),
         };
         let insert_key = match dialect {
             // INSERT IGNORE reports 0 rows on a duplicate and leaves the transaction usable.
             Dialect::MySql => {
-                format!("INSERT IGNORE INTO {k} (dedup_key, created_ms) VALUES (?, ?)")
+                format!("INSERT IGNORE INTO {k} (dedup_key, created_ms) VALUES (?, {now})")
             }
             // ON CONFLICT DO NOTHING never raises, so PostgreSQL does not abort the
             // caller's transaction on a duplicate.
             Dialect::Postgres | Dialect::Sqlite => format!(
-                "INSERT INTO {k} (dedup_key, created_ms) VALUES (?, ?) \
+                "INSERT INTO {k} (dedup_key, created_ms) VALUES (?, {now}) \
                  ON CONFLICT (dedup_key) DO NOTHING"
             ),
         };
         let purge_keys = match dialect {
             Dialect::MySql => {
-                format!("DELETE FROM {k} WHERE created_ms < ? ORDER BY created_ms LIMIT ?")
+                format!("DELETE FROM {k} WHERE created_ms < {now} - ? ORDER BY created_ms LIMIT ?")
             }
             Dialect::Postgres => format!(
-                "WITH doomed AS (SELECT dedup_key FROM {k} WHERE created_ms < ? \
+                "WITH doomed AS (SELECT dedup_key FROM {k} WHERE created_ms < {now} - ? \
                  ORDER BY created_ms LIMIT ? FOR UPDATE SKIP LOCKED) \
                  DELETE FROM {k} AS k USING doomed WHERE k.dedup_key = doomed.dedup_key"
             ),
             Dialect::Sqlite => format!(
                 "DELETE FROM {k} WHERE dedup_key IN (SELECT dedup_key FROM {k} \
-                 WHERE created_ms < ? ORDER BY created_ms LIMIT ?)"
+                 WHERE created_ms < {now} - ? ORDER BY created_ms LIMIT ?)"
             ),
         };
         Self {
@@ -219,12 +250,20 @@ impl Queries {
                 "UPDATE {t} SET lease_until_ms = 0 WHERE dedup_key = ? AND token = ? AND status = 0 \
                  AND lease_until_ms > 0"
             )),
-            extend: p(format!(
-                "UPDATE {t} SET lease_until_ms = ? WHERE dedup_key = ? AND token = ? AND status = 0 \
-                 AND lease_until_ms > 0"
-            )),
+            extend: p(match dialect {
+                Dialect::MySql => format!(
+                    "UPDATE {t} SET lease_until_ms = ? WHERE dedup_key = ? AND token = ? \
+                     AND status = 0 AND lease_until_ms > 0"
+                ),
+                Dialect::Postgres | Dialect::Sqlite => format!(
+                    "UPDATE {t} SET lease_until_ms = {now} + ? WHERE dedup_key = ? AND token = ? \
+                     AND status = 0 AND lease_until_ms > 0 RETURNING lease_until_ms"
+                ),
+            }),
+            now: format!("SELECT {now}"),
             complete_one: p(format!(
-                "UPDATE {t} SET status = 1, result = ?, completed_ms = ?, expires_ms = ? \
+                "UPDATE {t} SET status = 1, result = ?, completed_ms = {now}, \
+                 expires_ms = {now} + ? \
                  WHERE dedup_key = ? AND token = ? AND status = 0 AND lease_until_ms > 0"
             )),
             probe: p(format!(
@@ -234,23 +273,11 @@ impl Queries {
             forget: p(format!("DELETE FROM {t} WHERE dedup_key = ?")),
             purge: p(purge),
             list_stuck: p(format!(
-                "SELECT {RECORD_COLS} FROM {t} WHERE status = 0 AND lease_until_ms <= ? \
+                "SELECT {RECORD_COLS} FROM {t} WHERE status = 0 AND lease_until_ms <= {now} - ? \
                  ORDER BY lease_until_ms, dedup_key LIMIT ?"
             )),
             insert_key: p(insert_key),
             purge_keys: p(purge_keys),
-        }
-    }
-
-    /// Arguments of [`Queries::purge`].
-    pub fn purge_args(&self, now: i64, limit: i64) -> Vec<Val> {
-        match self.dialect {
-            Dialect::MySql => vec![Val::I64(Some(now)), Val::I64(Some(limit))],
-            Dialect::Postgres | Dialect::Sqlite => vec![
-                Val::I64(Some(now)),
-                Val::I64(Some(limit)),
-                Val::I64(Some(now)),
-            ],
         }
     }
 
@@ -260,21 +287,23 @@ impl Queries {
         self.dialect != Dialect::MySql
     }
 
-    /// The atomic insert-or-takeover for a batch of keys, evaluated at `now`.
+    /// The atomic insert-or-takeover for a batch of keys, evaluated at the database's clock
+    /// (leases end at that clock plus each row's lease length).
     ///
     /// A row is written when the key is new, when its completed record is past retention
     /// (fresh lifecycle: attempt 1), or when its in-progress lease has ended and the payload
     /// hashes do not conflict (takeover: attempt + 1, flagged when the lease had not been
     /// released). Anything else is left untouched for the read-back to classify.
-    pub fn claim(&self, rows: &[ClaimRow<'_>], now: i64) -> Stmt {
+    pub fn claim(&self, rows: &[ClaimRow<'_>]) -> Stmt {
         match self.dialect {
-            Dialect::Postgres => return self.claim_pg(rows, now),
-            Dialect::MySql => return self.claim_mysql(rows, now),
+            Dialect::Postgres => return self.claim_pg(rows),
+            Dialect::MySql => return self.claim_mysql(rows),
             Dialect::Sqlite => {}
         }
+        let now = self.dialect.now_ms_sql();
         let t = &self.table;
         let mut sql = String::with_capacity(400 + rows.len() * 40);
-        let mut args = Vec::with_capacity(rows.len() * 6 + 2);
+        let mut args = Vec::with_capacity(rows.len() * 5);
         sql.push_str("INSERT INTO ");
         sql.push_str(t);
         if self.dialect != Dialect::MySql {
@@ -288,22 +317,16 @@ impl Queries {
             if i > 0 {
                 sql.push(',');
             }
-            sql.push_str("(?, 0, ?, ?, 1, 0, ?, NULL, ?, NULL, NULL, ?)");
+            sql.push_str(&format!(
+                "(?, 0, ?, {now} + ?, 1, 0, ?, NULL, {now}, NULL, NULL, ?)"
+            ));
             args.push(Val::Key(r.key.as_str().to_owned()));
             args.push(Val::I64(Some(r.token.0)));
-            args.push(Val::I64(Some(r.until_ms)));
+            args.push(Val::I64(Some(r.lease_ms)));
             args.push(Val::Bytes(r.payload_hash.map(|h| h.0.to_vec())));
-            args.push(Val::I64(Some(now)));
             args.push(Val::Text(r.worker.map(str::to_owned)));
         }
-        match self.dialect {
-            Dialect::Postgres | Dialect::Sqlite => {
-                sql.push_str(UPSERT_TAIL);
-                args.push(Val::I64(Some(now)));
-                args.push(Val::I64(Some(now)));
-            }
-            Dialect::MySql => unreachable!("MySQL claims use claim_mysql"),
-        }
+        sql.push_str(&upsert_tail(now));
         Stmt {
             sql: self.dialect.placeholders(sql),
             args,
@@ -312,32 +335,31 @@ impl Queries {
 
     /// PostgreSQL: the same statement over one array per column, so any batch size is one
     /// short prepared statement.
-    fn claim_pg(&self, rows: &[ClaimRow<'_>], now: i64) -> Stmt {
+    fn claim_pg(&self, rows: &[ClaimRow<'_>]) -> Stmt {
+        let now = self.dialect.now_ms_sql();
         let sql = format!(
             "INSERT INTO {} AS t (dedup_key, status, token, lease_until_ms, attempts, took_over, \
              payload_hash, result, first_seen_ms, completed_ms, expires_ms, worker) \
-             SELECT v.k, 0, v.tok, v.until, 1, 0, v.ph, NULL, ?, NULL, NULL, v.w \
+             SELECT v.k, 0, v.tok, {now} + v.lease, 1, 0, v.ph, NULL, {now}, NULL, NULL, v.w \
              FROM UNNEST(?::text[], ?::bigint[], ?::bigint[], ?::bytea[], ?::text[]) \
-             AS v(k, tok, until, ph, w){UPSERT_TAIL}",
-            self.table
+             AS v(k, tok, lease, ph, w){}",
+            self.table,
+            upsert_tail(now)
         );
         let args = vec![
-            Val::I64(Some(now)),
             Val::TextArray(
                 rows.iter()
                     .map(|r| Some(r.key.as_str().to_owned()))
                     .collect(),
             ),
             Val::I64Array(rows.iter().map(|r| r.token.0).collect()),
-            Val::I64Array(rows.iter().map(|r| r.until_ms).collect()),
+            Val::I64Array(rows.iter().map(|r| r.lease_ms).collect()),
             Val::BytesArray(
                 rows.iter()
                     .map(|r| r.payload_hash.map(|h| h.0.to_vec()))
                     .collect(),
             ),
             Val::TextArray(rows.iter().map(|r| r.worker.map(str::to_owned)).collect()),
-            Val::I64(Some(now)),
-            Val::I64(Some(now)),
         ];
         Stmt {
             sql: self.dialect.placeholders(sql),
@@ -359,24 +381,26 @@ impl Queries {
     /// `RETURNING` with `ON DUPLICATE KEY UPDATE`) and go through [`Queries::claim`] and the
     /// read-back. `IGNORE` cannot hide a bad value here: keys are length-checked, workers
     /// truncated and numbers are `BIGINT`s before the statement is built.
-    pub fn claim_fresh_mariadb(&self, rows: &[ClaimRow<'_>], now: i64) -> Stmt {
+    pub fn claim_fresh_mariadb(&self, rows: &[ClaimRow<'_>]) -> Stmt {
+        let now = self.dialect.now_ms_sql();
         let sql = format!(
             "INSERT IGNORE INTO {} (dedup_key, status, token, lease_until_ms, attempts, took_over, \
              payload_hash, result, first_seen_ms, completed_ms, expires_ms, worker) \
-             SELECT v.j_key, 0, v.j_token, v.j_until, 1, 0, UNHEX(v.j_hash), NULL, ?, NULL, NULL, v.j_worker \
+             SELECT v.j_key, 0, v.j_token, {now} + v.j_lease, 1, 0, UNHEX(v.j_hash), NULL, {now}, NULL, NULL, v.j_worker \
              FROM JSON_TABLE(?, '$[*]' COLUMNS(j_key VARBINARY(257) PATH '$[0]', \
-             j_token BIGINT PATH '$[1]', j_until BIGINT PATH '$[2]', j_hash VARCHAR(64) PATH '$[3]', \
+             j_token BIGINT PATH '$[1]', j_lease BIGINT PATH '$[2]', j_hash VARCHAR(64) PATH '$[3]', \
              j_worker TEXT CHARACTER SET utf8mb4 PATH '$[4]')) AS v \
              RETURNING dedup_key, token, lease_until_ms, attempts, took_over",
             self.table
         );
         Stmt {
             sql,
-            args: vec![Val::I64(Some(now)), Val::Text(Some(claim_json(rows)))],
+            args: vec![Val::Text(Some(claim_json(rows)))],
         }
     }
 
-    fn claim_mysql(&self, rows: &[ClaimRow<'_>], now: i64) -> Stmt {
+    fn claim_mysql(&self, rows: &[ClaimRow<'_>]) -> Stmt {
+        let now = self.dialect.now_ms_sql();
         // The first assignment marks a win by storing the *negated* new token (tokens are
         // positive), the guarded ones test for that mark, and the last one stores the token
         // itself. A retry under the caller's own token (already stored, positive) thus
@@ -392,12 +416,12 @@ impl Queries {
         let sql = format!(
             "{mode}INSERT INTO {} (dedup_key, status, token, lease_until_ms, attempts, took_over, \
              payload_hash, result, first_seen_ms, completed_ms, expires_ms, worker) \
-             SELECT v.j_key, 0, v.j_token, v.j_until, 1, 0, UNHEX(v.j_hash), NULL, ?, NULL, NULL, v.j_worker \
+             SELECT v.j_key, 0, v.j_token, {now} + v.j_lease, 1, 0, UNHEX(v.j_hash), NULL, {now}, NULL, NULL, v.j_worker \
              FROM JSON_TABLE(?, '$[*]' COLUMNS(j_key VARBINARY(257) PATH '$[0]', \
-             j_token BIGINT PATH '$[1]', j_until BIGINT PATH '$[2]', j_hash VARCHAR(64) PATH '$[3]', \
+             j_token BIGINT PATH '$[1]', j_lease BIGINT PATH '$[2]', j_hash VARCHAR(64) PATH '$[3]', \
              j_worker TEXT CHARACTER SET utf8mb4 PATH '$[4]')) AS v \
              ON DUPLICATE KEY UPDATE \
-             token = IF((status = 1 AND expires_ms <= ?) OR (status = 0 AND lease_until_ms <= ?), \
+             token = IF((status = 1 AND expires_ms <= {now}) OR (status = 0 AND lease_until_ms <= {now}), \
              -VALUES(token), token), \
              attempts = IF(token = -VALUES(token), IF(status = 0, attempts + 1, 1), attempts), \
              took_over = IF(token = -VALUES(token), IF(status = 0 AND lease_until_ms > 0, 1, 0), took_over), \
@@ -414,18 +438,20 @@ impl Queries {
         );
         Stmt {
             sql,
-            args: vec![
-                Val::I64(Some(now)),
-                Val::Text(Some(claim_json(rows))),
-                Val::I64(Some(now)),
-                Val::I64(Some(now)),
-            ],
+            args: vec![Val::Text(Some(claim_json(rows)))],
         }
     }
 
-    /// `SELECT <record> FROM t WHERE dedup_key IN (…)`.
+    /// `SELECT <record>, <the database's clock> FROM t WHERE dedup_key IN (…)`: the records a
+    /// claim did not take, with the time to judge them at ([`READ_BACK_KINDS`]; the clock is
+    /// the last column), so [`idemq_core::evaluate_claim`] decides on the database's clock.
     pub fn read_back<'a>(&self, keys: impl ExactSizeIterator<Item = &'a DedupKey>) -> Stmt {
-        self.select_by_keys(RECORD_COLS, RECORD_COLS_T, keys)
+        let now = self.dialect.now_ms_sql();
+        self.select_by_keys(
+            &format!("{RECORD_COLS}, {now}"),
+            &format!("{RECORD_COLS_T}, {now}"),
+            keys,
+        )
     }
 
     /// `SELECT dedup_key, token, status FROM t WHERE dedup_key IN (…)`.
@@ -483,25 +509,25 @@ impl Queries {
 
     /// Completes many keys in one statement: each row is updated only while its token owns
     /// it and it is in progress.
-    pub fn complete_batch(&self, items: &[CompleteRow<'_>], now: i64) -> Stmt {
+    pub fn complete_batch(&self, items: &[CompleteRow<'_>]) -> Stmt {
         let t = &self.table;
+        let now = self.dialect.now_ms_sql();
         let mut sql = String::with_capacity(300 + items.len() * 24);
         let mut args = Vec::with_capacity(items.len() * 4 + 1);
         let push_item = |args: &mut Vec<Val>, it: &CompleteRow<'_>| {
             args.push(Val::Key(it.key.as_str().to_owned()));
             args.push(Val::I64(Some(it.token.0)));
             args.push(Val::Bytes(it.result.map(<[u8]>::to_vec)));
-            args.push(Val::I64(Some(it.expires_ms)));
+            args.push(Val::I64(Some(it.retention_ms)));
         };
         match self.dialect {
             Dialect::Postgres => {
                 sql.push_str(&format!(
-                    "UPDATE {t} AS t SET status = 1, result = v.res, completed_ms = ?, \
-                     expires_ms = v.exp FROM UNNEST(?::text[], ?::bigint[], ?::bytea[], \
-                     ?::bigint[]) AS v(k, tok, res, exp) WHERE t.dedup_key = v.k \
+                    "UPDATE {t} AS t SET status = 1, result = v.res, completed_ms = {now}, \
+                     expires_ms = {now} + v.ret FROM UNNEST(?::text[], ?::bigint[], ?::bytea[], \
+                     ?::bigint[]) AS v(k, tok, res, ret) WHERE t.dedup_key = v.k \
                      AND t.token = v.tok AND t.status = 0 AND t.lease_until_ms > 0 RETURNING t.dedup_key, t.token"
                 ));
-                args.push(Val::I64(Some(now)));
                 args.push(Val::TextArray(
                     items
                         .iter()
@@ -516,15 +542,14 @@ impl Queries {
                         .collect(),
                 ));
                 args.push(Val::I64Array(
-                    items.iter().map(|it| it.expires_ms).collect(),
+                    items.iter().map(|it| it.retention_ms).collect(),
                 ));
             }
             Dialect::Sqlite => {
                 sql.push_str(&format!(
-                    "UPDATE {t} SET status = 1, result = v.column3, completed_ms = ?, \
-                     expires_ms = v.column4 FROM (VALUES "
+                    "UPDATE {t} SET status = 1, result = v.column3, completed_ms = {now}, \
+                     expires_ms = {now} + v.column4 FROM (VALUES "
                 ));
-                args.push(Val::I64(Some(now)));
                 for (i, it) in items.iter().enumerate() {
                     if i > 0 {
                         sql.push(',');
@@ -541,9 +566,8 @@ impl Queries {
                 // A primary-key range over the IN list, then the token checked per row. Keys must be distinct (the store ensures it), or a CASE
                 // could pick another item's result.
                 sql.push_str(&format!(
-                    "UPDATE {t} SET status = 1, completed_ms = ?, result = "
+                    "UPDATE {t} SET status = 1, completed_ms = {now}, result = "
                 ));
-                args.push(Val::I64(Some(now)));
                 if items.iter().all(|it| it.result.is_none()) {
                     sql.push_str("NULL");
                 } else {
@@ -556,16 +580,18 @@ impl Queries {
                     sql.push_str(" ELSE NULL END");
                 }
                 sql.push_str(", expires_ms = ");
-                let first_exp = items.first().map(|it| it.expires_ms);
-                if items.iter().all(|it| Some(it.expires_ms) == first_exp) {
+                sql.push_str(now);
+                sql.push_str(" + ");
+                let first_ret = items.first().map(|it| it.retention_ms);
+                if items.iter().all(|it| Some(it.retention_ms) == first_ret) {
                     sql.push('?');
-                    args.push(Val::I64(first_exp));
+                    args.push(Val::I64(first_ret));
                 } else {
                     sql.push_str("CASE dedup_key");
                     for it in items {
                         sql.push_str(" WHEN ? THEN ?");
                         args.push(Val::Key(it.key.as_str().to_owned()));
-                        args.push(Val::I64(Some(it.expires_ms)));
+                        args.push(Val::I64(Some(it.retention_ms)));
                     }
                     sql.push_str(" END");
                 }
@@ -643,7 +669,7 @@ fn json_hex(out: &mut String, b: Option<&[u8]>) {
 }
 
 /// Claim rows as the JSON document of the MySQL statements:
-/// `[[key, token, lease_until_ms, hex payload hash | null, worker | null], …]`.
+/// `[[key, token, lease ms, hex payload hash | null, worker | null], …]`.
 fn claim_json(rows: &[ClaimRow<'_>]) -> String {
     let mut doc = String::with_capacity(rows.len() * 80 + 2);
     doc.push('[');
@@ -653,7 +679,7 @@ fn claim_json(rows: &[ClaimRow<'_>]) -> String {
         }
         doc.push('[');
         json_str(&mut doc, r.key.as_str());
-        doc.push_str(&format!(",{},{},", r.token.0, r.until_ms));
+        doc.push_str(&format!(",{},{},", r.token.0, r.lease_ms));
         json_hex(&mut doc, r.payload_hash.map(|h| &h.0[..]));
         doc.push(',');
         match r.worker {

@@ -5,14 +5,15 @@ use crate::backend::{error_class, map_sqlx_error, Dialect, ErrorClass, Kind, Sql
 use crate::ident::TableName;
 use crate::migrate;
 use crate::queries::{
-    decode_record, ClaimRow, CompleteRow, Queries, Stmt, StoredRecord, ACQUIRED_KINDS, RECORD_KINDS,
+    decode_record, ClaimRow, CompleteRow, Queries, Stmt, StoredRecord, ACQUIRED_KINDS,
+    READ_BACK_KINDS, RECORD_KINDS,
 };
 use async_trait::async_trait;
 use bytes::Bytes;
 use idemq_core::key::MAX_DEDUP_KEY_BYTES;
 use idemq_core::store::{check_distinct_keys, duration_ms};
 use idemq_core::{
-    evaluate_claim, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome, Completion,
+    evaluate_claim, ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome, Completion,
     DedupKey, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease, RecordStatus,
     ReleaseOutcome, StoreError,
 };
@@ -398,11 +399,9 @@ impl<DB: SqlBackend> SqlStore<DB> {
         result: Option<&[u8]>,
         retention: Duration,
     ) -> Result<CompleteOutcome, sqlx::Error> {
-        let now = now_ms();
         let args = vec![
             Val::Bytes(result.map(<[u8]>::to_vec)),
-            Val::I64(Some(now)),
-            Val::I64(Some(now.saturating_add(duration_ms(retention)))),
+            Val::I64(Some(duration_ms(retention))),
             Val::Key(key.as_str().to_owned()),
             Val::I64(Some(token.0)),
         ];
@@ -443,7 +442,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
         let n = DB::execute(
             conn,
             &self.q.insert_key,
-            vec![Val::Key(key.as_str().to_owned()), Val::I64(Some(now_ms()))],
+            vec![Val::Key(key.as_str().to_owned())],
         )
         .await
         .map_err(|e| map_sqlx_error::<DB>("insert_key_in_tx", e))?;
@@ -465,14 +464,16 @@ impl<DB: SqlBackend> SqlStore<DB> {
         if limit == 0 {
             return Ok(0);
         }
-        let cutoff = now_ms().saturating_sub(duration_ms(age));
         let mut conn = self.acquire().await?;
         retry_now!(
             "purge_keys",
             DB::execute(
                 &mut conn,
                 &self.q.purge_keys,
-                vec![Val::I64(Some(cutoff)), Val::I64(Some(limit_i64(limit)))],
+                vec![
+                    Val::I64(Some(duration_ms(age))),
+                    Val::I64(Some(limit_i64(limit))),
+                ],
             )
         )
     }
@@ -489,7 +490,6 @@ impl<DB: SqlBackend> SqlStore<DB> {
         let mut pending: Vec<usize> = idx.to_vec();
         let mut fresh_first = self.q.mariadb;
         for round in 0..CLAIM_ROUNDS {
-            let now = now_ms();
             let rows: Vec<ClaimRow<'_>> = pending
                 .iter()
                 .map(|&i| {
@@ -497,7 +497,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
                     ClaimRow {
                         key: &r.key,
                         token: r.token.unwrap_or_else(FencingToken::random),
-                        until_ms: now.saturating_add(duration_ms(r.lease)),
+                        lease_ms: duration_ms(r.lease),
                         payload_hash: r.payload_hash.as_ref(),
                         worker: r.worker.as_deref().map(bounded_worker),
                     }
@@ -512,8 +512,8 @@ impl<DB: SqlBackend> SqlStore<DB> {
                 // MariaDB: new keys via `INSERT IGNORE … RETURNING`, no read-back; the keys
                 // that exist already take the general path below, with fresh tokens.
                 fresh_first = false;
-                let Stmt { sql, args } = self.q.claim_fresh_mariadb(&rows, now);
-                let mut args = first_then(args, || self.q.claim_fresh_mariadb(&rows, now).args);
+                let Stmt { sql, args } = self.q.claim_fresh_mariadb(&rows);
+                let mut args = first_then(args, || self.q.claim_fresh_mariadb(&rows).args);
                 let returned = retry_now!("claim", DB::fetch(conn, &sql, args(), ACQUIRED_KINDS))?;
                 take_acquired(&returned, &tokens, out)?;
                 pending.retain(|&i| out[i].is_none());
@@ -522,8 +522,8 @@ impl<DB: SqlBackend> SqlStore<DB> {
                 }
                 continue;
             }
-            let Stmt { sql, args } = self.q.claim(&rows, now);
-            let mut args = first_then(args, || self.q.claim(&rows, now).args);
+            let Stmt { sql, args } = self.q.claim(&rows);
+            let mut args = first_then(args, || self.q.claim(&rows).args);
             if self.q.claim_returns_rows() {
                 let returned = retry_now!("claim", DB::fetch(conn, &sql, args(), ACQUIRED_KINDS))?;
                 take_acquired(&returned, &tokens, out)?;
@@ -623,7 +623,6 @@ impl<DB: SqlBackend> SqlStore<DB> {
         idx: &[usize],
         out: &mut [Option<CompleteOutcome>],
     ) -> Result<(), StoreError> {
-        let now = now_ms();
         let rows: Vec<CompleteRow<'_>> = idx
             .iter()
             .map(|&i| {
@@ -632,12 +631,12 @@ impl<DB: SqlBackend> SqlStore<DB> {
                     key: &c.key,
                     token: c.token,
                     result: c.result.as_deref(),
-                    expires_ms: now.saturating_add(duration_ms(c.retention)),
+                    retention_ms: duration_ms(c.retention),
                 }
             })
             .collect();
-        let Stmt { sql, args } = self.q.complete_batch(&rows, now);
-        let mut args = first_then(args, || self.q.complete_batch(&rows, now).args);
+        let Stmt { sql, args } = self.q.complete_batch(&rows);
+        let mut args = first_then(args, || self.q.complete_batch(&rows).args);
         if self.q.complete_returns_rows() {
             let done = retry_now!(
                 "complete_batch",
@@ -823,24 +822,49 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
         lease: Duration,
     ) -> Result<ExtendOutcome, StoreError> {
         check_key(key)?;
-        let until_ms = now_ms().saturating_add(duration_ms(lease));
+        let lease_ms = duration_ms(lease);
         let mut conn = self.acquire().await?;
-        let n = retry_now!(
-            "extend",
-            DB::execute(
-                &mut conn,
-                &self.q.extend,
-                vec![
-                    Val::I64(Some(until_ms)),
-                    Val::Key(key.as_str().to_owned()),
-                    Val::I64(Some(token.0)),
-                ],
-            )
-        )?;
-        Ok(if n > 0 {
-            ExtendOutcome::Extended { until_ms }
+        // The new end is the database's clock plus the lease, never this process's clock.
+        let args = |lease_or_until: i64| {
+            vec![
+                Val::I64(Some(lease_or_until)),
+                Val::Key(key.as_str().to_owned()),
+                Val::I64(Some(token.0)),
+            ]
+        };
+        let until = if self.q.dialect == Dialect::MySql {
+            // No `UPDATE … RETURNING`: read the server's clock first, then bind the end.
+            let now = retry_now!(
+                "extend clock",
+                DB::fetch(&mut conn, &self.q.now, vec![], &[Kind::I64])
+            )?
+            .first()
+            .map(|r| r.i64(0))
+            .transpose()
+            .map_err(|e| StoreError::Backend(format!("mysql clock: {e}")))?
+            .ok_or_else(|| StoreError::Backend("mysql clock: no row".into()))?;
+            let until_ms = now.saturating_add(lease_ms);
+            let n = retry_now!(
+                "extend",
+                DB::execute(&mut conn, &self.q.extend, args(until_ms))
+            )?;
+            (n > 0).then_some(until_ms)
         } else {
-            ExtendOutcome::Fenced
+            let rows = retry_now!(
+                "extend",
+                DB::fetch(&mut conn, &self.q.extend, args(lease_ms), &[Kind::I64])
+            )?;
+            rows.first()
+                .map(|r| r.i64(0))
+                .transpose()
+                .map_err(|reason| StoreError::Corrupt {
+                    key: key.as_str().to_owned(),
+                    reason,
+                })?
+        };
+        Ok(match until {
+            Some(until_ms) => ExtendOutcome::Extended { until_ms },
+            None => ExtendOutcome::Fenced,
         })
     }
 
@@ -871,7 +895,7 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
             DB::execute(
                 &mut conn,
                 &self.q.purge,
-                self.q.purge_args(now_ms(), limit_i64(limit)),
+                vec![Val::I64(Some(limit_i64(limit)))],
             )
         )?;
         if n > 0 {
@@ -888,14 +912,16 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
         if limit == 0 {
             return Ok(Vec::new());
         }
-        let cutoff = now_ms().saturating_sub(duration_ms(stale_for));
         let mut conn = self.acquire().await?;
         let rows = retry_now!(
             "list_stuck",
             DB::fetch(
                 &mut conn,
                 &self.q.list_stuck,
-                vec![Val::I64(Some(cutoff)), Val::I64(Some(limit_i64(limit)))],
+                vec![
+                    Val::I64(Some(duration_ms(stale_for))),
+                    Val::I64(Some(limit_i64(limit))),
+                ],
                 RECORD_KINDS,
             )
         )?;
