@@ -1,0 +1,88 @@
+//! Payment callbacks with a Redis dedup store: the in-memory broker publishes every payment
+//! twice or more and loses acks; each payment is applied (pushed to a Redis list) once.
+//!
+//! ```sh
+//! REDIS_URL=redis://127.0.0.1:56379/ cargo run --example redis_payments --features redis
+//! ```
+
+use idemq::broker::{Faults, MemoryBroker};
+use idemq::redis::redis::AsyncCommands;
+use idemq::redis::{RedisResultExt, RedisStore};
+use idemq::{BrokerKind, ClaimedMessage, Envelope, HandlerError, IdempotentConsumer, KeyStrategy};
+use std::sync::Arc;
+
+/// What a run did, for the caller to check.
+#[derive(Debug)]
+pub struct Report {
+    /// Payments published (each at least once).
+    pub payments: usize,
+    /// Entries in this run's applied list.
+    pub applied: usize,
+    /// Distinct payment ids among them.
+    pub distinct: usize,
+    /// Deliveries the engine skipped as duplicates.
+    pub duplicates: u64,
+}
+
+/// Publishes `payments` callbacks (with duplicates and lost acks) and consumes them.
+pub async fn run(url: &str, payments: usize) -> Result<Report, Box<dyn std::error::Error>> {
+    let run_id = format!("{:016x}", rand::random::<u64>());
+    let applied = format!("example:applied:{run_id}");
+    let broker = MemoryBroker::with_seed(7);
+    broker.set_faults(Faults {
+        lost_ack_rate: 0.2,
+        duplicate_publish_rate: 0.3,
+    });
+    for i in 0..payments {
+        let body = format!(r#"{{"payment_id":"pay-{i}","amount":{}}}"#, 100 + i);
+        broker.publish(Envelope::new(
+            BrokerKind::Memory,
+            "payment-callbacks",
+            body.clone(),
+        ));
+        broker.publish(Envelope::new(BrokerKind::Memory, "payment-callbacks", body));
+    }
+
+    let store = RedisStore::connect(url, Default::default()).await?;
+    let keys = KeyStrategy::json_pointer(&format!("payments-{run_id}"), "/payment_id")?;
+    let (conn, list) = (store.connection(), applied.clone());
+    let consumer = IdempotentConsumer::new(Arc::new(store), keys, move |msg: ClaimedMessage| {
+        let (mut conn, list) = (conn.clone(), list.clone());
+        async move {
+            let p: serde_json::Value =
+                serde_json::from_slice(&msg.envelope.payload).map_err(HandlerError::permanent)?;
+            let id = p["payment_id"].as_str().unwrap_or_default().to_owned();
+            let _: i64 = conn.rpush(&list, id).await.classify()?;
+            Ok(None)
+        }
+    });
+    consumer.run_until_idle(&mut broker.subscribe()).await?;
+
+    let mut conn = idemq::redis::redis::Client::open(url)?
+        .get_multiplexed_async_connection()
+        .await?;
+    let ids: Vec<String> = conn.lrange(&applied, 0, -1).await?;
+    let _: i64 = conn.del(&applied).await?;
+    let distinct = ids.iter().collect::<std::collections::HashSet<_>>().len();
+    Ok(Report {
+        payments,
+        applied: ids.len(),
+        distinct,
+        duplicates: consumer.stats().duplicates,
+    })
+}
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let url = std::env::var("REDIS_URL")
+        .or_else(|_| std::env::var("IDEMQ_TEST_REDIS_URL"))
+        .map_err(|_| "set REDIS_URL=redis://host:port/")?;
+    let r = run(&url, 300).await?;
+    println!("{r:?}");
+    assert_eq!(
+        (r.applied, r.distinct),
+        (300, 300),
+        "every payment applied once"
+    );
+    Ok(())
+}
