@@ -397,6 +397,20 @@ pub trait DedupStore: Send + Sync + 'static {
         lease: Duration,
     ) -> Result<ExtendOutcome, StoreError>;
 
+    /// Extends many leases (one heartbeat of a batch); one outcome per lease, in order.
+    /// The default extends one at a time; stores that can should answer in one round trip.
+    async fn extend_batch(
+        &self,
+        leases: &[(DedupKey, FencingToken)],
+        lease: Duration,
+    ) -> Result<Vec<ExtendOutcome>, StoreError> {
+        let mut out = Vec::with_capacity(leases.len());
+        for (key, token) in leases {
+            out.push(self.extend(key, *token, lease).await?);
+        }
+        Ok(out)
+    }
+
     /// Reads a record (operations, tests).
     async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError>;
 

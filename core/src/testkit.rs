@@ -341,6 +341,47 @@ pub async fn extend_keeps_the_lease(h: &Handles) {
     );
 }
 
+/// A batch heartbeat answers per lease, in order: the owner's extends, a stranger's token is
+/// fenced, and nothing else changes.
+pub async fn extend_batch_answers_each_lease(h: &Handles) {
+    let g = group();
+    let (a, b) = (key(&g, "hb-a"), key(&g, "hb-b"));
+    let s = &h[0];
+    let la = acquire(s, &a, SHORT).await;
+    let lb = acquire(s, &b, SHORT).await;
+    let stranger = FencingToken::random();
+    let outs = s
+        .extend_batch(&[(a.clone(), la.token), (b.clone(), stranger)], LONG)
+        .await
+        .expect("extend_batch");
+    assert_eq!(outs.len(), 2, "one outcome per lease");
+    assert!(
+        matches!(outs[0], ExtendOutcome::Extended { until_ms } if until_ms > la.until_ms),
+        "{outs:?}"
+    );
+    assert_eq!(
+        outs[1],
+        ExtendOutcome::Fenced,
+        "a stranger's token must be fenced"
+    );
+    tokio::time::sleep(SHORT + SHORT / 2).await;
+    assert!(
+        matches!(
+            h[h.len() - 1].claim(&req(&a, LONG)).await.expect("claim"),
+            ClaimOutcome::InFlight { .. }
+        ),
+        "the extended lease is live past its first end"
+    );
+    assert!(
+        matches!(
+            h[h.len() - 1].claim(&req(&b, LONG)).await.expect("claim"),
+            ClaimOutcome::Acquired(_)
+        ),
+        "the lease a stranger tried to extend ended on time (owner {})",
+        lb.token
+    );
+}
+
 /// Release gives the key back at once; a second release with the same token is fenced.
 pub async fn release_makes_the_key_claimable(h: &Handles) {
     let g = group();
@@ -719,6 +760,7 @@ macro_rules! store_contract_tests {
             retried_claim_with_its_token_is_idempotent,
             out_of_range_tokens_are_refused,
             extend_keeps_the_lease,
+            extend_batch_answers_each_lease,
             release_makes_the_key_claimable,
             retention_expiry_and_purge,
             payload_conflict_is_reported,

@@ -128,23 +128,40 @@ pub(crate) async fn heartbeat(
     let margin_ms = crate::store::duration_ms(beat).min(crate::store::duration_ms(lease) / 2);
     loop {
         tick.tick().await;
-        for (i, slot) in live.renewable() {
-            let key = &slot.key;
-            match tokio::time::timeout(timeout, store.extend(key, slot.token, lease)).await {
-                Ok(Ok(ExtendOutcome::Extended { until_ms })) => {
-                    slot.until_ms.store(until_ms, Ordering::Relaxed)
+        let due: Vec<(usize, &Slot)> = live.renewable().collect();
+        if !due.is_empty() {
+            let leases: Vec<(DedupKey, FencingToken)> =
+                due.iter().map(|(_, s)| (s.key.clone(), s.token)).collect();
+            // One round trip for the whole batch, bounded: a store that hangs counts as down.
+            match tokio::time::timeout(timeout, store.extend_batch(&leases, lease)).await {
+                Ok(Ok(outs)) if outs.len() == due.len() => {
+                    for ((i, slot), out) in due.iter().zip(outs) {
+                        match out {
+                            ExtendOutcome::Extended { until_ms } => {
+                                slot.until_ms.store(until_ms, Ordering::Relaxed)
+                            }
+                            ExtendOutcome::Fenced => {
+                                tracing::warn!(key = %slot.key, "lease lost (heartbeat fenced): another worker took the key over");
+                                live.flags.mark_lost(*i);
+                            }
+                        }
+                    }
                 }
-                Ok(Ok(ExtendOutcome::Fenced)) => {
-                    tracing::warn!(%key, "lease lost (heartbeat fenced): another worker took the key over");
-                    live.flags.mark_lost(i);
+                Ok(Ok(outs)) => {
+                    metrics::counter!(m::STORE_ERRORS, "op" => "extend").increment(1);
+                    tracing::warn!(
+                        got = outs.len(),
+                        want = due.len(),
+                        "heartbeat answered with the wrong number of outcomes"
+                    );
                 }
                 Ok(Err(e)) => {
                     metrics::counter!(m::STORE_ERRORS, "op" => "extend").increment(1);
-                    tracing::warn!(%key, error = %e, "heartbeat failed");
+                    tracing::warn!(error = %e, leases = due.len(), "heartbeat failed");
                 }
                 Err(_) => {
                     metrics::counter!(m::STORE_ERRORS, "op" => "extend").increment(1);
-                    tracing::warn!(%key, ?timeout, "heartbeat timed out");
+                    tracing::warn!(?timeout, leases = due.len(), "heartbeat timed out");
                 }
             }
         }
