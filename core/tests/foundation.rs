@@ -499,3 +499,105 @@ async fn after_a_timeout_the_redelivery_says_takeover_and_after_a_clean_failure_
         "a clean failure released the key: no takeover ({seen:?})"
     );
 }
+
+/// A store whose clock runs an hour behind this process: every lease end it reports is an
+/// hour "in the past" on our clock.
+struct StoreClockBehind(MemoryStore);
+
+const HOUR_MS: i64 = 3_600_000;
+
+#[async_trait]
+impl DedupStore for StoreClockBehind {
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let outs = self.0.claim_batch(reqs).await?;
+        Ok(outs
+            .into_iter()
+            .map(|o| match o {
+                ClaimOutcome::Acquired(mut l) => {
+                    l.until_ms -= HOUR_MS;
+                    ClaimOutcome::Acquired(l)
+                }
+                other => other,
+            })
+            .collect())
+    }
+    async fn complete_batch(&self, cs: &[Completion]) -> Result<Vec<CompleteOutcome>, StoreError> {
+        self.0.complete_batch(cs).await
+    }
+    async fn release(&self, k: &DedupKey, t: FencingToken) -> Result<ReleaseOutcome, StoreError> {
+        self.0.release(k, t).await
+    }
+    async fn extend(
+        &self,
+        k: &DedupKey,
+        t: FencingToken,
+        l: Duration,
+    ) -> Result<ExtendOutcome, StoreError> {
+        Ok(match self.0.extend(k, t, l).await? {
+            ExtendOutcome::Extended { until_ms } => ExtendOutcome::Extended {
+                until_ms: until_ms - HOUR_MS,
+            },
+            other => other,
+        })
+    }
+    async fn get(&self, k: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
+        self.0.get(k).await
+    }
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        self.0.purge_expired(limit).await
+    }
+    async fn list_stuck(
+        &self,
+        older_than: Duration,
+        limit: usize,
+    ) -> Result<Vec<DedupRecord>, StoreError> {
+        self.0.list_stuck(older_than, limit).await
+    }
+    async fn forget(&self, k: &DedupKey) -> Result<bool, StoreError> {
+        self.0.forget(k).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engine_times_leases_on_its_own_clock_not_the_stores() {
+    let broker = MemoryBroker::new();
+    for i in 0..20 {
+        broker.publish(
+            Envelope::new(BrokerKind::Memory, "orders", "x")
+                .with_header("x-idempotency-key", format!("skew-{i}")),
+        );
+    }
+    let effects = Arc::new(AtomicU32::new(0));
+    let e2 = effects.clone();
+    let consumer = IdempotentConsumer::new(
+        Arc::new(StoreClockBehind(MemoryStore::new())),
+        keys(),
+        move |_m: ClaimedMessage| {
+            let effects = e2.clone();
+            async move {
+                // Outlives a heartbeat: the lease watch must not fire on a skewed clock.
+                tokio::time::sleep(Duration::from_millis(250)).await;
+                effects.fetch_add(1, Ordering::SeqCst);
+                Ok(None)
+            }
+        },
+    )
+    .with_config(ConsumerConfig {
+        lease: Duration::from_millis(600),
+        heartbeat: Some(Duration::from_millis(100)),
+        ..quick()
+    });
+    let mut src = broker.subscribe();
+    tokio::time::timeout(Duration::from_secs(20), consumer.run_until_idle(&mut src))
+        .await
+        .expect("a store an hour behind must not stall the consumer")
+        .expect("run");
+    assert_eq!(effects.load(Ordering::SeqCst), 20);
+    let stats = consumer.stats();
+    assert_eq!(stats.processed, 20);
+    assert_eq!(
+        stats.store_unavailable + stats.retried,
+        0,
+        "no claim given back for a skewed lease end: {stats:?}"
+    );
+}

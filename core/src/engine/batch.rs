@@ -134,6 +134,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         if items.is_empty() {
             return false;
         }
+        let claimed_at = tokio::time::Instant::now();
         let Some(outcomes) = self.stage_claim(&items).await else {
             for it in items {
                 self.settle_item(
@@ -153,10 +154,12 @@ impl<H: Handler> IdempotentConsumer<H> {
                 .iter()
                 .zip(&outcomes)
                 .map(|(it, o)| match o {
-                    Ok(ClaimOutcome::Acquired(l)) => Some((it.key.clone(), l.token, l.until_ms)),
+                    Ok(ClaimOutcome::Acquired(l)) => Some((it.key.clone(), l.token)),
                     _ => None,
                 })
                 .collect(),
+            claimed_at,
+            self.cfg.lease,
         ));
         let _heartbeat = AbortOnDrop(tokio::spawn(heartbeat(
             self.store.clone(),
@@ -165,7 +168,9 @@ impl<H: Handler> IdempotentConsumer<H> {
             self.cfg.beat(),
             self.cfg.heartbeat_timeout,
         )));
-        let ran = self.stage_dispatch(items, outcomes, &live).await;
+        let ran = self
+            .stage_dispatch(items, outcomes, &live, claimed_at)
+            .await;
         let done = self.stage_give_back(ran, &live).await;
         if done.is_empty() {
             return false;
@@ -296,8 +301,8 @@ impl<H: Handler> IdempotentConsumer<H> {
         items: Vec<Item>,
         outcomes: Vec<Result<ClaimOutcome, StoreError>>,
         live: &Arc<LiveLeases>,
+        claimed_at: tokio::time::Instant,
     ) -> Vec<(Item, Lease, Verdict)> {
-        let half_lease_ms = crate::store::duration_ms(self.cfg.lease) / 2;
         // Lanes with a message sent back in this batch, and the delay it was sent back with:
         // the lane's later messages go back unrun with the same delay.
         let mut held: HashMap<Lane, Duration> = HashMap::new();
@@ -319,7 +324,8 @@ impl<H: Handler> IdempotentConsumer<H> {
                             .await;
                         continue;
                     }
-                    if lease.until_ms.saturating_sub(now_ms()) < half_lease_ms {
+                    // On our own clock: the store's `until_ms` is on the store's.
+                    if claimed_at.elapsed() > self.cfg.lease / 2 {
                         // The claim sat blocked (a row lock, a slow store) until most of its
                         // lease was gone: another worker could take it over mid-handler.
                         tracing::warn!(key = %item.key, "claim answered with less than half its lease left; releasing and redelivering");

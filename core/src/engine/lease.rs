@@ -3,7 +3,7 @@
 use crate::handler::{LeaseFlags, LeaseWatch};
 use crate::key::DedupKey;
 use crate::metrics as m;
-use crate::store::{now_ms, DedupStore, ExtendOutcome, FencingToken};
+use crate::store::{DedupStore, ExtendOutcome, FencingToken};
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -11,8 +11,11 @@ use std::time::Duration;
 struct Slot {
     key: DedupKey,
     token: FencingToken,
-    /// End of the lease as last confirmed by the store.
-    until_ms: AtomicI64,
+    /// When the lease surely still runs, on this process's monotonic clock: milliseconds
+    /// after [`LiveLeases::base`], counted from the *start* of the call that granted or
+    /// extended it (the store's grant cannot begin earlier). The store's own `until_ms` is
+    /// on the store's clock and is not compared with ours.
+    deadline_ms: AtomicI64,
     /// Still ours to renew: cleared when the key is completed or given back.
     held: AtomicBool,
 }
@@ -27,6 +30,8 @@ struct Slot {
 pub(crate) struct LiveLeases {
     slots: Vec<Option<Slot>>,
     flags: Arc<LeaseFlags>,
+    /// When the claim that acquired these leases started.
+    base: tokio::time::Instant,
 }
 
 /// Keys held by live batches of this process, with a count (two engines may hold the same
@@ -59,27 +64,37 @@ impl Drop for LiveLeases {
 }
 
 impl LiveLeases {
-    /// Slots for a batch: `Some((key, token, until))` for each acquired item, by index.
-    pub(crate) fn new(acquired: Vec<Option<(DedupKey, FencingToken, i64)>>) -> Self {
+    /// Slots for a batch: `Some((key, token))` for each acquired item, by index, with leases
+    /// of `lease` granted by a claim that started at `claimed_at`.
+    pub(crate) fn new(
+        acquired: Vec<Option<(DedupKey, FencingToken)>>,
+        claimed_at: tokio::time::Instant,
+        lease: Duration,
+    ) -> Self {
+        let first_deadline = crate::store::duration_ms(lease);
         let flags = LeaseFlags::new(acquired.len());
         {
             let mut held = held_here_map();
-            for (key, _, _) in acquired.iter().flatten() {
+            for (key, _) in acquired.iter().flatten() {
                 *held.entry(key.clone()).or_default() += 1;
             }
         }
         let slots = acquired
             .into_iter()
             .map(|a| {
-                a.map(|(key, token, until)| Slot {
+                a.map(|(key, token)| Slot {
                     key,
                     token,
-                    until_ms: AtomicI64::new(until),
+                    deadline_ms: AtomicI64::new(first_deadline),
                     held: AtomicBool::new(true),
                 })
             })
             .collect();
-        Self { slots, flags }
+        Self {
+            slots,
+            flags,
+            base: claimed_at,
+        }
     }
 
     /// The watch a handler of item `index` sees.
@@ -114,7 +129,9 @@ impl Drop for AbortOnDrop {
 
 /// Extends every lease of a batch every `beat` until aborted. Each round trip is bounded by
 /// `timeout`; a lease whose end passes while heartbeats fail is marked lost (the store may
-/// already have handed it to another worker), as is one the store answers `Fenced`.
+/// already have handed it to another worker), as is one the store answers `Fenced`. "Passes"
+/// is judged on this process's monotonic clock from the start of the last successful grant,
+/// never by comparing the store's clock with ours (they may be skewed by any amount).
 pub(crate) async fn heartbeat(
     store: Arc<dyn DedupStore>,
     live: Arc<LiveLeases>,
@@ -133,12 +150,14 @@ pub(crate) async fn heartbeat(
             let leases: Vec<(DedupKey, FencingToken)> =
                 due.iter().map(|(_, s)| (s.key.clone(), s.token)).collect();
             // One round trip for the whole batch, bounded: a store that hangs counts as down.
+            let started = live.base.elapsed();
+            let renewed_deadline = crate::store::duration_ms(started + lease);
             match tokio::time::timeout(timeout, store.extend_batch(&leases, lease)).await {
                 Ok(Ok(outs)) if outs.len() == due.len() => {
                     for ((i, slot), out) in due.iter().zip(outs) {
                         match out {
-                            ExtendOutcome::Extended { until_ms } => {
-                                slot.until_ms.store(until_ms, Ordering::Relaxed)
+                            ExtendOutcome::Extended { .. } => {
+                                slot.deadline_ms.store(renewed_deadline, Ordering::Relaxed)
                             }
                             ExtendOutcome::Fenced => {
                                 tracing::warn!(key = %slot.key, "lease lost (heartbeat fenced): another worker took the key over");
@@ -165,10 +184,10 @@ pub(crate) async fn heartbeat(
                 }
             }
         }
-        let now = now_ms();
+        let now = crate::store::duration_ms(live.base.elapsed());
         let expired: Vec<usize> = live
             .renewable()
-            .filter(|(_, s)| s.until_ms.load(Ordering::Relaxed) - margin_ms <= now)
+            .filter(|(_, s)| s.deadline_ms.load(Ordering::Relaxed) - margin_ms <= now)
             .map(|(i, _)| i)
             .collect();
         for i in expired {
