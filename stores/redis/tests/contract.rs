@@ -68,16 +68,23 @@ async fn hostile_prefixes_are_config_errors_before_any_connection() {
     assert!(matches!(err, StoreError::Config(_)), "{err:?}");
 }
 
+/// At startup a refused connection is a configuration error naming the host and port (a
+/// typo in the URL must not look like an outage to retry); see tests/store_urls.rs.
 #[tokio::test]
-async fn a_refused_connection_is_unavailable() {
+async fn a_refused_connection_at_startup_names_host_and_port() {
     let err = RedisStore::builder("redis://127.0.0.1:1/")
         .connect_timeout(Duration::from_millis(300))
         .reconnect_retries(0)
         .connect()
         .await
         .expect_err("nothing listens on port 1");
-    assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
-    assert!(err.is_retryable());
+    assert!(matches!(err, StoreError::Config(_)), "{err:?}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("127.0.0.1:1") && msg.contains("connection refused"),
+        "{msg}"
+    );
+    assert!(!err.is_retryable());
 }
 
 #[tokio::test]
