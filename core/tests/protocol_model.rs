@@ -1,0 +1,843 @@
+//! A model of the claim / lease / heartbeat / complete / release protocol, checked with
+//! [`stateright`] (issue 11, "The model").
+//!
+//! # What is modelled
+//!
+//! * **One store** holding one record per key (one key, or two for the batch model), deciding
+//!   every claim with the rules of `evaluate_claim` *on the store's own clock*: no record →
+//!   acquire (attempt 1); completed → `Duplicate`; in progress with an ended or released lease
+//!   → take over (attempt + 1, `takeover` true unless it was released, as the memory store
+//!   answers); otherwise `InFlight`. `complete`, `extend` and `release` are fenced by the token
+//!   (`token == attempt`, unique per acquisition within a lifecycle; retention never ends in
+//!   the model). A lease that ended but was not taken over still belongs to its token.
+//! * **Two workers** running the engine's stages: poll (a batch of one copy of every queued
+//!   key) → claim (one round trip) → handlers → complete (one round trip; per key when the batch
+//!   is refused) → ack. `InFlight` and `Fenced` nack; a lost reply to a claim or a completion
+//!   (the store applied it, the worker saw an error) nacks; a handler failure releases the key
+//!   and nacks, or dead-letters once `max_attempts` acquisitions were used (the retry policy
+//!   reads the store's attempt); a handler cancelled because its lease is lost gets the same
+//!   retry policy but leaves its lease to expire (so the next run is a takeover); a key whose
+//!   completion the store refuses is released and gets the retry policy.
+//! * **A broker** that delivers at least once: every copy is acked, nacked (redelivered),
+//!   rejected (dead-lettered), or redelivered when the worker holding it crashes; a
+//!   `Duplicate` fault adds a copy at any moment (a producer retry or a lost ack).
+//! * **Faults, each from a bounded budget**: a worker crash at every step (between poll and
+//!   claim, mid-handler, between the effect and the completion, between the completion and
+//!   the ack), a lost claim or completion reply, a failed heartbeat extend, a duplicate
+//!   delivery. A handler may stall for as long as the scheduler likes (it is just not
+//!   scheduled while time passes).
+//! * **Time.** One tick is one heartbeat period; a lease is `LEASE` = 3 beats (the default: lease / 3) and the engine
+//!   gives a lease up `MARGIN` = 1 beat before its end (the real engine: `min(beat, lease/2)`).
+//!   Times are kept *relative* to the store's clock (remaining beats), so the clock itself is
+//!   unbounded but the state space is finite. A tick ends every lease one beat closer, then
+//!   runs each worker's heartbeat: every lease it holds (handler running, or done and waiting
+//!   for its completion) is extended (the store answers `Extended` or `Fenced`) or the extend
+//!   fails (budget). Then the lease watch of `lease.rs`: a lease whose end, *as the worker's
+//!   clock reads it*, is within the margin is marked lost. Each worker's clock is the store's
+//!   plus a fixed skew (`|skew| <= SKEW_BOUND` = 1 beat, every combination is an initial
+//!   state; a skew behind the store's clock beyond the margin breaks safety, one ahead by
+//!   `LEASE - MARGIN` or more gives up every lease at its first beat). The watch runs in the
+//!   same step as the tick: the model assumes the heartbeat's
+//!   timer fires on time (docs/design.md, "The protocol model", says what delays it today).
+//!   A tick that changes nothing is not an action, so a quiet system has no successor.
+//!
+//! # Properties
+//!
+//! * always — *at most one completion commits per key*: at most one token is ever answered
+//!   `Completed`;
+//! * always — *no message is acked before its key's record is durable*;
+//! * always — *no effect after the lease was taken over*: a handler never performs its
+//!   external effect once its token has been superseded at the store (two handlers never
+//!   overlap on one key);
+//! * always — *a repeated effect is signalled*: an effect on a key that already had one is
+//!   performed by an acquisition with `attempt > 1` (so the handler was told an earlier attempt
+//!   may have started the effect);
+//! * eventually — *every message is acked or dead-lettered* (bounded liveness, below).
+//!
+//! And, as a documented **non-property** (a `sometimes` that the checker must *find*): an
+//! external effect CAN run twice, even in the fixed protocol — a crash, a lost lease or a
+//! refused completion between the effect and its durable completion makes the next attempt
+//! run the effect again. Only effects written in the same transaction as the completion
+//! (`complete_in_tx`, the outbox) are fenced; external effects are only *signalled*
+//! (`attempt > 1`, `takeover`, the lease watch). A second `sometimes` shows that the
+//! `takeover` flag alone does not signal every repeat (after a refused completion the key was
+//! *released*, so the next attempt sees `takeover == false`: issue 11 item 4).
+//!
+//! What the lease watch buys: without it (variant [`Variant::HandlerNotCancelled`], bug 2 of
+//! issue 11) a stalled handler whose extends fail outlives its lease, the key is taken over,
+//! and both handlers perform the effect: the checker finds that counterexample. With the
+//! handler cancelled when its lease is lost, that state is unreachable as long as the clock
+//! skew is within the margin; with a skew beyond the margin it is reachable again (a test
+//! shows that too, so the bound is not vacuous).
+//!
+//! # Why this liveness formulation
+//!
+//! `stateright` checks an `eventually` property at *terminal* states only (states with no
+//! successor) and does not report cycles. So the model is built so that every run that a
+//! fair scheduler could produce is finite, and every infinite run is unfair:
+//!
+//! * every fault comes from a finite budget;
+//! * every acquisition increments the store's attempt counter, and a key cannot be polled
+//!   again once it reached `horizon` acquisitions without completing: the model's horizon.
+//!   A protocol that loops (bug 1: one refused batch completion re-runs the batch forever)
+//!   therefore *ends* at the horizon with the message neither acked nor dead-lettered, which
+//!   is a terminal state the checker reports;
+//! * a tick that changes nothing is not an action.
+//!
+//! What is left are cycles that need an unfair scheduler: a handler that never finishes while
+//! its heartbeat keeps succeeding, or a duplicate copy that keeps meeting `InFlight` while that
+//! handler stalls. `stateright` neither reports nor is misled by those. The property checked is
+//! therefore *bounded* liveness: "in every run that ends (every fair run, given the fault
+//! budget), every message is acked or dead-lettered within `horizon` acquisitions". The
+//! predicate is monotone (a settled message stays settled), so `stateright`'s BFS, which keeps
+//! one visit per state, cannot lose a violation at a join of two paths.
+//!
+//! Run with `cargo test --test protocol_model -- --nocapture` to see the state counts.
+
+use stateright::{Checker, HasDiscoveries, Model, Property};
+use std::collections::BTreeSet;
+use std::time::Instant;
+
+/// A lease, in heartbeat periods.
+const LEASE: i8 = 3;
+/// How long before its end (by the worker's clock) the lease watch gives a lease up.
+const MARGIN: i8 = 1;
+/// The clock skew between a worker and the store that the fixed protocol tolerates.
+const SKEW_BOUND: i8 = 1;
+/// Worker count.
+const WORKERS: usize = 2;
+
+/// Which protocol the model runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Variant {
+    /// Today's protocol: per-key completion fallback, handlers cancelled on lease loss.
+    Fixed,
+    /// Bug 1 put back: a refused batch completion nacks the whole batch (no per-key fallback,
+    /// no retry policy for the refused key).
+    NoCompletionFallback,
+    /// Bug 2 put back: the heartbeat still notices the lost lease, but the handler is never
+    /// told and runs on.
+    HandlerNotCancelled,
+}
+
+#[derive(Clone, Debug)]
+struct ProtocolModel {
+    variant: Variant,
+    /// Keys (one message each): 1, or 2 for the batch model.
+    keys: u8,
+    /// A key whose completion the store refuses (a result over `max_allowed_packet`): in a
+    /// batch of more than one, and alone.
+    poison: Option<u8>,
+    /// The skews (worker clock minus store clock, in beats) to start from.
+    skews: Vec<i8>,
+    crashes: u8,
+    lost_replies: u8,
+    extend_failures: u8,
+    duplicates: u8,
+    /// The retry policy's `max_attempts`.
+    max_attempts: u8,
+    /// The most acquisitions of one key the model allows (its horizon).
+    horizon: u8,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Status {
+    InProgress,
+    Completed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Record {
+    status: Status,
+    /// Token of the latest acquisition; equal to the attempt count.
+    token: u8,
+    /// Beats left on the lease by the store's clock (`<= 0`: ended).
+    lease_rem: i8,
+    released: bool,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Phase {
+    /// Delivered, not claimed yet.
+    Polled,
+    /// Acquired; the handler has not made its effect yet.
+    Running,
+    /// The handler made its effect and succeeded; waiting for the completion.
+    Effected,
+    /// Completion durable; the ack is not sent yet.
+    Acking,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Slot {
+    key: u8,
+    phase: Phase,
+    token: u8,
+    takeover: bool,
+    /// Lease end as last confirmed by the store, in beats from the store's now.
+    known_rem: i8,
+    lost: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Worker {
+    skew: i8,
+    slots: Vec<Slot>,
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+struct Msg {
+    /// Copies the broker will deliver.
+    queued: u8,
+    acked: bool,
+    dead: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct State {
+    store: Vec<Option<Record>>,
+    workers: Vec<Worker>,
+    broker: Vec<Msg>,
+    /// External effects per key (saturating at 3).
+    effects: Vec<u8>,
+    /// Bit `t`: token `t` was answered `Completed`.
+    committed: Vec<u16>,
+    early_ack: bool,
+    stale_effect: bool,
+    unsignalled_repeat: bool,
+    repeat_without_takeover: bool,
+    crashes: u8,
+    lost_replies: u8,
+    extend_failures: u8,
+    duplicates: u8,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Action {
+    Poll(usize),
+    Claim {
+        w: usize,
+        reply_lost: bool,
+    },
+    Effect {
+        w: usize,
+        slot: usize,
+    },
+    HandlerFails {
+        w: usize,
+        slot: usize,
+    },
+    Cancel {
+        w: usize,
+        slot: usize,
+    },
+    Complete {
+        w: usize,
+        reply_lost: bool,
+    },
+    Ack {
+        w: usize,
+        slot: usize,
+    },
+    Crash(usize),
+    Duplicate(u8),
+    /// One heartbeat period; bit `i` of `failing`: the `i`-th held lease's extend fails.
+    Tick {
+        failing: u8,
+    },
+}
+
+fn complete_one(s: &mut State, key: u8, token: u8) -> bool {
+    match &mut s.store[key as usize] {
+        Some(r) if r.token == token && r.status == Status::InProgress && !r.released => {
+            r.status = Status::Completed;
+            s.committed[key as usize] |= 1 << token;
+            true
+        }
+        Some(r) if r.token == token && r.status == Status::Completed => {
+            s.committed[key as usize] |= 1 << token;
+            true
+        }
+        _ => false,
+    }
+}
+
+fn release(s: &mut State, key: u8, token: u8) {
+    if let Some(r) = &mut s.store[key as usize] {
+        if r.token == token && r.status == Status::InProgress && !r.released {
+            r.released = true;
+            r.lease_rem = 0;
+        }
+    }
+}
+
+impl ProtocolModel {
+    fn fixed_one_key() -> Self {
+        Self {
+            variant: Variant::Fixed,
+            keys: 1,
+            poison: None,
+            skews: (-SKEW_BOUND..=SKEW_BOUND).collect(),
+            crashes: 2,
+            lost_replies: 1,
+            extend_failures: 2,
+            duplicates: 2,
+            max_attempts: 2,
+            horizon: 0,
+        }
+        .with_horizon()
+    }
+
+    /// The horizon: `max_attempts` acquisitions, one more per fault that can end an
+    /// acquisition without a verdict of the retry policy (a crash, a lost reply, a lease lost
+    /// to a failed extend and then fenced), and one to spare. A protocol that needs more
+    /// acquisitions than that to settle a message does not settle it.
+    fn with_horizon(mut self) -> Self {
+        self.horizon =
+            self.max_attempts + self.crashes + self.lost_replies + self.extend_failures + 1;
+        self
+    }
+
+    fn batch_with_poison(variant: Variant) -> Self {
+        Self {
+            variant,
+            keys: 2,
+            poison: Some(1),
+            skews: vec![0],
+            crashes: 1,
+            lost_replies: 1,
+            extend_failures: 0,
+            duplicates: 0,
+            max_attempts: 2,
+            horizon: 0,
+        }
+        .with_horizon()
+    }
+
+    /// Nack a delivery: the broker redelivers it.
+    fn nack(s: &mut State, key: u8) {
+        s.broker[key as usize].queued += 1;
+    }
+
+    /// Settle a failed acquisition by the retry policy (the attempt is the token).
+    fn give_back(&self, s: &mut State, slot: Slot) {
+        release(s, slot.key, slot.token);
+        if slot.token >= self.max_attempts {
+            s.broker[slot.key as usize].dead = true;
+        } else {
+            Self::nack(s, slot.key);
+        }
+    }
+
+    fn ack(s: &mut State, key: u8) {
+        let durable = matches!(s.store[key as usize], Some(r) if r.status == Status::Completed);
+        if !durable {
+            s.early_ack = true;
+        }
+        s.broker[key as usize].acked = true;
+    }
+
+    fn pollable(&self, s: &State, key: u8) -> bool {
+        s.broker[key as usize].queued > 0
+            && match s.store[key as usize] {
+                Some(r) => r.status == Status::Completed || r.token < self.horizon,
+                None => true,
+            }
+    }
+
+    /// Heartbeated leases: (worker, slot).
+    fn held(s: &State) -> Vec<(usize, usize)> {
+        let mut v = Vec::new();
+        for (w, wk) in s.workers.iter().enumerate() {
+            for (i, sl) in wk.slots.iter().enumerate() {
+                if matches!(sl.phase, Phase::Running | Phase::Effected) && !sl.lost {
+                    v.push((w, i));
+                }
+            }
+        }
+        v
+    }
+}
+
+impl Model for ProtocolModel {
+    type State = State;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<State> {
+        let k = self.keys as usize;
+        // Every assignment of a skew to each worker.
+        let mut skews: Vec<Vec<i8>> = vec![Vec::new()];
+        for _ in 0..WORKERS {
+            skews = skews
+                .into_iter()
+                .flat_map(|v| {
+                    self.skews.iter().map(move |&x| {
+                        let mut v = v.clone();
+                        v.push(x);
+                        v
+                    })
+                })
+                .collect();
+        }
+        let mut out = Vec::new();
+        for combo in skews {
+            out.push(State {
+                store: vec![None; k],
+                workers: combo
+                    .into_iter()
+                    .map(|skew| Worker {
+                        skew,
+                        slots: Vec::new(),
+                    })
+                    .collect(),
+                broker: vec![
+                    Msg {
+                        queued: 1,
+                        ..Msg::default()
+                    };
+                    k
+                ],
+                effects: vec![0; k],
+                committed: vec![0; k],
+                early_ack: false,
+                stale_effect: false,
+                unsignalled_repeat: false,
+                repeat_without_takeover: false,
+                crashes: self.crashes,
+                lost_replies: self.lost_replies,
+                extend_failures: self.extend_failures,
+                duplicates: self.duplicates,
+            });
+        }
+        out
+    }
+
+    fn actions(&self, s: &State, actions: &mut Vec<Action>) {
+        for (w, wk) in s.workers.iter().enumerate() {
+            if wk.slots.is_empty() {
+                if (0..self.keys).any(|k| self.pollable(s, k)) {
+                    actions.push(Action::Poll(w));
+                }
+                continue;
+            }
+            if s.crashes > 0 {
+                actions.push(Action::Crash(w));
+            }
+            if wk.slots.iter().all(|sl| sl.phase == Phase::Polled) {
+                actions.push(Action::Claim {
+                    w,
+                    reply_lost: false,
+                });
+                if s.lost_replies > 0 {
+                    actions.push(Action::Claim {
+                        w,
+                        reply_lost: true,
+                    });
+                }
+                continue;
+            }
+            for (slot, sl) in wk.slots.iter().enumerate() {
+                match sl.phase {
+                    Phase::Running => {
+                        let cancels = sl.lost && self.variant != Variant::HandlerNotCancelled;
+                        if cancels {
+                            actions.push(Action::Cancel { w, slot });
+                        } else {
+                            actions.push(Action::Effect { w, slot });
+                            actions.push(Action::HandlerFails { w, slot });
+                        }
+                    }
+                    Phase::Acking => actions.push(Action::Ack { w, slot }),
+                    _ => {}
+                }
+            }
+            let handlers_done = wk
+                .slots
+                .iter()
+                .all(|sl| matches!(sl.phase, Phase::Effected | Phase::Acking));
+            if handlers_done && wk.slots.iter().any(|sl| sl.phase == Phase::Effected) {
+                actions.push(Action::Complete {
+                    w,
+                    reply_lost: false,
+                });
+                if s.lost_replies > 0 {
+                    actions.push(Action::Complete {
+                        w,
+                        reply_lost: true,
+                    });
+                }
+            }
+        }
+        if s.duplicates > 0 {
+            for k in 0..self.keys {
+                actions.push(Action::Duplicate(k));
+            }
+        }
+        let held = Self::held(s).len();
+        for failing in 0..(1u8 << held) {
+            if failing.count_ones() as u8 <= s.extend_failures {
+                actions.push(Action::Tick { failing });
+            }
+        }
+    }
+
+    fn next_state(&self, s: &State, action: Action) -> Option<State> {
+        let mut n = s.clone();
+        match action {
+            Action::Poll(w) => {
+                for k in 0..self.keys {
+                    if self.pollable(s, k) {
+                        n.broker[k as usize].queued -= 1;
+                        n.workers[w].slots.push(Slot {
+                            key: k,
+                            phase: Phase::Polled,
+                            token: 0,
+                            takeover: false,
+                            known_rem: 0,
+                            lost: false,
+                        });
+                    }
+                }
+            }
+            Action::Claim { w, reply_lost } => {
+                if reply_lost {
+                    n.lost_replies -= 1;
+                }
+                let slots = std::mem::take(&mut n.workers[w].slots);
+                for mut sl in slots {
+                    let k = sl.key as usize;
+                    // `evaluate_claim`, on the store's clock.
+                    let acquired = match n.store[k] {
+                        None => Some((1, false)),
+                        Some(r) if r.status == Status::Completed => None,
+                        Some(r) if r.released || r.lease_rem <= 0 => {
+                            Some((r.token + 1, !r.released))
+                        }
+                        Some(_) => None,
+                    };
+                    if let Some((token, takeover)) = acquired {
+                        n.store[k] = Some(Record {
+                            status: Status::InProgress,
+                            token,
+                            lease_rem: LEASE,
+                            released: false,
+                        });
+                        sl.token = token;
+                        sl.takeover = takeover;
+                        sl.known_rem = LEASE;
+                        sl.phase = Phase::Running;
+                    }
+                    if reply_lost {
+                        // The store applied the claim; the worker saw an error: nack.
+                        Self::nack(&mut n, sl.key);
+                    } else if acquired.is_some() {
+                        n.workers[w].slots.push(sl);
+                    } else if matches!(n.store[k], Some(r) if r.status == Status::Completed) {
+                        Self::ack(&mut n, sl.key); // Duplicate
+                    } else {
+                        Self::nack(&mut n, sl.key); // InFlight
+                    }
+                }
+            }
+            Action::Effect { w, slot } => {
+                let sl = n.workers[w].slots[slot];
+                let k = sl.key as usize;
+                if n.effects[k] > 0 {
+                    if sl.token <= 1 {
+                        n.unsignalled_repeat = true;
+                    }
+                    if !sl.takeover {
+                        n.repeat_without_takeover = true;
+                    }
+                }
+                if !matches!(n.store[k], Some(r) if r.token == sl.token) {
+                    n.stale_effect = true;
+                }
+                n.effects[k] = (n.effects[k] + 1).min(3);
+                n.workers[w].slots[slot].phase = Phase::Effected;
+            }
+            Action::HandlerFails { w, slot } => {
+                let sl = n.workers[w].slots.remove(slot);
+                self.give_back(&mut n, sl);
+            }
+            Action::Cancel { w, slot } => {
+                // A handler cut off by its lost lease: the lease is left to expire (so the
+                // next run is a takeover), and the retry policy settles the delivery.
+                let sl = n.workers[w].slots.remove(slot);
+                if sl.token >= self.max_attempts {
+                    n.broker[sl.key as usize].dead = true;
+                } else {
+                    Self::nack(&mut n, sl.key);
+                }
+            }
+            Action::Complete { w, reply_lost } => {
+                let slots = std::mem::take(&mut n.workers[w].slots);
+                let batch: Vec<Slot> = slots
+                    .iter()
+                    .copied()
+                    .filter(|sl| sl.phase == Phase::Effected)
+                    .collect();
+                let mut keep: Vec<Slot> = slots
+                    .into_iter()
+                    .filter(|sl| sl.phase != Phase::Effected)
+                    .collect();
+                let refused = self
+                    .poison
+                    .is_some_and(|p| batch.iter().any(|sl| sl.key == p));
+                if reply_lost && !refused {
+                    n.lost_replies -= 1;
+                    for sl in &batch {
+                        complete_one(&mut n, sl.key, sl.token);
+                        Self::nack(&mut n, sl.key);
+                    }
+                } else if !refused {
+                    for mut sl in batch {
+                        if complete_one(&mut n, sl.key, sl.token) {
+                            sl.phase = Phase::Acking;
+                            keep.push(sl);
+                        } else {
+                            Self::nack(&mut n, sl.key); // Fenced
+                        }
+                    }
+                } else if reply_lost {
+                    return None;
+                } else if self.variant == Variant::NoCompletionFallback {
+                    // Bug 1: the whole batch is nacked; leases run out; taken over; again.
+                    for sl in &batch {
+                        Self::nack(&mut n, sl.key);
+                    }
+                } else {
+                    // One key at a time; the refused key gets the retry policy.
+                    for mut sl in batch {
+                        if Some(sl.key) == self.poison {
+                            self.give_back(&mut n, sl);
+                        } else if complete_one(&mut n, sl.key, sl.token) {
+                            sl.phase = Phase::Acking;
+                            keep.push(sl);
+                        } else {
+                            Self::nack(&mut n, sl.key);
+                        }
+                    }
+                }
+                n.workers[w].slots = keep;
+            }
+            Action::Ack { w, slot } => {
+                let sl = n.workers[w].slots.remove(slot);
+                Self::ack(&mut n, sl.key);
+            }
+            Action::Crash(w) => {
+                n.crashes -= 1;
+                for sl in std::mem::take(&mut n.workers[w].slots) {
+                    Self::nack(&mut n, sl.key); // the broker redelivers what was unsettled
+                }
+            }
+            Action::Duplicate(k) => {
+                n.duplicates -= 1;
+                Self::nack(&mut n, k);
+            }
+            Action::Tick { failing } => {
+                let held = Self::held(s);
+                for r in n.store.iter_mut().flatten() {
+                    if r.status == Status::InProgress && !r.released && r.lease_rem > 0 {
+                        r.lease_rem -= 1;
+                    }
+                }
+                for wk in &mut n.workers {
+                    for sl in &mut wk.slots {
+                        if matches!(sl.phase, Phase::Running | Phase::Effected) {
+                            sl.known_rem = (sl.known_rem - 1).max(-LEASE);
+                        }
+                    }
+                }
+                // The heartbeat.
+                for (i, &(w, slot)) in held.iter().enumerate() {
+                    if failing & (1 << i) != 0 {
+                        n.extend_failures -= 1;
+                        continue;
+                    }
+                    let sl = &mut n.workers[w].slots[slot];
+                    match &mut n.store[sl.key as usize] {
+                        Some(r)
+                            if r.token == sl.token
+                                && r.status == Status::InProgress
+                                && !r.released =>
+                        {
+                            r.lease_rem = LEASE;
+                            sl.known_rem = LEASE;
+                        }
+                        _ => sl.lost = true, // Fenced
+                    }
+                }
+                // The lease watch: the end, by this worker's clock, is within the margin.
+                for &(w, slot) in &held {
+                    let skew = n.workers[w].skew;
+                    let sl = &mut n.workers[w].slots[slot];
+                    if sl.known_rem <= MARGIN + skew {
+                        sl.lost = true;
+                    }
+                }
+                if n == *s {
+                    return None;
+                }
+            }
+        }
+        Some(n)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(AT_MOST_ONE_COMMIT, |_, s: &State| {
+                s.committed.iter().all(|c| c.count_ones() <= 1)
+            }),
+            Property::always(NO_EARLY_ACK, |_, s: &State| !s.early_ack),
+            Property::always(NO_STALE_EFFECT, |_, s: &State| !s.stale_effect),
+            Property::always(REPEAT_SIGNALLED, |_, s: &State| !s.unsignalled_repeat),
+            Property::eventually(SETTLED, |_, s: &State| {
+                s.broker.iter().all(|m| m.acked || m.dead)
+            }),
+            Property::sometimes(EFFECT_TWICE, |_, s: &State| {
+                s.effects.iter().any(|&e| e >= 2)
+            }),
+            Property::sometimes(REPEAT_WITHOUT_TAKEOVER, |_, s: &State| {
+                s.repeat_without_takeover
+            }),
+        ]
+    }
+}
+
+const AT_MOST_ONE_COMMIT: &str = "at most one completion commits per key";
+const NO_EARLY_ACK: &str = "no message is acked before its key's record is durable";
+const NO_STALE_EFFECT: &str = "no effect after the lease was taken over";
+const REPEAT_SIGNALLED: &str = "a repeated effect is signalled (attempt > 1)";
+const SETTLED: &str = "every message is eventually acked or dead-lettered";
+const EFFECT_TWICE: &str = "an external effect runs twice (documented non-property)";
+const REPEAT_WITHOUT_TAKEOVER: &str = "a repeated effect with takeover == false";
+
+fn check(
+    name: &str,
+    model: ProtocolModel,
+    stop_at: &[&'static str],
+) -> impl Checker<ProtocolModel> {
+    let started = Instant::now();
+    let mut builder = model.checker().threads(2);
+    if !stop_at.is_empty() {
+        let wanted: BTreeSet<&'static str> = stop_at.iter().copied().collect();
+        builder = builder.finish_when(HasDiscoveries::AllOf(wanted));
+    }
+    let checker = builder.spawn_bfs().join();
+    println!(
+        "protocol model [{name}]: {} unique states ({} generated), max depth {}, {:.2?}",
+        checker.unique_state_count(),
+        checker.state_count(),
+        checker.max_depth(),
+        started.elapsed()
+    );
+    assert!(checker.unique_state_count() > 0);
+    checker
+}
+
+fn show(checker: &impl Checker<ProtocolModel>, property: &'static str) {
+    let path = checker
+        .discovery(property)
+        .unwrap_or_else(|| panic!("expected a discovery for `{property}`"));
+    println!(
+        "  `{property}`: {} steps",
+        path.clone().into_actions().len()
+    );
+    for a in path.clone().into_actions() {
+        println!("    {a:?}");
+    }
+    println!("    final: {:?}", path.last_state());
+}
+
+#[test]
+fn fixed_protocol_one_key_holds_every_property() {
+    let checker = check("fixed, 1 key", ProtocolModel::fixed_one_key(), &[]);
+    for p in [
+        AT_MOST_ONE_COMMIT,
+        NO_EARLY_ACK,
+        NO_STALE_EFFECT,
+        REPEAT_SIGNALLED,
+        SETTLED,
+    ] {
+        checker.assert_no_discovery(p);
+    }
+    // The documented non-properties are reachable: the model does exercise them. A second
+    // run that stops at them gives short example paths.
+    assert!(checker.discovery(EFFECT_TWICE).is_some());
+    assert!(checker.discovery(REPEAT_WITHOUT_TAKEOVER).is_some());
+    let examples = check(
+        "fixed, 1 key: examples of the non-properties",
+        ProtocolModel::fixed_one_key(),
+        &[EFFECT_TWICE, REPEAT_WITHOUT_TAKEOVER],
+    );
+    show(&examples, EFFECT_TWICE);
+    show(&examples, REPEAT_WITHOUT_TAKEOVER);
+}
+
+#[test]
+fn fixed_protocol_two_key_batch_with_a_poison_completion_settles_everything() {
+    let checker = check(
+        "fixed, 2-key batch, poison completion",
+        ProtocolModel::batch_with_poison(Variant::Fixed),
+        &[],
+    );
+    for p in [
+        AT_MOST_ONE_COMMIT,
+        NO_EARLY_ACK,
+        NO_STALE_EFFECT,
+        REPEAT_SIGNALLED,
+        SETTLED,
+    ] {
+        checker.assert_no_discovery(p);
+    }
+}
+
+#[test]
+fn bug1_no_per_key_completion_fallback_never_settles() {
+    let checker = check(
+        "bug 1: no per-key completion fallback",
+        ProtocolModel::batch_with_poison(Variant::NoCompletionFallback),
+        &[SETTLED],
+    );
+    show(&checker, SETTLED);
+    let path = checker.discovery(SETTLED).unwrap();
+    let last = path.last_state();
+    assert!(last.broker.iter().any(|m| !m.acked && !m.dead));
+}
+
+#[test]
+fn bug2_handler_not_cancelled_on_lease_loss_runs_the_effect_twice() {
+    let model = ProtocolModel {
+        variant: Variant::HandlerNotCancelled,
+        ..ProtocolModel::fixed_one_key()
+    };
+    let checker = check(
+        "bug 2: handler not cancelled on lease loss",
+        model,
+        &[NO_STALE_EFFECT, REPEAT_SIGNALLED],
+    );
+    show(&checker, NO_STALE_EFFECT);
+    show(&checker, REPEAT_SIGNALLED);
+    let path = checker.discovery(REPEAT_SIGNALLED).unwrap();
+    assert!(path.last_state().effects[0] >= 2, "two effects for one key");
+}
+
+#[test]
+fn a_clock_skew_beyond_the_margin_defeats_the_lease_watch() {
+    let model = ProtocolModel {
+        skews: vec![-(MARGIN + 1), 0],
+        extend_failures: 3,
+        ..ProtocolModel::fixed_one_key()
+    }
+    .with_horizon();
+    let checker = check(
+        "fixed, skew beyond the margin",
+        model,
+        &[NO_STALE_EFFECT, REPEAT_SIGNALLED],
+    );
+    show(&checker, NO_STALE_EFFECT);
+    show(&checker, REPEAT_SIGNALLED);
+    let path = checker.discovery(REPEAT_SIGNALLED).unwrap();
+    assert!(path.last_state().effects[0] >= 2, "two effects for one key");
+}
