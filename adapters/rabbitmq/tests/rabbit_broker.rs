@@ -6,12 +6,12 @@ mod support;
 
 use idemq_core::envelope::props;
 use idemq_core::{
-    ClaimedMessage, ConsumerConfig, Delivery, HandlerError, IdempotentConsumer, KeyStrategy,
-    MemoryStore, OutgoingMessage, PublishError, Publisher, RetryPolicy, Source,
+    ConsumerConfig, Delivery, MemoryStore, OutgoingMessage, PublishError, Publisher, RetryPolicy,
+    Source,
 };
 use idemq_rabbitmq::{DedupExchange, DedupPlugin, QueueType, RabbitError, RETRIES};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 async fn next_one(src: &mut dyn Source) -> Delivery {
@@ -25,9 +25,12 @@ async fn next_one(src: &mut dyn Source) -> Delivery {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_nobody_can_receive_is_reported_unroutable_not_lost_silently() {
-    let Some(url) = support::amqp_url() else { return };
+    let Some(url) = support::amqp_url() else {
+        return;
+    };
     let p = support::publisher(&url).await;
-    let to_nowhere = OutgoingMessage::new(support::fresh_queue("missing"), "x").with_dedup_key("k1");
+    let to_nowhere =
+        OutgoingMessage::new(support::fresh_queue("missing"), "x").with_dedup_key("k1");
     let err = p.publish(to_nowhere).await.expect_err("no such queue");
     assert!(matches!(err, PublishError::Unroutable(_)), "{err:?}");
     let unbound = OutgoingMessage::new("amq.direct/no-binding-here", "x").with_dedup_key("k2");
@@ -38,7 +41,9 @@ async fn a_message_nobody_can_receive_is_reported_unroutable_not_lost_silently()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_envelope_carries_amqp_properties_typed_headers_and_the_dedup_key() {
-    let Some(url) = support::amqp_url() else { return };
+    let Some(url) = support::amqp_url() else {
+        return;
+    };
     let q = support::fresh_queue("envelope");
     let mut src = support::source(support::config(&url, &q, QueueType::Classic)).await;
     let msg = OutgoingMessage::new(q.clone(), r#"{"order":7}"#)
@@ -48,24 +53,37 @@ async fn the_envelope_carries_amqp_properties_typed_headers_and_the_dedup_key() 
         .with_header(props::CONTENT_TYPE, "application/json")
         .with_header("attempt-limit", "5")
         .with_header(props::type_of("attempt-limit"), "i32");
-    support::publisher(&url).await.publish(msg).await.expect("publish");
+    support::publisher(&url)
+        .await
+        .publish(msg)
+        .await
+        .expect("publish");
     let d = next_one(&mut src).await;
     let e = &d.envelope;
     assert_eq!(e.message_id.as_deref(), Some("order-7-paid"));
     assert_eq!(e.key.as_deref(), Some(&b"order-7-paid"[..]));
-    assert_eq!(e.headers.get_str(idemq_core::DEDUP_HEADER), Some("order-7-paid"));
+    assert_eq!(
+        e.headers.get_str(idemq_core::DEDUP_HEADER),
+        Some("order-7-paid")
+    );
     assert_eq!(
         e.headers.get_str(idemq_rabbitmq::PLUGIN_DEDUP_HEADER),
         Some("order-7-paid")
     );
     assert_eq!(e.headers.get_str(props::CORRELATION_ID), Some("corr-1"));
     assert_eq!(e.headers.get_str(props::REPLY_TO), Some("replies"));
-    assert_eq!(e.headers.get_str(props::CONTENT_TYPE), Some("application/json"));
+    assert_eq!(
+        e.headers.get_str(props::CONTENT_TYPE),
+        Some("application/json")
+    );
     assert_eq!(e.headers.get_str(props::EXCHANGE), Some(""));
     assert_eq!(e.headers.get_str(props::ROUTING_KEY), Some(q.as_str()));
     // Sent as an AMQP long int, received with its type kept.
     assert_eq!(e.headers.get_str("attempt-limit"), Some("5"));
-    assert_eq!(e.headers.get_str(&props::type_of("attempt-limit")), Some("i32"));
+    assert_eq!(
+        e.headers.get_str(&props::type_of("attempt-limit")),
+        Some("i32")
+    );
     assert!(!e.redelivered);
     assert_eq!(e.delivery_count, None);
     assert!(e.timestamp_ms.is_some());
@@ -76,11 +94,17 @@ async fn the_envelope_carries_amqp_properties_typed_headers_and_the_dedup_key() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_quorum_queue_counts_deliveries_and_retry_round_trips_count_too() {
-    let Some(url) = support::amqp_url() else { return };
+    let Some(url) = support::amqp_url() else {
+        return;
+    };
     let q = support::fresh_queue("quorum-count");
     let mut src = support::source(support::config(&url, &q, QueueType::Quorum)).await;
     let msg = OutgoingMessage::new(q.clone(), "x").with_dedup_key("count-me");
-    support::publisher(&url).await.publish(msg).await.expect("publish");
+    support::publisher(&url)
+        .await
+        .publish(msg)
+        .await
+        .expect("publish");
 
     let first = next_one(&mut src).await;
     assert!(!first.envelope.redelivered);
@@ -89,8 +113,15 @@ async fn a_quorum_queue_counts_deliveries_and_retry_round_trips_count_too() {
 
     let second = next_one(&mut src).await;
     assert!(second.envelope.redelivered);
-    assert_eq!(second.envelope.delivery_count, Some(2), "x-delivery-count 1 + 1");
-    second.nack(Duration::from_millis(100)).await.expect("park in a retry queue");
+    assert_eq!(
+        second.envelope.delivery_count,
+        Some(2),
+        "x-delivery-count 1 + 1"
+    );
+    second
+        .nack(Duration::from_millis(100))
+        .await
+        .expect("park in a retry queue");
 
     let third = next_one(&mut src).await;
     assert_eq!(third.envelope.headers.get_str(RETRIES), Some("1"));
@@ -104,15 +135,23 @@ async fn a_quorum_queue_counts_deliveries_and_retry_round_trips_count_too() {
     src.close().await.expect("close");
     support::delete_queues(
         &url,
-        &[q.clone(), format!("{q}.dlq"), idemq_rabbitmq::retry_queue_name(&q, 100)],
+        &[
+            q.clone(),
+            format!("{q}.dlq"),
+            idemq_rabbitmq::retry_queue_name(&q, 100),
+        ],
     )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_dedup_plugin_declaring_a_dedup_exchange_names_the_plugin() {
-    let Some(url) = support::amqp_url() else { return };
-    let found = idemq_rabbitmq::detect_dedup_plugin(&url).await.expect("probe");
+    let Some(url) = support::amqp_url() else {
+        return;
+    };
+    let found = idemq_rabbitmq::detect_dedup_plugin(&url)
+        .await
+        .expect("probe");
     let ex = DedupExchange::new(support::fresh_queue("dedup-ex"), 10_000);
     match found {
         DedupPlugin::Available => {
@@ -125,12 +164,21 @@ async fn without_the_dedup_plugin_declaring_a_dedup_exchange_names_the_plugin() 
             let err = idemq_rabbitmq::declare_dedup_exchange(&url, &ex)
                 .await
                 .expect_err("no plugin");
-            assert!(matches!(err, RabbitError::DedupPluginMissing { .. }), "{err:?}");
-            assert!(err.to_string().contains("rabbitmq_message_deduplication"), "{err}");
+            assert!(
+                matches!(err, RabbitError::DedupPluginMissing { .. }),
+                "{err:?}"
+            );
+            assert!(
+                err.to_string().contains("rabbitmq_message_deduplication"),
+                "{err}"
+            );
             let err = idemq_rabbitmq::declare_dedup_queue(&url, &support::fresh_queue("dq"))
                 .await
                 .expect_err("no plugin");
-            assert!(matches!(err, RabbitError::DedupPluginMissing { .. }), "{err:?}");
+            assert!(
+                matches!(err, RabbitError::DedupPluginMissing { .. }),
+                "{err:?}"
+            );
         }
     }
     // The probe leaves nothing broken: the broker still serves this URL.
@@ -139,14 +187,18 @@ async fn without_the_dedup_plugin_declaring_a_dedup_exchange_names_the_plugin() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn producer_duplicates_with_a_consumer_dropped_mid_run_change_the_world_once() {
-    let Some(url) = support::amqp_url() else { return };
+    let Some(url) = support::amqp_url() else {
+        return;
+    };
     let q = support::fresh_queue("storm");
     // Declared before publishing, so that nothing is unroutable.
     drop(support::source(support::config(&url, &q, QueueType::Classic)).await);
     let keys: Vec<String> = (0..400).map(|i| format!("payment-{i:04}")).collect();
     let mut sends: Vec<OutgoingMessage> = keys
         .iter()
-        .map(|k| OutgoingMessage::new(q.clone(), format!("{{\"id\":\"{k}\"}}")).with_dedup_key(k.clone()))
+        .map(|k| {
+            OutgoingMessage::new(q.clone(), format!("{{\"id\":\"{k}\"}}")).with_dedup_key(k.clone())
+        })
         .collect();
     // Every fourth payment is sent again: a producer retry after a lost confirm.
     sends.extend(sends.clone().into_iter().step_by(4));
@@ -156,24 +208,19 @@ async fn producer_duplicates_with_a_consumer_dropped_mid_run_change_the_world_on
     }
 
     let store = Arc::new(MemoryStore::new());
-    let effects = Arc::new(Mutex::new(HashMap::<String, u32>::new()));
+    let effects = support::Effects::default();
+    let halt = Arc::new(AtomicBool::new(false));
     let consumer = || {
-        let effects = effects.clone();
-        IdempotentConsumer::new(
+        support::counting_consumer(
             store.clone(),
-            KeyStrategy::dedup_header("billing").expect("group"),
-            move |m: ClaimedMessage| {
-                let effects = effects.clone();
-                async move {
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                    let k = m.envelope.headers.get_str(idemq_core::DEDUP_HEADER).unwrap_or("").to_string();
-                    *effects.lock().unwrap_or_else(|e| e.into_inner()).entry(k).or_default() += 1;
-                    Ok::<_, HandlerError>(None)
-                }
-            },
+            "billing",
+            effects.clone(),
+            Duration::from_millis(2),
+            halt.clone(),
         )
         .with_config(ConsumerConfig {
             max_batch: 50,
+            max_concurrency: 50,
             lease: Duration::from_secs(5),
             retry: RetryPolicy::fixed(Duration::from_millis(200)),
             ..ConsumerConfig::default()
@@ -182,38 +229,50 @@ async fn producer_duplicates_with_a_consumer_dropped_mid_run_change_the_world_on
 
     // Consumer A, prefetch 100, dropped mid-run: its unacked deliveries go back to the queue.
     let first = consumer();
-    let mut src = support::source(support::config(&url, &q, QueueType::Classic).prefetch(100)).await;
+    let mut src =
+        support::source(support::config(&url, &q, QueueType::Classic).prefetch(100)).await;
     let run = tokio::spawn(async move {
         let _ = first.run(&mut src, std::future::pending()).await;
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    while effects.lock().unwrap_or_else(|e| e.into_inner()).len() < 100 {
-        assert!(tokio::time::Instant::now() < deadline, "consumer A made no progress");
+    while support::applied(&effects) < 100 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "consumer A made no progress"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // The process goes down: new handlers stop short of their effect, the ones past it
+    // complete, then the consumer is dropped with whatever it has unacked.
+    halt.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(300)).await;
     run.abort();
     let _ = run.await;
-    let after_a = effects.lock().unwrap_or_else(|e| e.into_inner()).len();
+    let after_a = support::applied(&effects);
+    halt.store(false, Ordering::SeqCst);
 
     // Consumer B takes over and drains the queue.
     let second = consumer();
-    let mut src = support::source(support::config(&url, &q, QueueType::Classic).prefetch(100)).await;
+    let mut src =
+        support::source(support::config(&url, &q, QueueType::Classic).prefetch(100)).await;
     let progress = effects.clone();
     let done = async move {
         let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-        while progress.lock().unwrap_or_else(|e| e.into_inner()).len() < 400
-            && tokio::time::Instant::now() < deadline
-        {
+        while support::applied(&progress) < 400 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         // Let the duplicates still queued arrive and be dropped.
         tokio::time::sleep(Duration::from_millis(500)).await;
     };
     second.run(&mut src, done).await.expect("run");
-    let effects = effects.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    let doubles = effects.values().filter(|c| **c > 1).count();
-    let lost = keys.iter().filter(|k| !effects.contains_key(*k)).count();
-    eprintln!("consumer A applied {after_a} before it was dropped; double_effects={doubles} lost={lost}");
-    assert_eq!((doubles, lost), (0, 0), "double_effects={doubles} lost={lost}");
+    let (doubles, lost) = support::double_and_lost(&effects, &keys);
+    eprintln!(
+        "consumer A applied {after_a} before it was dropped; double_effects={doubles} lost={lost}"
+    );
+    assert_eq!(
+        (doubles, lost),
+        (0, 0),
+        "double_effects={doubles} lost={lost}"
+    );
     support::delete_queues(&url, &[q.clone(), format!("{q}.dlq")]).await;
 }

@@ -4,13 +4,9 @@
 
 mod support;
 
-use idemq_core::{
-    ClaimedMessage, ConsumerConfig, HandlerError, IdempotentConsumer, KeyStrategy, MemoryStore,
-    OutgoingMessage, Publisher,
-};
+use idemq_core::{ConsumerConfig, MemoryStore, OutgoingMessage, Publisher};
 use idemq_rabbitmq::QueueType;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 async fn publish_range(p: &dyn Publisher, q: &str, range: std::ops::Range<u32>) {
@@ -29,7 +25,9 @@ async fn publish_range(p: &dyn Publisher, q: &str, range: std::ops::Range<u32>) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_broker_restart_mid_run_loses_nothing_and_applies_nothing_twice() {
-    let Some(url) = support::amqp_url() else { return };
+    let Some(url) = support::amqp_url() else {
+        return;
+    };
     let Ok(restart) = std::env::var("IDEMQ_TEST_RABBITMQ_RESTART_CMD") else {
         eprintln!("skipped: IDEMQ_TEST_RABBITMQ_RESTART_CMD is not set");
         return;
@@ -39,31 +37,21 @@ async fn a_broker_restart_mid_run_loses_nothing_and_applies_nothing_twice() {
     let p = support::publisher(&url).await;
     publish_range(&p, &q, 0..100).await;
 
-    let effects = Arc::new(Mutex::new(HashMap::<String, u32>::new()));
-    let seen = effects.clone();
-    let consumer = IdempotentConsumer::new(
-        Arc::new(MemoryStore::new()),
-        KeyStrategy::dedup_header("shipping").expect("group"),
-        move |m: ClaimedMessage| {
-            let seen = seen.clone();
-            async move {
-                // Slow enough that the restart finds deliveries in flight.
-                tokio::time::sleep(Duration::from_millis(20)).await;
-                let k = m.envelope.headers.get_str(idemq_core::DEDUP_HEADER).unwrap_or("").to_string();
-                *seen.lock().unwrap_or_else(|e| e.into_inner()).entry(k).or_default() += 1;
-                Ok::<_, HandlerError>(None)
-            }
-        },
-    )
-    .with_config(ConsumerConfig {
-        max_batch: 20,
-        ..ConsumerConfig::default()
-    });
+    let effects = support::Effects::default();
+    // Slow enough that the restart finds deliveries in flight.
+    let work = Duration::from_millis(20);
+    let store = Arc::new(MemoryStore::new());
+    let consumer =
+        support::counting_consumer(store, "shipping", effects.clone(), work, Default::default())
+            .with_config(ConsumerConfig {
+                max_batch: 20,
+                ..ConsumerConfig::default()
+            });
     let progress = effects.clone();
     let url2 = url.clone();
     let q2 = q.clone();
     let driver = tokio::spawn(async move {
-        while progress.lock().unwrap_or_else(|e| e.into_inner()).len() < 10 {
+        while support::applied(&progress) < 10 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let t = std::time::Instant::now();
@@ -73,14 +61,16 @@ async fn a_broker_restart_mid_run_loses_nothing_and_applies_nothing_twice() {
             .output()
             .await
             .expect("run the restart command");
-        assert!(out.status.success(), "restart failed: {}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "restart failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         eprintln!("broker restarted in {:?}", t.elapsed());
         let p = support::publisher(&url2).await;
         publish_range(&p, &q2, 100..150).await;
         let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
-        while progress.lock().unwrap_or_else(|e| e.into_inner()).len() < 150
-            && tokio::time::Instant::now() < deadline
-        {
+        while support::applied(&progress) < 150 && tokio::time::Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
@@ -90,9 +80,12 @@ async fn a_broker_restart_mid_run_loses_nothing_and_applies_nothing_twice() {
         let _ = (&mut { driver }).await;
     };
     consumer.run(&mut src, stop).await.expect("run");
-    let effects = effects.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    let doubles = effects.values().filter(|c| **c > 1).count();
-    let lost = (0..150).filter(|i| !effects.contains_key(&format!("order-{i:03}"))).count();
-    assert_eq!((doubles, lost), (0, 0), "double_effects={doubles} lost={lost}");
+    let expected: Vec<String> = (0..150).map(|i| format!("order-{i:03}")).collect();
+    let (doubles, lost) = support::double_and_lost(&effects, &expected);
+    assert_eq!(
+        (doubles, lost),
+        (0, 0),
+        "double_effects={doubles} lost={lost}"
+    );
     support::delete_queues(&url, &[q.clone(), format!("{q}.dlq")]).await;
 }

@@ -79,3 +79,51 @@ pub async fn delete_queues(url: &str, queues: &[String]) {
     }
     let _ = conn.close(200, "done").await;
 }
+
+/// How often each dedup key's effect ran.
+pub type Effects = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, u32>>>;
+
+/// Keys with an effect so far.
+pub fn applied(effects: &Effects) -> usize {
+    effects.lock().unwrap_or_else(|e| e.into_inner()).len()
+}
+
+/// An idempotent consumer (memory store, dedup-header keys in `group`) whose effect is
+/// counting its key in `effects`, after `work` of pretend processing. Once `halt` is set,
+/// new handlers hang at their start: the process is going down. (The engine completes a
+/// batch's keys together once every handler of the batch is done, so a crash that splits a
+/// batch would rightly run the finished handlers' effects again: effects that must survive
+/// that belong in the store's transaction. Tests run a whole batch at once.)
+pub fn counting_consumer(
+    store: std::sync::Arc<idemq_core::MemoryStore>,
+    group: &str,
+    effects: Effects,
+    work: std::time::Duration,
+    halt: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> idemq_core::IdempotentConsumer<impl idemq_core::Handler> {
+    let keys = idemq_core::KeyStrategy::dedup_header(group).expect("group");
+    let effect = move |m: idemq_core::ClaimedMessage| {
+        let effects = effects.clone();
+        let halt = halt.clone();
+        async move {
+            if halt.load(std::sync::atomic::Ordering::SeqCst) {
+                std::future::pending::<()>().await;
+            }
+            tokio::time::sleep(work).await;
+            let key = m.envelope.headers.get_str(idemq_core::DEDUP_HEADER);
+            let key = key.unwrap_or_default().to_owned();
+            let mut tally = effects.lock().unwrap_or_else(|e| e.into_inner());
+            *tally.entry(key).or_default() += 1;
+            Ok::<_, idemq_core::HandlerError>(None)
+        }
+    };
+    idemq_core::IdempotentConsumer::new(store, keys, effect)
+}
+
+/// (double effects, lost keys) among `expected`.
+pub fn double_and_lost(effects: &Effects, expected: &[String]) -> (usize, usize) {
+    let tally = effects.lock().unwrap_or_else(|e| e.into_inner());
+    let doubles = tally.values().filter(|n| **n > 1).count();
+    let lost = expected.iter().filter(|k| !tally.contains_key(*k)).count();
+    (doubles, lost)
+}
