@@ -346,7 +346,10 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
     let t = totals.stats.lock().map(|s| *s).unwrap_or_default();
     let dead = broker.dead_letters().len();
     println!(
-        "published={published} distinct={n} lost_acks_injected=~5% handler_failures={failing} crashes={} takeovers={} dead_lettered={dead} store=sqlite:{} elapsed={:.1}s",
+        "published={published} distinct={n} lost_acks_injected=~5% handler_failures={failing} crashes={} restarts={} takeovers={} dead_lettered={dead} store=sqlite:{} elapsed={:.1}s",
+        // Crash points reached. Two reached by one consumer together kill it once, so the
+        // restarts can be fewer.
+        plan.crashed.lock().map(|c| c.len()).unwrap_or_default(),
         totals.crashes.load(Ordering::Relaxed),
         t.takeovers,
         db_path.display(),

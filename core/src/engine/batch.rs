@@ -665,7 +665,8 @@ impl<H: Handler> IdempotentConsumer<H> {
             &format!("the dedup store refused its completion: {e}"),
         );
         tracing::warn!(key = %item.key, error = %e, "completion refused for this key");
-        self.give_back(live, item, Some(lease.token), how).await;
+        // Its effect ran: the key is not released, so the next run is a takeover and says so.
+        self.give_back(live, item, None, how).await;
         false
     }
 

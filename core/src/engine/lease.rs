@@ -144,7 +144,9 @@ pub(crate) async fn heartbeat(
     // A lease is given up one beat before its end: the next beat might come too late.
     let margin_ms = crate::store::duration_ms(beat).min(crate::store::duration_ms(lease) / 2);
     loop {
-        tick.tick().await;
+        // Between beats, and while a beat's round trip hangs, leases are still given up on
+        // time: a hung store cannot delay the lease watch.
+        expiring(&live, margin_ms, tick.tick()).await;
         let due: Vec<(usize, &Slot)> = live.renewable().collect();
         if !due.is_empty() {
             let leases: Vec<(DedupKey, FencingToken)> =
@@ -152,7 +154,8 @@ pub(crate) async fn heartbeat(
             // One round trip for the whole batch, bounded: a store that hangs counts as down.
             let started = live.base.elapsed();
             let renewed_deadline = crate::store::duration_ms(started + lease);
-            match tokio::time::timeout(timeout, store.extend_batch(&leases, lease)).await {
+            let call = tokio::time::timeout(timeout, store.extend_batch(&leases, lease));
+            match expiring(&live, margin_ms, call).await {
                 Ok(Ok(outs)) if outs.len() == due.len() => {
                     for ((i, slot), out) in due.iter().zip(outs) {
                         match out {
@@ -184,17 +187,46 @@ pub(crate) async fn heartbeat(
                 }
             }
         }
-        let now = crate::store::duration_ms(live.base.elapsed());
-        let expired: Vec<usize> = live
+        live.mark_expired(margin_ms);
+    }
+}
+
+/// Awaits `fut`, marking leases lost as their ends (less `margin_ms`) pass meanwhile.
+async fn expiring<F: std::future::Future>(live: &LiveLeases, margin_ms: i64, fut: F) -> F::Output {
+    tokio::pin!(fut);
+    loop {
+        let next = live
+            .next_expiry(margin_ms)
+            .unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(3600));
+        tokio::select! {
+            out = &mut fut => return out,
+            _ = tokio::time::sleep_until(next) => live.mark_expired(margin_ms),
+        }
+    }
+}
+
+impl LiveLeases {
+    /// When the first renewable lease must be given up.
+    fn next_expiry(&self, margin_ms: i64) -> Option<tokio::time::Instant> {
+        self.renewable()
+            .map(|(_, s)| s.deadline_ms.load(Ordering::Relaxed) - margin_ms)
+            .min()
+            .map(|ms| self.base + Duration::from_millis(ms.max(0) as u64))
+    }
+
+    /// Marks lost every lease whose end (less `margin_ms`) has passed on our clock.
+    fn mark_expired(&self, margin_ms: i64) {
+        let now = crate::store::duration_ms(self.base.elapsed());
+        let expired: Vec<usize> = self
             .renewable()
             .filter(|(_, s)| s.deadline_ms.load(Ordering::Relaxed) - margin_ms <= now)
             .map(|(i, _)| i)
             .collect();
         for i in expired {
-            if let Some(Some(s)) = live.slots.get(i) {
+            if let Some(Some(s)) = self.slots.get(i) {
                 tracing::warn!(key = %s.key, "lease ran out while heartbeats failed; treating it as lost");
             }
-            live.flags.mark_lost(i);
+            self.flags.mark_lost(i);
         }
     }
 }

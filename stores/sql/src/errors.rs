@@ -3,9 +3,13 @@
 //! retryable or permanent, so `?` redelivers a deadlock but dead-letters a constraint
 //! violation).
 
-use crate::backend::{error_class, ErrorClass, SqlBackend};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use crate::backend::error_class;
+use crate::backend::{ErrorClass, SqlBackend};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use crate::sniff::{identify, Endpoint, Server};
 use idemq_core::{HandlerError, StoreError};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 use std::time::Duration;
 
 /// Refuses a URL whose scheme `store` does not take, naming the accepted ones.
@@ -34,6 +38,7 @@ pub(crate) fn check_scheme(
     )))
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 /// Connects once, within `timeout`, before the pool is built: a refused connection, a
 /// wrong server or a refused login fails startup at once with a message naming the fix,
 /// instead of the pool retrying until its acquire timeout says "pool timed out".
@@ -54,10 +59,12 @@ pub(crate) async fn probe<DB: SqlBackend>(
     }
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 fn at(ep: Option<&Endpoint>) -> String {
     ep.map_or_else(|| "the configured socket".to_owned(), |e| e.to_string())
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 /// The server answering at `ep` is not `expected`: say which one it is, if it can be told.
 async fn wrong_server(ep: Option<&Endpoint>, expected: Server) -> Option<StoreError> {
     let ep = ep?;
@@ -75,6 +82,7 @@ async fn wrong_server(ep: Option<&Endpoint>, expected: Server) -> Option<StoreEr
     )))
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 async fn silent_server(ep: Option<&Endpoint>, expected: Server, timeout: Duration) -> StoreError {
     if let Some(e) = wrong_server(ep, expected).await {
         return e;
@@ -89,6 +97,7 @@ async fn silent_server(ep: Option<&Endpoint>, expected: Server, timeout: Duratio
     ))
 }
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 /// Maps a failed first connection to an error naming the host, port and what to fix.
 pub(crate) async fn startup_error<DB: SqlBackend>(
     e: sqlx::Error,

@@ -47,6 +47,8 @@ mod ident;
 pub mod migrate;
 mod outbox;
 mod queries;
+// Who answers on a port: only the network backends probe at startup.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sniff;
 mod store;
 
