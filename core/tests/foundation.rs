@@ -604,3 +604,60 @@ async fn the_engine_times_leases_on_its_own_clock_not_the_stores() {
         "no claim given back for a skewed lease end: {stats:?}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_finished_handler_is_completed_without_waiting_for_the_rest_of_its_batch() {
+    let broker = MemoryBroker::new();
+    for k in ["fast", "slow"] {
+        broker.publish(
+            Envelope::new(BrokerKind::Memory, "orders", k).with_header("x-idempotency-key", k),
+        );
+    }
+    let store = Arc::new(MemoryStore::new());
+    let effects: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+    let slow_blocks = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let make = || {
+        let (effects, slow_blocks) = (effects.clone(), slow_blocks.clone());
+        IdempotentConsumer::new(store.clone(), keys(), move |m: ClaimedMessage| {
+            let (effects, slow_blocks) = (effects.clone(), slow_blocks.clone());
+            async move {
+                let k = String::from_utf8_lossy(&m.envelope.payload).to_string();
+                if k == "slow" && slow_blocks.load(Ordering::SeqCst) {
+                    std::future::pending::<()>().await;
+                }
+                *effects.lock().expect("lock").entry(k).or_default() += 1;
+                Ok(None)
+            }
+        })
+        .with_config(ConsumerConfig {
+            lease: Duration::from_millis(300),
+            ..quick()
+        })
+    };
+    let first = make();
+    let mut src = broker.subscribe();
+    let running = tokio::spawn(async move {
+        let _ = first.run_until_idle(&mut src).await;
+    });
+    // "fast" has made its effect while "slow" still runs in the same batch: the process dies.
+    while effects.lock().expect("lock").get("fast").is_none() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    running.abort();
+    let _ = running.await;
+    slow_blocks.store(false, Ordering::SeqCst);
+    let second = make();
+    let mut src = broker.subscribe();
+    tokio::time::timeout(Duration::from_secs(20), second.run_until_idle(&mut src))
+        .await
+        .expect("finishes")
+        .expect("run");
+    let effects = effects.lock().expect("lock").clone();
+    assert_eq!(
+        effects.get("fast"),
+        Some(&1),
+        "the finished effect was completed at once, not re-run after the crash: {effects:?}"
+    );
+    assert_eq!(effects.get("slow"), Some(&1));
+}

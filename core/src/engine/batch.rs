@@ -88,6 +88,9 @@ enum Verdict {
     NotRun(Duration),
 }
 
+/// An acquired item, its lease, and its envelope while lent to the handler.
+type Acquired = (Item, Lease, Arc<Envelope>);
+
 /// The jobs of one lane, in order (most lanes hold one job: no allocation for it).
 struct LaneJobs {
     first: Job,
@@ -168,14 +171,51 @@ impl<H: Handler> IdempotentConsumer<H> {
             self.cfg.beat(),
             self.cfg.heartbeat_timeout,
         )));
-        let ran = self
+        let (acquired, lanes) = self
             .stage_dispatch(items, outcomes, &live, claimed_at)
             .await;
-        let done = self.stage_give_back(ran, &live).await;
-        if done.is_empty() {
-            return false;
-        }
-        self.stage_complete(done, &live).await
+        self.stage_run_and_finish(acquired, lanes, &live).await
+    }
+
+    /// Stages 3b–5: run the handlers, and finish each message as soon as its handler is done
+    /// (give back, or complete then ack), coalescing those that finish together into one
+    /// completion round trip. A crash then loses at most the completions in flight, not a
+    /// whole batch of finished effects. Returns true when the store was unavailable.
+    async fn stage_run_and_finish(
+        &self,
+        mut acquired: Vec<Option<Acquired>>,
+        lanes: Vec<LaneJobs>,
+        live: &LiveLeases,
+    ) -> bool {
+        let (verdicts, mut finished) = tokio::sync::mpsc::unbounded_channel();
+        let run = self.run_lanes(lanes, verdicts);
+        let finish = async {
+            let mut store_down = false;
+            while let Some(first) = finished.recv().await {
+                let mut ready = vec![first];
+                while let Ok(v) = finished.try_recv() {
+                    ready.push(v);
+                }
+                let ran: Vec<(Item, Lease, Verdict)> = ready
+                    .into_iter()
+                    .filter_map(|(index, verdict)| {
+                        let (mut item, lease, envelope) =
+                            acquired.get_mut(index).and_then(Option::take)?;
+                        // The handler has dropped its share unless it kept a clone.
+                        item.delivery.envelope =
+                            Arc::try_unwrap(envelope).unwrap_or_else(|shared| (*shared).clone());
+                        Some((item, lease, verdict))
+                    })
+                    .collect();
+                let done = self.stage_give_back(ran, live).await;
+                if !done.is_empty() {
+                    store_down |= self.stage_complete(done, live).await;
+                }
+            }
+            store_down
+        };
+        let ((), store_down) = tokio::join!(run, finish);
+        store_down
     }
 
     /// Stage 1: keys. Rejects messages without a usable key; folds in-batch copies of a key
@@ -294,21 +334,22 @@ impl<H: Handler> IdempotentConsumer<H> {
         }
     }
 
-    /// Stage 3: settle what needs no handler, and run the handlers of acquired keys, in
-    /// order within a lane. Returns each acquired item with its verdict.
+    /// Stage 3a: settle what needs no handler, and line up the handlers of acquired keys in
+    /// lanes (in order within a lane). Returns the acquired items by index, each with the
+    /// envelope lent to its handler, and the lanes to run.
     async fn stage_dispatch(
         &self,
         items: Vec<Item>,
         outcomes: Vec<Result<ClaimOutcome, StoreError>>,
         live: &Arc<LiveLeases>,
         claimed_at: tokio::time::Instant,
-    ) -> Vec<(Item, Lease, Verdict)> {
+    ) -> (Vec<Option<Acquired>>, Vec<LaneJobs>) {
         // Lanes with a message sent back in this batch, and the delay it was sent back with:
         // the lane's later messages go back unrun with the same delay.
         let mut held: HashMap<Lane, Duration> = HashMap::new();
         let mut lanes: Vec<LaneJobs> = Vec::new();
         let mut lane_slot: HashMap<Lane, usize> = HashMap::new();
-        let mut acquired: Vec<Option<(Item, Lease, Arc<Envelope>)>> = Vec::new();
+        let mut acquired: Vec<Option<Acquired>> = Vec::new();
         acquired.resize_with(outcomes.len(), || None);
         for (index, (item, outcome)) in items.into_iter().zip(outcomes).enumerate() {
             let lane = item.lane.clone();
@@ -435,18 +476,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                 held.entry(lane).or_insert(delay);
             }
         }
-        let mut out = Vec::with_capacity(lanes.len());
-        for (index, verdict) in self.run_lanes(lanes).await {
-            if let Some((mut item, lease, envelope)) =
-                acquired.get_mut(index).and_then(Option::take)
-            {
-                // The handler has dropped its share unless it kept a clone.
-                item.delivery.envelope =
-                    Arc::try_unwrap(envelope).unwrap_or_else(|shared| (*shared).clone());
-                out.push((item, lease, verdict));
-            }
-        }
-        out
+        (acquired, lanes)
     }
 }
 
@@ -459,7 +489,11 @@ impl<H: Handler> IdempotentConsumer<H> {
     /// `StreamExt::for_each_concurrent` does), not spawned tasks: handlers wait on I/O
     /// concurrently without a task and a cross-thread wake-up per message. CPU-heavy work in
     /// a handler belongs in `spawn_blocking`; run several consumers for more cores.
-    async fn run_lanes(&self, lanes: Vec<LaneJobs>) -> Vec<(usize, Verdict)> {
+    async fn run_lanes(
+        &self,
+        lanes: Vec<LaneJobs>,
+        verdicts: tokio::sync::mpsc::UnboundedSender<(usize, Verdict)>,
+    ) {
         let workers = self.cfg.max_concurrency.min(lanes.len());
         let queue = std::sync::Mutex::new(lanes);
         let handler = &*self.handler;
@@ -467,7 +501,10 @@ impl<H: Handler> IdempotentConsumer<H> {
         let retry = &self.cfg.retry;
         let max_result = self.cfg.max_result_bytes;
         let worker = || async {
-            let mut out = Vec::new();
+            // A send fails only when the finisher is gone, i.e. the batch was dropped.
+            let out = |v: (usize, Verdict)| {
+                let _ = verdicts.send(v);
+            };
             loop {
                 // Lanes are taken from the back; their order across lanes is free.
                 let next = queue.lock().unwrap_or_else(|p| p.into_inner()).pop();
@@ -477,7 +514,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                 let mut hold: Option<Duration> = None;
                 for Job { index, msg } in std::iter::once(first).chain(rest) {
                     if let Some(d) = hold {
-                        out.push((index, Verdict::NotRun(d)));
+                        out((index, Verdict::NotRun(d)));
                         continue;
                     }
                     let attempt = msg.attempt;
@@ -489,16 +526,12 @@ impl<H: Handler> IdempotentConsumer<H> {
                     {
                         hold = Some(*d);
                     }
-                    out.push((index, v));
+                    out((index, v));
                 }
             }
-            out
         };
-        futures::future::join_all((0..workers).map(|_| worker()))
-            .await
-            .into_iter()
-            .flatten()
-            .collect()
+        futures::future::join_all((0..workers).map(|_| worker())).await;
+        // `verdicts` drops here: the finisher ends once it has taken the last one.
     }
 
     /// Stage 4a: failed handlers give their keys back; the successes go on to completion.

@@ -9,8 +9,10 @@
 //! 3. **dispatch** — run handlers for the acquired keys, at most `max_concurrency` at a
 //!    time, in order within a lane when [`DeliveryOrder`] asks for it, each lease kept alive
 //!    by the batch's heartbeat and watched by the handler;
-//! 4. **complete** — complete the successful ones in round trips bounded by count and bytes
-//!    (one key at a time when a batch fails, so one bad completion cannot hold the others);
+//! 4. **complete** — complete each successful message as soon as its handler is done, those
+//!    that finish together in one round trip bounded by count and bytes (one key at a time
+//!    when a batch fails, so one bad completion cannot hold the others); a crash mid-batch
+//!    then re-runs only the effects whose completion was in flight, not a whole batch's;
 //! 5. **settle** — ack only what is durable; nack or reject the rest.
 //!
 //! | claim / handler outcome | store | broker |
