@@ -4,14 +4,7 @@
 
 mod support;
 
-use idemq_core::store::set_test_clock_skew_ms;
-use idemq_core::{
-    ClaimOutcome, ClaimRequest, CompleteOutcome, DedupKey, DedupStore, ExtendOutcome, FencingToken,
-    Lease,
-};
-use std::time::Duration;
-
-include!("support/skew_scenario.rs");
+use idemq_core::testkit::clock_skew::skewed_clients_agree_on_leases;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_skewed_client_agrees_with_redis_on_leases() {
