@@ -34,6 +34,18 @@
 //! a batch's outputs and `send_offsets_to_transaction` in one transaction; a failure aborts and
 //! rewinds to the committed offsets, a fenced producer stops with [`TxnError::Fenced`].
 //!
+//! **Kafka → database exactly once** (feature `sql`, with `postgres` / `mysql`).
+//! [`KafkaToDatabase`] runs each record's effect, its dedup record and its partition's next
+//! offset ([`idemq_sql::SourceOffsets`], greatest wins) in **one database transaction**
+//! ([`KafkaTx::commit`]); a source configured with
+//! [`KafkaSourceConfig::offsets_from`] (an [`OffsetStore`]) starts every assigned partition
+//! at the offset stored in the database, set on the assignment inside the rebalance
+//! callback, not at Kafka's committed offset. A crash anywhere loses nothing (the position
+//! only moves with the effect) and repeats nothing (the effect only commits with its dedup
+//! record and position), with no Kafka transaction; Kafka commits remain as an advisory copy
+//! for lag monitoring. Run the engine with `DeliveryOrder::PerPartition` so a partition's
+//! records commit in offset order.
+//!
 //! **Producing.** [`KafkaProducerConfig`] keeps librdkafka's keys as they are and adds
 //! [`KafkaProducerConfig::idempotent`] and [`KafkaProducerConfig::transactional`] with a
 //! validator that names each unsafe combination and its fix. [`KafkaPublisher`] implements
@@ -52,21 +64,27 @@
 #![warn(missing_docs)]
 
 mod config;
+mod db_offsets;
 mod envelope;
 pub mod metrics;
 mod publisher;
 mod source;
+#[cfg(feature = "sql")]
+mod to_database;
 mod transactional;
 
 pub use config::{
     ConfigError, ConfigProblem, KafkaProducerConfig, ProducerMode,
     DEFAULT_BROKER_MAX_TRANSACTION_TIMEOUT, MAX_IDEMPOTENT_IN_FLIGHT,
 };
+pub use db_offsets::{OffsetStore, OffsetStoreError};
 pub use envelope::{to_envelope, NULL_HEADER_TYPE};
 pub use publisher::{partition_of, publish_error, KafkaPublisher};
 pub use source::{
     KafkaSource, KafkaSourceConfig, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC,
 };
+#[cfg(feature = "sql")]
+pub use to_database::{DbOffsetStore, KafkaToDatabase, KafkaTx, NoKafkaPosition};
 pub use transactional::{TransactionalProcessor, TxnError};
 
 /// Re-export of the rdkafka version this crate is built on.

@@ -1,5 +1,6 @@
 //! The consumer-group [`Source`].
 
+use crate::db_offsets::OffsetStore;
 use crate::envelope::to_envelope;
 use crate::publisher::{produce, KafkaPublisher};
 use crate::KafkaSourceError;
@@ -9,9 +10,11 @@ use idemq_core::envelope::{props, Headers};
 use idemq_core::source::{Capabilities, Delivery, Settle, Source, SourceError};
 use idemq_core::Envelope;
 use rdkafka::client::ClientContext;
+use rdkafka::consumer::RebalanceProtocol;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext, Rebalance};
-use rdkafka::error::KafkaResult;
+use rdkafka::error::{KafkaError, KafkaResult};
 use rdkafka::producer::FutureProducer;
+use rdkafka::types::{RDKafkaErrorCode, RDKafkaRespErr};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -50,6 +53,10 @@ pub struct KafkaSourceConfig {
     pub commit_interval: Duration,
     /// Longest wait for a dead-letter produce to be confirmed.
     pub dead_letter_timeout: Duration,
+    /// Where consumed offsets really live: assigned partitions start at the offsets it
+    /// returns instead of Kafka's committed ones (see [`OffsetStore`]). Kafka commits go on
+    /// as an advisory copy (lag monitoring).
+    pub offset_store: Option<Arc<dyn OffsetStore>>,
 }
 
 impl KafkaSourceConfig {
@@ -70,7 +77,15 @@ impl KafkaSourceConfig {
             buffer_per_partition: 1000,
             commit_interval: Duration::from_secs(5),
             dead_letter_timeout: Duration::from_secs(30),
+            offset_store: None,
         }
+    }
+
+    /// Starts every assigned partition at the offset `store` holds for it, not at Kafka's
+    /// committed offset (builder form; see [`OffsetStore`]).
+    pub fn offsets_from(mut self, store: impl OffsetStore) -> Self {
+        self.offset_store = Some(Arc::new(store));
+        self
     }
 
     /// Sets a librdkafka consumer property (builder form).
@@ -148,11 +163,79 @@ impl Shared {
 /// The consumer context: rebalance and commit callbacks, run on the polling thread.
 struct Ctx {
     shared: Arc<Shared>,
+    offsets: Option<Arc<dyn OffsetStore>>,
+}
+
+impl Ctx {
+    /// Sets each partition of an assignment to the offset the [`OffsetStore`] holds for it.
+    fn seek_to_stored(&self, tpl: &mut TopicPartitionList) {
+        let Some(store) = &self.offsets else {
+            return;
+        };
+        let parts: Vec<PartitionId> = tpl
+            .elements()
+            .iter()
+            .map(|e| (e.topic().to_string(), e.partition()))
+            .collect();
+        match store.positions(&parts) {
+            Ok(found) => {
+                for ((topic, partition), offset) in found {
+                    if let Err(e) =
+                        tpl.set_partition_offset(&topic, partition, Offset::Offset(offset))
+                    {
+                        tracing::warn!(%topic, partition, error = %e, "stored offset not applied");
+                    }
+                }
+                tracing::info!(
+                    assigned = parts.len(),
+                    "assigned partitions start at the stored offsets"
+                );
+            }
+            Err(e) => tracing::warn!(
+                error = %e,
+                "stored offsets unavailable: starting from Kafka's committed offsets (never \
+                 past the stored ones; repeats are absorbed by the dedup records)"
+            ),
+        }
+    }
 }
 
 impl ClientContext for Ctx {}
 
 impl ConsumerContext for Ctx {
+    // rdkafka's default strategy, with the stored offsets set on the assignment first.
+    fn rebalance(
+        &self,
+        consumer: &BaseConsumer<Self>,
+        err: RDKafkaRespErr,
+        tpl: &mut TopicPartitionList,
+    ) {
+        let assigning = err == RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS;
+        if assigning {
+            self.seek_to_stored(tpl);
+        }
+        let rebalance = match err {
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__ASSIGN_PARTITIONS => Rebalance::Assign(tpl),
+            RDKafkaRespErr::RD_KAFKA_RESP_ERR__REVOKE_PARTITIONS => Rebalance::Revoke(tpl),
+            other => Rebalance::Error(KafkaError::Rebalance(RDKafkaErrorCode::from(other))),
+        };
+        self.pre_rebalance(consumer, &rebalance);
+        let cooperative = matches!(
+            consumer.rebalance_protocol(),
+            RebalanceProtocol::Cooperative
+        );
+        let done = match (assigning, cooperative) {
+            (true, true) => consumer.incremental_assign(tpl),
+            (true, false) => consumer.assign(tpl),
+            (false, true) => consumer.incremental_unassign(tpl),
+            (false, false) => consumer.unassign(),
+        };
+        if let Err(e) = done {
+            tracing::warn!(error = %e, assigning, "applying a rebalance failed");
+        }
+        self.post_rebalance(consumer, &rebalance);
+    }
+
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
         let Rebalance::Revoke(tpl) = rebalance else {
             return;
@@ -288,6 +371,7 @@ impl KafkaSource {
         let consumer: Consumer_ = client
             .create_with_context(Ctx {
                 shared: shared.clone(),
+                offsets: cfg.offset_store.clone(),
             })
             .map_err(|e| KafkaSourceError::Client(e.to_string()))?;
         let topics: Vec<&str> = cfg.topics.iter().map(String::as_str).collect();

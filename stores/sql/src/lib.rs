@@ -16,6 +16,9 @@
 //!   status IN (from…)`, answering applied / already there / illegal / not found.
 //! - **transactional outbox** — [`Outbox`] enqueues outgoing messages in the business
 //!   transaction; [`OutboxRelay`] publishes them through any `Publisher` with stable dedup keys.
+//! - **offsets in the database** — [`SourceOffsets`] keeps a consumer's next offset per
+//!   partition in a table written in the business transaction, so a log consumer (Kafka)
+//!   restarts from what committed with its effects, not from the broker's commits.
 //!
 //! Table and column names are [`Ident`]s, validated before they reach SQL text.
 //!
@@ -45,6 +48,7 @@ mod entity;
 mod errors;
 mod ident;
 pub mod migrate;
+mod offsets;
 mod outbox;
 mod queries;
 // Who answers on a port: only the network backends probe at startup.
@@ -59,6 +63,9 @@ pub use claimed::{LeaseLost, MessageTx};
 pub use entity::{EntityId, StateMachine, Transition, VersionOutcome, VersionedEntity};
 pub use errors::{handler_error, is_retryable_sqlx_error, SqlResultExt};
 pub use ident::{is_valid_ident, ColumnName, Ident, TableName, DEFAULT_TABLE, MAX_IDENT_LEN};
+pub use offsets::{
+    offsets_migrations, SourceOffsets, StoredOffset, DEFAULT_OFFSETS_TABLE, MAX_OFFSETS_NAME_BYTES,
+};
 pub use outbox::{
     Enqueued, Outbox, OutboxCounts, OutboxEntry, OutboxError, OutboxOptions, OutboxRelay,
     OutboxStatus, RelayOptions, RelayReport, DEFAULT_OUTBOX_TABLE, MAX_OUTBOX_DEDUP_KEY_BYTES,
