@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The full test suite, with real PostgreSQL, MariaDB and Redis:
+# The full test suite, with the real servers scripts/servers.sh runs (PostgreSQL, MariaDB,
+# Redis, Kafka, RabbitMQ):
 #
 #   scripts/test.sh [extra cargo test args...]
 #
