@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Local PostgreSQL 15, MariaDB 10.11, Redis 7, Apache Kafka 4.4 and RabbitMQ 3.10 for idemq's
-# integration tests.
+# Local PostgreSQL 15, MariaDB 10.11, Redis 7, Apache Kafka 4.4, RabbitMQ 3.10 and RocketMQ
+# (rocketmq-rust 1.0) for idemq's integration tests.
 #
 #   scripts/servers.sh start [SERVER...]  install what is missing, start what is not running
 #   scripts/servers.sh stop [SERVER...]   stop them (by pid file / the server's own command)
@@ -9,8 +9,10 @@
 #   scripts/servers.sh restart-redis      stop + start Redis only (same port, same module, same data)
 #   scripts/servers.sh restart-kafka      stop + start Kafka only (same port, same data)
 #   scripts/servers.sh restart-rabbitmq   stop + start RabbitMQ only (same port, same data)
+#   scripts/servers.sh restart-rocketmq   stop + start RocketMQ only (same ports, same store)
 #
-# SERVER is any of: postgres mariadb redis kafka rabbitmq (default: all of them).
+# SERVER is any of: postgres mariadb redis kafka rabbitmq rocketmq (default: all of them;
+# the first RocketMQ start builds its servers from source: ~15-30 min, once per machine).
 # Every server gets a private data dir under $IDEMQ_STATE_DIR, listens on
 # 127.0.0.1 only, on a non-default port, so it never collides with a
 # system-wide instance or another checkout's defaults. Data is thrown away on
@@ -19,6 +21,9 @@
 # topics and queues. Kafka's jars come from Maven Central once, into
 # $IDEMQ_CACHE_DIR/kafka; RabbitMQ is Debian's rabbitmq-server, run without
 # systemd as its own Erlang node (with its own epmd) under our state dir.
+# RocketMQ is the rocketmq-rust name server + broker 1.0.0, built once with
+# `cargo install` into $IDEMQ_CACHE_DIR/rocketmq (Apache's Java servers are
+# not obtainable here), run with small mapped files.
 set -euo pipefail
 
 # CI runs with a trimmed environment; derive HOME rather than die under `set -u`.
@@ -41,6 +46,11 @@ RABBIT_STREAM_PORT=55552
 # `epmd -kill` can only ever stop ours.
 RABBIT_DIST_PORT=45672
 RABBIT_EPMD_PORT=54369
+# The broker also listens on ROCKET_BROKER_PORT-2 (its "fast" port).
+ROCKET_NAMESRV_PORT=59876
+ROCKET_BROKER_PORT=50911
+ROCKET_HA_PORT=50912
+ROCKET_HEALTH_PORT=55558
 
 PG_BIN=/usr/lib/postgresql/15/bin
 PG_DIR=$STATE_DIR/postgres
@@ -104,8 +114,9 @@ KAFKA_BROKERS="127.0.0.1:$KAFKA_PORT"
 # guest may only log in over loopback: that is all we listen on.
 AMQP_URL="amqp://guest:guest@127.0.0.1:$RABBIT_PORT/%2f"
 RABBIT_STREAM_URL="rabbitmq-stream://guest:guest@127.0.0.1:$RABBIT_STREAM_PORT/%2f"
+ROCKET_NAMESRV="127.0.0.1:$ROCKET_NAMESRV_PORT"
 
-ALL_SERVERS=(postgres mariadb redis kafka rabbitmq)
+ALL_SERVERS=(postgres mariadb redis kafka rabbitmq rocketmq)
 SELECTED=("${ALL_SERVERS[@]}")
 
 SCRIPT_PATH=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
@@ -781,6 +792,160 @@ stop_rabbitmq() {
   rabbit_env epmd -kill >/dev/null 2>&1 || true
 }
 
+# --------------------------------------------------------------- rocketmq --
+
+ROCKET_DIR=$STATE_DIR/rocketmq
+ROCKET_HOME=$CACHE_DIR/rocketmq
+ROCKET_NAMESRV_BIN=$ROCKET_HOME/bin/rocketmq-namesrv-rust
+ROCKET_BROKER_BIN=$ROCKET_HOME/bin/rocketmq-broker-rust
+ROCKET_VERSION=1.0.0
+ROCKET_NAMESRV_PID=$ROCKET_DIR/namesrv.pid
+ROCKET_BROKER_PID=$ROCKET_DIR/broker.pid
+# The broker is ready in ~0.4 s; the budget is for a loaded machine.
+ROCKET_TIMEOUT=${IDEMQ_ROCKETMQ_TIMEOUT:-60}
+
+# Build both servers once (~15-25 min on 2 cores), into the cache, outside the repo.
+install_rocketmq() {
+  [[ -x $ROCKET_NAMESRV_BIN && -x $ROCKET_BROKER_BIN ]] && return 0
+  command -v cargo >/dev/null || die "cargo is needed to build the rocketmq-rust servers"
+  local start=$SECONDS
+  log "building rocketmq-namesrv + rocketmq-broker $ROCKET_VERSION into $ROCKET_HOME (15-25 min, once)"
+  mkdir -p "$ROCKET_HOME"
+  cargo install rocketmq-namesrv rocketmq-broker --version "$ROCKET_VERSION" --locked \
+    --root "$ROCKET_HOME" >"$ROCKET_HOME/install.log" 2>&1 9>&- ||
+    die_with_log "cargo install of the rocketmq servers failed" "$ROCKET_HOME/install.log"
+  log "rocketmq servers built in $((SECONDS - start))s"
+}
+
+# The pid in pid file $1 is alive and runs binary $2 with our state dir's config.
+rocket_pid_ours() {
+  pid_alive "$1" &&
+    tr '\0' ' ' <"/proc/$(cat "$1")/cmdline" 2>/dev/null | grep -qF -- "$2 -c $ROCKET_DIR/"
+}
+
+rocket_namesrv_ours() { rocket_pid_ours "$ROCKET_NAMESRV_PID" "$ROCKET_NAMESRV_BIN"; }
+rocket_broker_ours() { rocket_pid_ours "$ROCKET_BROKER_PID" "$ROCKET_BROKER_BIN"; }
+
+# GET /readyz answers 200 (bash's /dev/tcp: no curl needed).
+rocket_ready() {
+  local status
+  status=$(
+    exec 3<>"/dev/tcp/127.0.0.1/$ROCKET_HEALTH_PORT" || exit 1
+    printf 'GET /readyz HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+    timeout 2 head -n1 <&3
+  ) 2>/dev/null || return 1
+  [[ $status == "HTTP/"*" 200"* ]]
+}
+
+rocket_running() { rocket_namesrv_ours && rocket_broker_ours && rocket_ready; }
+
+rocket_namesrv_died() { ! proc_alive "$ROCKET_NAMESRV_LAUNCH_PID"; }
+rocket_broker_died() { ! proc_alive "$ROCKET_BROKER_LAUNCH_PID"; }
+
+write_rocket_config() {
+  # The notes' measured configs (small mapped files: ~70 MB instead of 1.6 GB), on our
+  # ports and under our state dir. TOML does not expand variables: written out here.
+  cat >"$ROCKET_DIR/namesrv.toml" <<EOF
+# Written by idemq's scripts/servers.sh.
+rocketmqHome = "$ROCKET_DIR/home"
+kvConfigPath = "$ROCKET_DIR/store/namesrv/kvConfig.json"
+configStorePath = "$ROCKET_DIR/store/namesrv/rocketmq-namesrv.properties"
+
+[runtime]
+workerThreads = 2
+EOF
+  cat >"$ROCKET_DIR/broker.toml" <<EOF
+# Written by idemq's scripts/servers.sh.
+[broker]
+namesrvAddr = "$ROCKET_NAMESRV"
+brokerIp1 = "127.0.0.1"
+listenPort = $ROCKET_BROKER_PORT
+storePathRootDir = "$ROCKET_DIR/store/broker"
+autoCreateTopicEnable = true
+transactionCheckInterval = 5000
+
+[broker.brokerServerConfig]
+bindAddress = "127.0.0.1"
+
+[broker.brokerIdentity]
+brokerName = "broker-a"
+brokerClusterName = "DefaultCluster"
+brokerId = 0
+
+[store]
+storeType = "LocalFile"
+brokerRole = "ASYNC_MASTER"
+storePathRootDir = "$ROCKET_DIR/store/broker"
+haListenAddress = "127.0.0.1"
+haListenPort = $ROCKET_HA_PORT
+mappedFileSizeCommitLog = 67108864
+mappedFileSizeConsumeQueue = 120000
+maxHashSlotNum = 50000
+maxIndexNum = 200000
+EOF
+}
+
+# Start name server + broker; $1=keep keeps the store (a restart), anything else
+# starts empty.
+start_rocketmq() {
+  local keep=${1:-} start=$SECONDS
+  install_rocketmq
+  rocket_running && { log "rocketmq already running (name server $ROCKET_NAMESRV)"; return 0; }
+  rocket_namesrv_ours || rocket_broker_ours &&
+    die "a rocketmq server of ours is alive but the broker is not ready on :$ROCKET_HEALTH_PORT; run: $0 stop rocketmq"
+  local port
+  for port in "$ROCKET_NAMESRV_PORT" "$ROCKET_BROKER_PORT" "$((ROCKET_BROKER_PORT - 2))" "$ROCKET_HA_PORT" "$ROCKET_HEALTH_PORT"; do
+    require_port_free "$port" rocketmq
+  done
+  if [[ $keep == keep ]]; then
+    rm -f "$ROCKET_DIR"/*.log "$ROCKET_DIR"/*.pid
+  else
+    rm -rf "$ROCKET_DIR"
+  fi
+  mkdir -p "$ROCKET_DIR/home" "$ROCKET_DIR/store"
+  write_rocket_config
+  local TIMEOUT=$ROCKET_TIMEOUT
+  # setsid + no job control: the server itself is $!, in its own session.
+  ROCKETMQ_HOME="$ROCKET_DIR/home" setsid "$ROCKET_NAMESRV_BIN" -c "$ROCKET_DIR/namesrv.toml" \
+    --bindAddress 127.0.0.1 --listenPort "$ROCKET_NAMESRV_PORT" --rocketmqHome "$ROCKET_DIR/home" \
+    </dev/null >>"$ROCKET_DIR/namesrv.log" 2>&1 9>&- &
+  ROCKET_NAMESRV_LAUNCH_PID=$!
+  echo "$ROCKET_NAMESRV_LAUNCH_PID" >"$ROCKET_NAMESRV_PID"
+  wait_ready rocket_namesrv_died port_open "$ROCKET_NAMESRV_PORT" ||
+    die_with_log "rocketmq name server did not listen on $ROCKET_NAMESRV" "$ROCKET_DIR/namesrv.log"
+  ROCKETMQ_HOME="$ROCKET_DIR/home" ROCKETMQ_SECURITY_PROFILE=development-insecure-loopback \
+    ROCKETMQ_HEALTH_BIND_ADDR="127.0.0.1:$ROCKET_HEALTH_PORT" \
+    setsid "$ROCKET_BROKER_BIN" -c "$ROCKET_DIR/broker.toml" -n "$ROCKET_NAMESRV" \
+    </dev/null >>"$ROCKET_DIR/broker.log" 2>&1 9>&- &
+  ROCKET_BROKER_LAUNCH_PID=$!
+  echo "$ROCKET_BROKER_LAUNCH_PID" >"$ROCKET_BROKER_PID"
+  wait_ready rocket_broker_died rocket_ready ||
+    die_with_log "rocketmq broker not ready on :$ROCKET_HEALTH_PORT/readyz (exited, or not within ${TIMEOUT}s)" \
+      "$ROCKET_DIR/broker.log" "$ROCKET_DIR/namesrv.log"
+  log "rocketmq started (name server $ROCKET_NAMESRV, broker :$ROCKET_BROKER_PORT) in $((SECONDS - start))s"
+}
+
+# SIGTERM, wait, SIGKILL: pid file $1, check $2, name $3.
+stop_rocket_server() {
+  local pidfile=$1 ours=$2 name=$3 pid
+  if "$ours"; then
+    pid=$(cat "$pidfile")
+    kill -TERM "$pid" 2>/dev/null || true
+    if ! wait_pid_gone "$pid"; then
+      warn "rocketmq $name (pid $pid) did not stop in ${TIMEOUT}s; killing it"
+      kill -KILL "$pid" 2>/dev/null || true
+      wait_pid_gone "$pid" || die_with_log "rocketmq $name (pid $pid) survived SIGKILL" "$ROCKET_DIR/$name.log"
+    fi
+    log "rocketmq $name stopped"
+  fi
+  rm -f "$pidfile"
+}
+
+stop_rocketmq() {
+  stop_rocket_server "$ROCKET_BROKER_PID" rocket_broker_ours broker
+  stop_rocket_server "$ROCKET_NAMESRV_PID" rocket_namesrv_ours namesrv
+}
+
 # ------------------------------------------------------------------- main --
 
 # Serialise start/stop: test.sh, a developer and a test calling
@@ -820,6 +985,11 @@ cmd_status() {
   else
     echo "rabbitmq  stopped"; rc=3
   fi
+  if rocket_running; then
+    echo "rocketmq  running  $ROCKET_NAMESRV  pids $(cat "$ROCKET_NAMESRV_PID") $(cat "$ROCKET_BROKER_PID")  broker: 127.0.0.1:$ROCKET_BROKER_PORT"
+  else
+    echo "rocketmq  stopped"; rc=3
+  fi
   return "$rc"
 }
 
@@ -835,13 +1005,15 @@ export IDEMQ_KAFKA_LIBS='$KAFKA_LIBS'
 export IDEMQ_TEST_AMQP_URL='$AMQP_URL'
 export IDEMQ_TEST_RABBITMQ_STREAM_URL='$RABBIT_STREAM_URL'
 export IDEMQ_TEST_RABBITMQ_RESTART_CMD='$SCRIPT_PATH restart-rabbitmq'
+export IDEMQ_TEST_ROCKETMQ_NAMESRV=$ROCKET_NAMESRV
+export IDEMQ_TEST_ROCKETMQ_RESTART_CMD='$SCRIPT_PATH restart-rocketmq'
 export IDEMQ_STATE_DIR='$STATE_DIR'
 export IDEMQ_REQUIRE_SERVERS=1
 EOF
 }
 
 usage() {
-  sed -n '2,13s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
+  sed -n '2,15s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
   exit 2
 }
 
@@ -898,6 +1070,11 @@ main() {
       take_lock
       stop_rabbitmq
       start_rabbitmq keep
+      ;;
+    restart-rocketmq)
+      take_lock
+      stop_rocketmq
+      start_rocketmq keep
       ;;
     status) cmd_status ;;
     env) cmd_env ;;

@@ -55,5 +55,10 @@ pub use idemq_kafka as kafka;
 #[cfg(feature = "rabbitmq")]
 pub use idemq_rabbitmq as rabbitmq;
 
+/// The RocketMQ adapter: push-consumer source, keyed publisher, transactional messages
+/// checked back from the dedup store.
+#[cfg(feature = "rocketmq")]
+pub use idemq_rocketmq as rocketmq;
+
 mod open;
 pub use open::{open_store, OpenStoreError, SUPPORTED_SCHEMES};

@@ -1,0 +1,166 @@
+//! Between RocketMQ messages and idemq's envelope / outgoing message.
+//!
+//! `KEYS` rule: the publisher writes the dedup key first, then the message key (when it is a
+//! different string), space-separated. Reading back, when the first key equals the
+//! [`DEDUP_HEADER`] property the rest is the message key; otherwise the whole `KEYS` value is
+//! the message key (messages from other producers).
+
+use bytes::Bytes;
+use cheetah_string::CheetahString;
+use idemq_core::envelope::{props, BrokerKind, Envelope, Position, SourceRef};
+use idemq_core::publish::{OutgoingMessage, PublishError, DEDUP_HEADER};
+use rocketmq_model::common::message::message_ext::MessageExt;
+use rocketmq_model::common::message::message_single::Message;
+use rocketmq_model::common::message::{MessageConst, STRING_HASH_SET};
+
+/// The property that carries a dead-lettered message's reason.
+pub const DLQ_REASON: &str = "idemq-dlq-reason";
+/// The header carrying this delivery's `MessageExt::msg_id` (an offset id that changes on
+/// every redelivery: for diagnosis only, never a dedup key).
+pub const OFFSET_MSG_ID: &str = "idemq.rocketmq.offset-msg-id";
+/// The property that names the topic a dead-lettered message came from.
+pub const DLQ_ORIGIN_TOPIC: &str = "idemq-dlq-origin-topic";
+
+const UNIQ_KEY: &str = MessageConst::PROPERTY_UNIQ_CLIENT_MESSAGE_ID_KEYIDX;
+
+/// The stable broker id of a message: `UNIQ_KEY` (the producer's `SendResult.msg_id`), which
+/// survives redelivery; `MessageExt::msg_id` (an offset id) changes on every redelivery.
+pub fn stable_message_id(m: &MessageExt) -> String {
+    m.properties()
+        .get(UNIQ_KEY)
+        .map(|v| v.to_string())
+        .unwrap_or_else(|| m.msg_id().to_string())
+}
+
+fn is_system_property(name: &str) -> bool {
+    STRING_HASH_SET.contains(name)
+}
+
+/// The envelope of a received message, lossless for what idemq reads.
+pub fn to_envelope(m: &MessageExt) -> Envelope {
+    let mut env = Envelope::new(
+        BrokerKind::RocketMq,
+        m.topic().to_string(),
+        Bytes::copy_from_slice(m.body_slice()),
+    );
+    env.source = SourceRef {
+        cluster: Some(m.broker_name().to_string()),
+        name: m.topic().to_string(),
+        partition: Some(m.queue_id()),
+        position: Some(Position::QueueOffset(m.queue_offset())),
+    };
+    env.message_id = Some(stable_message_id(m));
+    env.headers
+        .insert(OFFSET_MSG_ID, Bytes::copy_from_slice(m.msg_id().as_bytes()));
+    let reconsumed = u32::try_from(m.reconsume_times()).unwrap_or(0);
+    env.delivery_count = Some(reconsumed.saturating_add(1));
+    env.redelivered = reconsumed > 0;
+    env.timestamp_ms = Some(m.born_timestamp());
+    let properties = m.properties();
+    for (name, value) in properties.iter() {
+        if !is_system_property(name.as_str()) {
+            env.headers
+                .insert(name.to_string(), Bytes::copy_from_slice(value.as_bytes()));
+        }
+    }
+    if let Some(tags) = m.get_tags() {
+        env.headers
+            .insert(props::TAGS, Bytes::copy_from_slice(tags.as_bytes()));
+    }
+    if let Some(keys) = properties.get(MessageConst::PROPERTY_KEYS) {
+        let dedup = properties.get(DEDUP_HEADER).map(|v| v.as_str());
+        let key = match (dedup, keys.as_str().split_once(MessageConst::KEY_SEPARATOR)) {
+            (Some(d), Some((first, rest))) if first == d => Some(rest),
+            (Some(d), None) if keys.as_str() == d => None,
+            _ => Some(keys.as_str()),
+        };
+        if let Some(k) = key.filter(|k| !k.is_empty()) {
+            env.key = Some(Bytes::copy_from_slice(k.as_bytes()));
+        }
+    }
+    if let Some(sk) = properties.get(MessageConst::PROPERTY_SHARDING_KEY) {
+        env.ordering_key = Some(Bytes::copy_from_slice(sk.as_bytes()));
+    }
+    env
+}
+
+/// A property value RocketMQ can carry: UTF-8 without its two separator characters.
+fn property_value(name: &str, v: &[u8]) -> Result<String, PublishError> {
+    let s = std::str::from_utf8(v).map_err(|_| {
+        PublishError::Rejected(format!(
+            "property {name} is not UTF-8: RocketMQ properties are strings"
+        ))
+    })?;
+    if s.contains(['\u{1}', '\u{2}']) {
+        return Err(PublishError::Rejected(format!(
+            "property {name} contains \\u0001 or \\u0002, RocketMQ's property separators"
+        )));
+    }
+    Ok(s.to_string())
+}
+
+/// The `KEYS` value: the dedup key first, then the message key (never the msgId).
+fn keys_of(msg: &OutgoingMessage) -> Result<Vec<String>, PublishError> {
+    let mut keys = Vec::new();
+    if let Some(d) = &msg.dedup_key {
+        keys.push(property_value("KEYS", d.as_bytes())?);
+    }
+    if let Some(k) = &msg.key {
+        let k = property_value("KEYS", k)?;
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    Ok(keys)
+}
+
+/// The RocketMQ message for an outgoing message: dedup key and key in `KEYS`, the ordering
+/// key as sharding key, [`props::TAGS`] as tags, every other header as a user property
+/// (the dedup key too, under [`DEDUP_HEADER`]).
+pub fn to_message(msg: &OutgoingMessage) -> Result<Message, PublishError> {
+    let mut b = Message::builder()
+        .topic(msg.destination.as_str())
+        .body(msg.payload.clone())
+        .keys(keys_of(msg)?);
+    if let Some(ok) = &msg.ordering_key {
+        b = b.sharding_key(property_value("ordering key", ok)?);
+    }
+    for (name, value) in msg.wire_headers().iter() {
+        let v = property_value(name, value)?;
+        if name == props::TAGS {
+            b = b.tags(v);
+            continue;
+        }
+        b = b
+            .raw_property(CheetahString::from(name), v)
+            .map_err(|e| PublishError::Rejected(format!("property {name}: {e}")))?;
+    }
+    b.build()
+        .map_err(|e| PublishError::Config(format!("message for {}: {e}", msg.destination)))
+}
+
+/// A copy of a received message for the dead-letter topic, with the reason and origin.
+pub fn dead_letter_copy(m: &MessageExt, topic: &str, reason: &str) -> Result<Message, String> {
+    let mut b = Message::builder().topic(topic).body_slice(m.body_slice());
+    let properties = m.properties();
+    if let Some(keys) = properties.get(MessageConst::PROPERTY_KEYS) {
+        b = b.key(keys.clone());
+    }
+    if let Some(tags) = m.get_tags() {
+        b = b.tags(tags);
+    }
+    for (name, value) in properties.iter() {
+        if !is_system_property(name.as_str()) && name.as_str() != DLQ_REASON {
+            b = b
+                .raw_property(name.clone(), value.clone())
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    let reason = reason.replace(['\u{1}', '\u{2}'], " ");
+    b = b
+        .raw_property(DLQ_REASON, reason)
+        .map_err(|e| e.to_string())?
+        .raw_property(DLQ_ORIGIN_TOPIC, m.topic().clone())
+        .map_err(|e| e.to_string())?;
+    b.build().map_err(|e| e.to_string())
+}

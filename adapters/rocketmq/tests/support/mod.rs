@@ -1,0 +1,83 @@
+//! What the RocketMQ tests share: the name server (or a skip), names of this run, sources,
+//! publishers, and a reader that collects a topic (the dead-letter topic) in the background.
+#![allow(dead_code)]
+
+use idemq_core::source::Source;
+use idemq_core::Envelope;
+use idemq_rocketmq::{PublisherConfig, RocketPublisher, RocketSource, SourceConfig};
+use std::sync::{Arc, Mutex};
+
+/// `IDEMQ_TEST_ROCKETMQ_NAMESRV`; `None` skips unless `IDEMQ_REQUIRE_SERVERS=1`.
+pub fn namesrv() -> Option<String> {
+    let found = std::env::var("IDEMQ_TEST_ROCKETMQ_NAMESRV")
+        .ok()
+        .filter(|s| !s.trim().is_empty());
+    let required = std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1");
+    match found {
+        None if required => panic!(
+            "IDEMQ_REQUIRE_SERVERS=1 needs IDEMQ_TEST_ROCKETMQ_NAMESRV (scripts/servers.sh start rocketmq; eval \"$(scripts/servers.sh env)\")"
+        ),
+        None => {
+            eprintln!("skipped: no IDEMQ_TEST_ROCKETMQ_NAMESRV");
+            None
+        }
+        some => some,
+    }
+}
+
+/// A topic / group name used by this run only (RocketMQ names: letters, digits, `_`, `-`).
+pub fn unique(what: &str) -> String {
+    format!("idemq_{what}_{:08x}", rand::random::<u32>())
+}
+
+pub async fn source(cfg: SourceConfig) -> RocketSource {
+    let what = format!("{} on {}", cfg.group, cfg.topic);
+    match RocketSource::connect(cfg).await {
+        Ok(s) => s,
+        Err(e) => panic!("consumer {what}: {e}"),
+    }
+}
+
+pub async fn publisher(namesrv: &str) -> RocketPublisher {
+    let group = unique("pg");
+    match RocketPublisher::connect(PublisherConfig::new(namesrv, group)).await {
+        Ok(p) => p,
+        Err(e) => panic!("producer: {e}"),
+    }
+}
+
+/// Everything a topic receives from now on, acked as read, kept in `seen`.
+pub struct Collector {
+    pub seen: Arc<Mutex<Vec<Envelope>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Collector {
+    pub async fn start(namesrv: &str, topic: &str) -> Self {
+        let cfg = SourceConfig::new(namesrv, unique("reader"), topic);
+        let mut src = source(cfg).await;
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let sink = seen.clone();
+        let task = tokio::spawn(async move {
+            while let Ok(Some(batch)) = src.poll(32).await {
+                for d in batch {
+                    sink.lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(d.envelope.clone());
+                    let _ = d.ack().await;
+                }
+            }
+        });
+        Self { seen, task }
+    }
+
+    pub fn snapshot(&self) -> Vec<Envelope> {
+        self.seen.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl Drop for Collector {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
