@@ -215,59 +215,6 @@ async fn a_message_that_always_fails_is_dead_lettered_after_max_attempts_and_the
     );
 }
 
-/// A store whose batch completion fails whenever the batch holds the poison key; single
-/// completions of it fail too when `poison_alone` is set.
-struct PoisonCompletions {
-    inner: MemoryStore,
-    poison_alone: bool,
-}
-
-fn is_poison(c: &Completion) -> bool {
-    c.key.as_str().ends_with(":poison")
-}
-
-#[async_trait]
-impl DedupStore for PoisonCompletions {
-    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
-        self.inner.claim_batch(reqs).await
-    }
-    async fn complete_batch(&self, cs: &[Completion]) -> Result<Vec<CompleteOutcome>, StoreError> {
-        if cs.iter().any(is_poison) && (cs.len() > 1 || self.poison_alone) {
-            return Err(StoreError::Backend(
-                "value too long for column `result`".into(),
-            ));
-        }
-        self.inner.complete_batch(cs).await
-    }
-    async fn release(&self, k: &DedupKey, t: FencingToken) -> Result<ReleaseOutcome, StoreError> {
-        self.inner.release(k, t).await
-    }
-    async fn extend(
-        &self,
-        k: &DedupKey,
-        t: FencingToken,
-        l: Duration,
-    ) -> Result<ExtendOutcome, StoreError> {
-        self.inner.extend(k, t, l).await
-    }
-    async fn get(&self, k: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
-        self.inner.get(k).await
-    }
-    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
-        self.inner.purge_expired(limit).await
-    }
-    async fn list_stuck(
-        &self,
-        older_than: Duration,
-        limit: usize,
-    ) -> Result<Vec<DedupRecord>, StoreError> {
-        self.inner.list_stuck(older_than, limit).await
-    }
-    async fn forget(&self, k: &DedupKey) -> Result<bool, StoreError> {
-        self.inner.forget(k).await
-    }
-}
-
 async fn run_with_poison_completion(poison_alone: bool) -> (HashMap<String, u32>, MemoryBroker) {
     let broker = MemoryBroker::new();
     for k in ["a", "b", "poison", "c", "d"] {
@@ -278,9 +225,9 @@ async fn run_with_poison_completion(poison_alone: bool) -> (HashMap<String, u32>
     let runs: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
     let seen = runs.clone();
     let consumer = IdempotentConsumer::new(
-        Arc::new(PoisonCompletions {
-            inner: MemoryStore::new(),
-            poison_alone,
+        Arc::new(Faulty {
+            poison_completions: Some(poison_alone),
+            ..Faulty::default()
         }),
         keys(),
         move |m: ClaimedMessage| {
@@ -350,46 +297,6 @@ async fn a_completion_the_store_always_refuses_is_dead_lettered_after_max_attemp
     );
 }
 
-/// A store whose heartbeats fail: the lease runs out while a handler is still working.
-struct FailingExtends(MemoryStore);
-
-#[async_trait]
-impl DedupStore for FailingExtends {
-    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
-        self.0.claim_batch(reqs).await
-    }
-    async fn complete_batch(&self, cs: &[Completion]) -> Result<Vec<CompleteOutcome>, StoreError> {
-        self.0.complete_batch(cs).await
-    }
-    async fn release(&self, k: &DedupKey, t: FencingToken) -> Result<ReleaseOutcome, StoreError> {
-        self.0.release(k, t).await
-    }
-    async fn extend(
-        &self,
-        _k: &DedupKey,
-        _t: FencingToken,
-        _l: Duration,
-    ) -> Result<ExtendOutcome, StoreError> {
-        Err(StoreError::Unavailable("connection reset".into()))
-    }
-    async fn get(&self, k: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
-        self.0.get(k).await
-    }
-    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
-        self.0.purge_expired(limit).await
-    }
-    async fn list_stuck(
-        &self,
-        older_than: Duration,
-        limit: usize,
-    ) -> Result<Vec<DedupRecord>, StoreError> {
-        self.0.list_stuck(older_than, limit).await
-    }
-    async fn forget(&self, k: &DedupKey) -> Result<bool, StoreError> {
-        self.0.forget(k).await
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_whose_lease_runs_out_is_told_and_cancelled_before_its_effect() {
     let broker = MemoryBroker::new();
@@ -401,7 +308,10 @@ async fn a_handler_whose_lease_runs_out_is_told_and_cancelled_before_its_effect(
     let told = Arc::new(AtomicU32::new(0));
     let (e2, t2) = (effects.clone(), told.clone());
     let consumer = IdempotentConsumer::new(
-        Arc::new(FailingExtends(MemoryStore::new())),
+        Arc::new(Faulty {
+            extends_fail: true,
+            ..Faulty::default()
+        }),
         keys(),
         move |m: ClaimedMessage| {
             let (effects, told) = (e2.clone(), t2.clone());
@@ -503,64 +413,6 @@ async fn after_a_timeout_the_redelivery_says_takeover_and_after_a_clean_failure_
     );
 }
 
-/// A store whose clock runs an hour behind this process: every lease end it reports is an
-/// hour "in the past" on our clock.
-struct StoreClockBehind(MemoryStore);
-
-const HOUR_MS: i64 = 3_600_000;
-
-#[async_trait]
-impl DedupStore for StoreClockBehind {
-    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
-        let outs = self.0.claim_batch(reqs).await?;
-        Ok(outs
-            .into_iter()
-            .map(|o| match o {
-                ClaimOutcome::Acquired(mut l) => {
-                    l.until_ms -= HOUR_MS;
-                    ClaimOutcome::Acquired(l)
-                }
-                other => other,
-            })
-            .collect())
-    }
-    async fn complete_batch(&self, cs: &[Completion]) -> Result<Vec<CompleteOutcome>, StoreError> {
-        self.0.complete_batch(cs).await
-    }
-    async fn release(&self, k: &DedupKey, t: FencingToken) -> Result<ReleaseOutcome, StoreError> {
-        self.0.release(k, t).await
-    }
-    async fn extend(
-        &self,
-        k: &DedupKey,
-        t: FencingToken,
-        l: Duration,
-    ) -> Result<ExtendOutcome, StoreError> {
-        Ok(match self.0.extend(k, t, l).await? {
-            ExtendOutcome::Extended { until_ms } => ExtendOutcome::Extended {
-                until_ms: until_ms - HOUR_MS,
-            },
-            other => other,
-        })
-    }
-    async fn get(&self, k: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
-        self.0.get(k).await
-    }
-    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
-        self.0.purge_expired(limit).await
-    }
-    async fn list_stuck(
-        &self,
-        older_than: Duration,
-        limit: usize,
-    ) -> Result<Vec<DedupRecord>, StoreError> {
-        self.0.list_stuck(older_than, limit).await
-    }
-    async fn forget(&self, k: &DedupKey) -> Result<bool, StoreError> {
-        self.0.forget(k).await
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_engine_times_leases_on_its_own_clock_not_the_stores() {
     let broker = MemoryBroker::new();
@@ -573,7 +425,10 @@ async fn the_engine_times_leases_on_its_own_clock_not_the_stores() {
     let effects = Arc::new(AtomicU32::new(0));
     let e2 = effects.clone();
     let consumer = IdempotentConsumer::new(
-        Arc::new(StoreClockBehind(MemoryStore::new())),
+        Arc::new(Faulty {
+            clock_behind_ms: HOUR_MS,
+            ..Faulty::default()
+        }),
         keys(),
         move |_m: ClaimedMessage| {
             let effects = e2.clone();
@@ -660,4 +515,84 @@ async fn a_finished_handler_is_completed_without_waiting_for_the_rest_of_its_bat
         "the finished effect was completed at once, not re-run after the crash: {effects:?}"
     );
     assert_eq!(effects.get("slow"), Some(&1));
+}
+
+const HOUR_MS: i64 = 3_600_000;
+
+/// The memory store with the faults these scenarios need, one knob each.
+#[derive(Default)]
+struct Faulty {
+    inner: MemoryStore,
+    /// A batch completion holding the poison key fails; `Some(true)`: alone too.
+    poison_completions: Option<bool>,
+    /// Every heartbeat fails (the lease runs out while a handler works).
+    extends_fail: bool,
+    /// The store's clock runs this far behind ours: every lease end it reports is earlier.
+    clock_behind_ms: i64,
+}
+
+fn is_poison(c: &Completion) -> bool {
+    c.key.as_str().ends_with(":poison")
+}
+
+#[async_trait]
+impl DedupStore for Faulty {
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let outs = self.inner.claim_batch(reqs).await?;
+        Ok(outs
+            .into_iter()
+            .map(|o| match o {
+                ClaimOutcome::Acquired(mut l) => {
+                    l.until_ms -= self.clock_behind_ms;
+                    ClaimOutcome::Acquired(l)
+                }
+                other => other,
+            })
+            .collect())
+    }
+    async fn complete_batch(&self, cs: &[Completion]) -> Result<Vec<CompleteOutcome>, StoreError> {
+        if let Some(alone) = self.poison_completions {
+            if cs.iter().any(is_poison) && (cs.len() > 1 || alone) {
+                return Err(StoreError::Backend(
+                    "value too long for column `result`".into(),
+                ));
+            }
+        }
+        self.inner.complete_batch(cs).await
+    }
+    async fn release(&self, k: &DedupKey, t: FencingToken) -> Result<ReleaseOutcome, StoreError> {
+        self.inner.release(k, t).await
+    }
+    async fn extend(
+        &self,
+        k: &DedupKey,
+        t: FencingToken,
+        l: Duration,
+    ) -> Result<ExtendOutcome, StoreError> {
+        if self.extends_fail {
+            return Err(StoreError::Unavailable("connection reset".into()));
+        }
+        Ok(match self.inner.extend(k, t, l).await? {
+            ExtendOutcome::Extended { until_ms } => ExtendOutcome::Extended {
+                until_ms: until_ms - self.clock_behind_ms,
+            },
+            other => other,
+        })
+    }
+    async fn get(&self, k: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
+        self.inner.get(k).await
+    }
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        self.inner.purge_expired(limit).await
+    }
+    async fn list_stuck(
+        &self,
+        older_than: Duration,
+        limit: usize,
+    ) -> Result<Vec<DedupRecord>, StoreError> {
+        self.inner.list_stuck(older_than, limit).await
+    }
+    async fn forget(&self, k: &DedupKey) -> Result<bool, StoreError> {
+        self.inner.forget(k).await
+    }
 }
