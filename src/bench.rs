@@ -65,7 +65,6 @@ async fn engine(store: Arc<dyn DedupStore>, n: usize, batch: usize) -> anyhow::R
     )
     .with_config(ConsumerConfig {
         max_batch: batch,
-        max_concurrency: 64,
         ..ConsumerConfig::default()
     });
     let t = Instant::now();

@@ -29,6 +29,8 @@ struct Slot {
 /// next door and usually done in milliseconds) instead of after the whole lease.
 pub(crate) struct LiveLeases {
     slots: Vec<Option<Slot>>,
+    /// Whether the keys were listed in [`held_here`] (only while several engines run).
+    listed: bool,
     flags: Arc<LeaseFlags>,
     /// When the claim that acquired these leases started.
     base: tokio::time::Instant,
@@ -44,13 +46,41 @@ fn held_here_map() -> std::sync::MutexGuard<'static, std::collections::HashMap<D
         .unwrap_or_else(|p| p.into_inner())
 }
 
-/// True when a live batch of this process holds `key`.
+/// Poll loops (`IdempotentConsumer::run`) running in this process. Keys are listed in
+/// [`held_here`] only while there are several: a lone engine meets no local holder, and the
+/// listing costs two map updates per message.
+static RUNNING_LOOPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// Counts a running poll loop for as long as it lives.
+pub(crate) struct RunningLoop;
+
+impl RunningLoop {
+    pub(crate) fn start() -> Self {
+        RUNNING_LOOPS.fetch_add(1, Ordering::Relaxed);
+        RunningLoop
+    }
+}
+
+impl Drop for RunningLoop {
+    fn drop(&mut self) {
+        RUNNING_LOOPS.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+fn several_loops() -> bool {
+    RUNNING_LOOPS.load(Ordering::Relaxed) > 1
+}
+
+/// True when a live batch of another engine of this process holds `key`.
 pub(crate) fn held_here(key: &DedupKey) -> bool {
-    held_here_map().contains_key(key)
+    several_loops() && held_here_map().contains_key(key)
 }
 
 impl Drop for LiveLeases {
     fn drop(&mut self) {
+        if !self.listed {
+            return;
+        }
         let mut held = held_here_map();
         for s in self.slots.iter().flatten() {
             if let Some(n) = held.get_mut(&s.key) {
@@ -73,7 +103,8 @@ impl LiveLeases {
     ) -> Self {
         let first_deadline = crate::store::duration_ms(lease);
         let flags = LeaseFlags::new(acquired.len());
-        {
+        let listed = several_loops();
+        if listed {
             let mut held = held_here_map();
             for (key, _) in acquired.iter().flatten() {
                 *held.entry(key.clone()).or_default() += 1;
@@ -92,6 +123,7 @@ impl LiveLeases {
             .collect();
         Self {
             slots,
+            listed,
             flags,
             base: claimed_at,
         }

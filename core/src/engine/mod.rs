@@ -223,7 +223,9 @@ impl<H: Handler> IdempotentConsumer<H> {
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), ConsumerError> {
         self.cfg.validate().map_err(ConsumerError::Config)?;
+        let running = lease::RunningLoop::start();
         let result = self.poll_loop(source, shutdown).await;
+        drop(running);
         let closed = source.close().await;
         match (result, closed) {
             (Err(e), _) => Err(e),
