@@ -880,6 +880,11 @@ haListenAddress = "127.0.0.1"
 haListenPort = $ROCKET_HA_PORT
 mappedFileSizeCommitLog = 67108864
 mappedFileSizeConsumeQueue = 120000
+# The broker refuses writes (and startup) once the disk is fuller than these ratios (defaults
+# 75/85/90 %): build machines routinely are. Test data is thrown away on every start.
+diskMaxUsedSpaceRatio = 95
+diskSpaceCleanForciblyRatio = 97
+diskSpaceWarningLevelRatio = 98
 maxHashSlotNum = 50000
 maxIndexNum = 200000
 EOF
