@@ -255,7 +255,8 @@ struct OutboxSql {
 
 const COLS: &str = "id, destination, msg_key, ordering_key, lane, headers, payload, dedup_key, \
                     status, attempts, available_ms, created_ms, updated_ms, last_error";
-const COL_KINDS: &[Kind] = &[
+/// The kinds of [`COLS`], in order.
+const ROW_KINDS: [Kind; 14] = [
     Kind::I64,
     Kind::Text,
     Kind::Bytes,
@@ -271,24 +272,18 @@ const COL_KINDS: &[Kind] = &[
     Kind::I64,
     Kind::Text,
 ];
-/// [`COL_KINDS`] plus the claim's count of unsent rows ahead in the lane.
-const CLAIM_KINDS: &[Kind] = &[
-    Kind::I64,
-    Kind::Text,
-    Kind::Bytes,
-    Kind::Bytes,
-    Kind::I64,
-    Kind::Bytes,
-    Kind::Bytes,
-    Kind::Text,
-    Kind::I64,
-    Kind::I64,
-    Kind::I64,
-    Kind::I64,
-    Kind::I64,
-    Kind::Text,
-    Kind::I64,
-];
+const COL_KINDS: &[Kind] = &ROW_KINDS;
+/// [`COL_KINDS`] plus the claim's count of unsent rows ahead in the lane (one list, so the two
+/// cannot drift apart).
+const CLAIM_KINDS: &[Kind] = &{
+    let mut kinds = [Kind::I64; 15];
+    let mut i = 0;
+    while i < ROW_KINDS.len() {
+        kinds[i] = ROW_KINDS[i];
+        i += 1;
+    }
+    kinds
+};
 
 impl OutboxSql {
     fn new(d: Dialect, t: &TableName) -> Self {
