@@ -781,6 +781,8 @@ macro_rules! store_contract_tests {
     };
 }
 
+pub mod process;
+
 /// The clock-skew scenario (issue 11, item 3), shared by the SQL and Redis stores' tests.
 pub mod clock_skew {
     use crate::store::set_test_clock_skew_ms;

@@ -5,6 +5,12 @@
 //! SQLite file. Figures are printed as msgs/s and as a ratio to the baseline, since absolute
 //! numbers on a shared machine mean little.
 
+#[cfg(all(
+    feature = "postgres",
+    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+))]
+pub mod broker;
+
 use idemq::broker::MemoryBroker;
 use idemq::sql::{SqlStoreOptions, SqliteStore};
 use idemq::{
@@ -30,6 +36,14 @@ pub struct BenchArgs {
     /// Stores to run the engine over (comma-separated: memory, sqlite).
     #[arg(long, default_value = "memory,sqlite", value_delimiter = ',')]
     stores: Vec<String>,
+    /// Benchmark these brokers instead (comma-separated: kafka, rabbitmq, rocketmq), each
+    /// against its bare consumer and a hand-written `INSERT … ON CONFLICT` consumer. Needs
+    /// the servers of `scripts/servers.sh` and a build with the brokers' features.
+    #[arg(long, value_delimiter = ',')]
+    brokers: Vec<String>,
+    /// PostgreSQL for the broker benchmarks' effect table and store.
+    #[arg(long, env = "IDEMQ_TEST_POSTGRES_URL")]
+    postgres_url: Option<String>,
 }
 
 fn fill(n: usize) -> MemoryBroker {
@@ -129,6 +143,9 @@ async fn duplicates_meeting_local_claims() -> anyhow::Result<(Duration, u64)> {
 
 /// Runs the benchmark and prints one line per configuration.
 pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    if !args.brokers.is_empty() {
+        return run_brokers(&args).await;
+    }
     let n = args.messages.max(1);
     let rounds = args.rounds.max(1);
     let rate = |d: Duration| n as f64 / d.as_secs_f64().max(1e-9);
@@ -182,4 +199,58 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(all(
+    feature = "postgres",
+    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+))]
+async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
+    let run = broker::BrokerRun {
+        messages: args.messages,
+        batch: args.batch,
+        rounds: args.rounds,
+        postgres_url: args.postgres_url.clone(),
+    };
+    for name in &args.brokers {
+        // Each broker module adds its arm here:
+        // `#[cfg(feature = "kafka")] "kafka" => Some(Box::new(kafka::KafkaBench::from_env()?)),`
+        let bench: Option<Box<dyn broker::BrokerBench>> = match name.as_str() {
+            _ => None,
+        };
+        let Some(bench) = bench else {
+            anyhow::bail!(
+                "unknown broker {name:?} for --brokers (built with: {})",
+                built_brokers().join(", ")
+            );
+        };
+        broker::measure(bench.as_ref(), &run).await?;
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(not(all(
+    feature = "postgres",
+    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+)))]
+async fn run_brokers(_args: &BenchArgs) -> anyhow::Result<ExitCode> {
+    anyhow::bail!(
+        "--brokers needs a build with the postgres feature and a broker's feature, e.g. \
+         cargo run --release --features postgres,kafka -- bench --brokers kafka"
+    )
+}
+
+#[cfg(all(
+    feature = "postgres",
+    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+))]
+fn built_brokers() -> Vec<&'static str> {
+    [
+        cfg!(feature = "kafka").then_some("kafka"),
+        cfg!(feature = "rabbitmq").then_some("rabbitmq"),
+        cfg!(feature = "rocketmq").then_some("rocketmq"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect()
 }

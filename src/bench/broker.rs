@@ -1,0 +1,311 @@
+//! `idemq bench --brokers …`: each broker adapter against the consumers its users would
+//! otherwise write, measured side by side in one run.
+//!
+//! Every broker answers the same four questions through [`BrokerBench`]; this module runs
+//! them in interleaved rounds (noise on a shared machine only slows a run down, so the best
+//! time of each is kept) and prints ratios:
+//!
+//! - **bare**: the broker's own consumer, manual ack/commit, no dedup at all;
+//! - **hand-written**: the same consumer writing each batch's effect rows with one
+//!   `INSERT … ON CONFLICT (msg_key) DO NOTHING` on PostgreSQL, then acking (what a team
+//!   writes without idemq; at-least-once with idempotent rows);
+//! - **idemq + memory store**: the engine over the adapter's `Source`, against *bare*;
+//! - **idemq + PostgreSQL store**: the engine with a handler that inserts the same effect row,
+//!   against *hand-written*.
+//!
+//! Adding a broker is one `impl BrokerBench` in its own module; nothing here knows a broker.
+
+use idemq::sql::{PgStore, SqlStoreOptions};
+use idemq::{
+    async_trait, ClaimedMessage, ConsumerConfig, DedupStore, HandlerError, IdempotentConsumer,
+    KeyStrategy, MemoryStore, Source,
+};
+use sqlx::PgPool;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// The key every benchmark message carries, in the broker's native key slot and in
+/// [`idemq::DEDUP_HEADER`]: `m-<i>` for message `i`.
+pub fn bench_key(i: usize) -> String {
+    format!("m-{i}")
+}
+
+/// The payload of benchmark message `i` (about 64 bytes, like a small callback).
+pub fn bench_payload(i: usize) -> String {
+    format!("{{\"order\":{i},\"amount_cents\":1999,\"currency\":\"EUR\",\"v\":1}}")
+}
+
+/// What one broker adapter gives the broker benchmark.
+#[async_trait]
+pub trait BrokerBench: Send + Sync {
+    /// Short name for the report ("kafka", "rabbitmq", …).
+    fn name(&self) -> &'static str;
+
+    /// Creates a fresh destination (topic, queue) holding `n` messages, message `i` with key
+    /// [`bench_key`]`(i)` and payload [`bench_payload`]`(i)`, and returns its name. Called
+    /// once per measured run, so every consumer starts from a full destination.
+    async fn fill(&self, n: usize) -> anyhow::Result<String>;
+
+    /// The broker's own consumer on `dest` (a fresh group), acking or committing what it
+    /// receives as its users would (manual acks, or a commit per poll), until `n` messages.
+    async fn bare(&self, dest: &str, n: usize) -> anyhow::Result<Duration>;
+
+    /// The same consumer, but each received batch is written with one
+    /// [`EffectSink::insert_batch`] before it is acked or committed.
+    async fn handwritten(
+        &self,
+        dest: &str,
+        n: usize,
+        sink: &EffectSink,
+    ) -> anyhow::Result<Duration>;
+
+    /// The adapter's [`Source`] on `dest` (a fresh group), for the idempotent consumer.
+    async fn source(&self, dest: &str) -> anyhow::Result<Box<dyn Source>>;
+
+    /// The key strategy matching how [`BrokerBench::fill`] stored the key.
+    fn keys(&self) -> anyhow::Result<KeyStrategy> {
+        Ok(KeyStrategy::dedup_header("bench")?)
+    }
+}
+
+/// The effect table of the benchmark: `msg_key` unique, as a hand-written consumer would
+/// make its writes idempotent.
+#[derive(Clone)]
+pub struct EffectSink {
+    pool: PgPool,
+    table: String,
+}
+
+impl EffectSink {
+    /// Creates a fresh effect table on `pool` (name generated, so runs never collide).
+    pub async fn create(pool: PgPool) -> anyhow::Result<Self> {
+        let table = format!("bench_fx_{:08x}", rand::random::<u32>());
+        sqlx::query(&format!(
+            "CREATE TABLE {table} (msg_key TEXT PRIMARY KEY, payload TEXT NOT NULL)"
+        ))
+        .execute(&pool)
+        .await?;
+        Ok(Self { pool, table })
+    }
+
+    /// The pool the table lives on.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Writes one effect row per `(key, payload)` in one statement; rows already there are
+    /// left alone (`ON CONFLICT DO NOTHING`).
+    pub async fn insert_batch(&self, rows: &[(String, String)]) -> anyhow::Result<()> {
+        let (keys, payloads): (Vec<&str>, Vec<&str>) =
+            rows.iter().map(|(k, p)| (k.as_str(), p.as_str())).unzip();
+        sqlx::query(&format!(
+            "INSERT INTO {} (msg_key, payload) SELECT * FROM UNNEST($1::text[], $2::text[]) \
+             ON CONFLICT (msg_key) DO NOTHING",
+            self.table
+        ))
+        .bind(keys)
+        .bind(payloads)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Writes one effect row (the idempotent consumer's handler).
+    pub async fn insert_one(&self, key: &str, payload: &[u8]) -> Result<(), sqlx::Error> {
+        sqlx::query(&format!(
+            "INSERT INTO {} (msg_key, payload) VALUES ($1, $2) ON CONFLICT (msg_key) DO NOTHING",
+            self.table
+        ))
+        .bind(key)
+        .bind(String::from_utf8_lossy(payload).as_ref())
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// Rows in the table.
+    pub async fn count(&self) -> anyhow::Result<i64> {
+        let (n,): (i64,) = sqlx::query_as(&format!("SELECT count(*) FROM {}", self.table))
+            .fetch_one(&self.pool)
+            .await?;
+        Ok(n)
+    }
+
+    /// Empties the table between runs.
+    pub async fn clear(&self) -> anyhow::Result<()> {
+        sqlx::query(&format!("TRUNCATE {}", self.table))
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// Drops the table.
+    pub async fn drop_table(&self) -> anyhow::Result<()> {
+        sqlx::query(&format!("DROP TABLE IF EXISTS {}", self.table))
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Runs the idempotent consumer over `source` until `n` handlers have run, then stops it.
+/// With a sink, each handler writes its effect row there (one statement per message).
+pub async fn run_engine(
+    source: &mut (dyn Source + '_),
+    keys: KeyStrategy,
+    store: Arc<dyn DedupStore>,
+    sink: Option<EffectSink>,
+    n: usize,
+    batch: usize,
+) -> anyhow::Result<Duration> {
+    let done = Arc::new(AtomicUsize::new(0));
+    let finished = Arc::new(tokio::sync::Notify::new());
+    let (count, notify) = (done.clone(), finished.clone());
+    let handler = move |m: ClaimedMessage| {
+        let (count, notify, sink) = (count.clone(), notify.clone(), sink.clone());
+        async move {
+            if let Some(sink) = &sink {
+                sink.insert_one(m.key.as_str(), &m.envelope.payload)
+                    .await
+                    .map_err(HandlerError::retryable)?;
+            }
+            if count.fetch_add(1, Ordering::AcqRel) + 1 >= n {
+                notify.notify_one();
+            }
+            Ok(None)
+        }
+    };
+    let cfg = ConsumerConfig {
+        max_batch: batch,
+        ..ConsumerConfig::default()
+    };
+    let consumer = IdempotentConsumer::new(store, keys, handler).with_config(cfg);
+    let t = Instant::now();
+    consumer.run(source, finished.notified()).await?;
+    let elapsed = t.elapsed();
+    anyhow::ensure!(
+        done.load(Ordering::Acquire) >= n,
+        "the idempotent consumer stopped after {} of {n} messages",
+        done.load(Ordering::Acquire)
+    );
+    Ok(elapsed)
+}
+
+/// Options shared by every broker's run.
+pub struct BrokerRun {
+    /// Messages per measured run.
+    pub messages: usize,
+    /// Deliveries per poll.
+    pub batch: usize,
+    /// Interleaved rounds; the best time of each consumer is kept.
+    pub rounds: usize,
+    /// PostgreSQL for the effect table and the PostgreSQL store (skipped when `None`).
+    pub postgres_url: Option<String>,
+}
+
+/// Best times of one broker's consumers.
+#[derive(Debug, Default)]
+pub struct BrokerFigures {
+    /// Bare consumer.
+    pub bare: Option<Duration>,
+    /// Engine + memory store.
+    pub memory: Option<Duration>,
+    /// Hand-written `ON CONFLICT` consumer.
+    pub handwritten: Option<Duration>,
+    /// Engine + PostgreSQL store + effect row per message.
+    pub postgres: Option<Duration>,
+}
+
+fn keep_best(slot: &mut Option<Duration>, t: Duration) {
+    *slot = Some(slot.map_or(t, |s| s.min(t)));
+}
+
+/// Measures one broker and prints its report.
+pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result<BrokerFigures> {
+    let n = run.messages.max(1);
+    let pg = match &run.postgres_url {
+        Some(url) => {
+            let pool = PgPool::connect(url).await?;
+            let store = PgStore::connect(url, SqlStoreOptions::default()).await?;
+            Some((EffectSink::create(pool).await?, Arc::new(store)))
+        }
+        None => None,
+    };
+    let mut f = BrokerFigures::default();
+    for round in 0..run.rounds.max(1) {
+        tracing::info!(broker = bench.name(), round, "bench round");
+        let dest = bench.fill(n).await?;
+        keep_best(&mut f.bare, bench.bare(&dest, n).await?);
+        let dest = bench.fill(n).await?;
+        let mut src = bench.source(&dest).await?;
+        let mem: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+        keep_best(
+            &mut f.memory,
+            run_engine(src.as_mut(), bench.keys()?, mem, None, n, run.batch).await?,
+        );
+        if let Some((sink, store)) = &pg {
+            sink.clear().await?;
+            let dest = bench.fill(n).await?;
+            keep_best(&mut f.handwritten, bench.handwritten(&dest, n, sink).await?);
+            anyhow::ensure!(sink.count().await? == n as i64, "hand-written effects");
+            sink.clear().await?;
+            let dest = bench.fill(n).await?;
+            let mut src = bench.source(&dest).await?;
+            let store: Arc<dyn DedupStore> = store.clone();
+            let t = run_engine(
+                src.as_mut(),
+                bench.keys()?,
+                store,
+                Some(sink.clone()),
+                n,
+                run.batch,
+            )
+            .await?;
+            anyhow::ensure!(sink.count().await? == n as i64, "idemq effects");
+            keep_best(&mut f.postgres, t);
+        }
+    }
+    if let Some((sink, _)) = &pg {
+        sink.drop_table().await?;
+    }
+    print_report(bench.name(), n, run, &f);
+    Ok(f)
+}
+
+fn print_report(name: &str, n: usize, run: &BrokerRun, f: &BrokerFigures) {
+    let rate = |d: Duration| n as f64 / d.as_secs_f64().max(1e-9);
+    let ratio = |ours: Option<Duration>, base: Option<Duration>| match (ours, base) {
+        (Some(o), Some(b)) => format!("{:.2}x", b.as_secs_f64() / o.as_secs_f64().max(1e-9)),
+        _ => "-".into(),
+    };
+    println!(
+        "{name}: best of {} interleaved rounds, {n} messages, batch {}",
+        run.rounds.max(1),
+        run.batch
+    );
+    let line = |label: &str, t: Option<Duration>, vs: String| {
+        if let Some(t) = t {
+            println!("  {label:<42} {:>10.0} msgs/s  {vs}", rate(t));
+        }
+    };
+    line("bare consumer (manual ack/commit)", f.bare, "1.00x".into());
+    line(
+        "idemq + memory store",
+        f.memory,
+        format!("{} of bare (reported)", ratio(f.memory, f.bare)),
+    );
+    line(
+        "hand-written INSERT … ON CONFLICT consumer",
+        f.handwritten,
+        "1.00x".into(),
+    );
+    line(
+        "idemq + PostgreSQL store",
+        f.postgres,
+        format!(
+            "{} of hand-written (target >= 0.80)",
+            ratio(f.postgres, f.handwritten)
+        ),
+    );
+}
