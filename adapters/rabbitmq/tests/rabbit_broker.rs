@@ -9,7 +9,9 @@ use idemq_core::{
     ConsumerConfig, Delivery, MemoryStore, OutgoingMessage, PublishError, Publisher, RetryPolicy,
     Source,
 };
-use idemq_rabbitmq::{DedupExchange, DedupPlugin, QueueType, RabbitError, RETRIES};
+use idemq_rabbitmq::{
+    DedupExchange, DedupPlugin, QueueType, RabbitError, DLQ_QUEUE, DLQ_REASON, RETRIES,
+};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -273,6 +275,79 @@ async fn producer_duplicates_with_a_consumer_dropped_mid_run_change_the_world_on
         (doubles, lost),
         (0, 0),
         "double_effects={doubles} lost={lost}"
+    );
+    support::delete_queues(&url, &[q.clone(), format!("{q}.dlq")]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_key_less_message_is_dead_lettered_with_the_reason_and_the_consumer_keeps_going() {
+    let Some(url) = support::amqp_url() else {
+        return;
+    };
+    let q = support::fresh_queue("keyless");
+    drop(support::source(support::config(&url, &q, QueueType::Classic)).await);
+    let keys: Vec<String> = (0..12).map(|i| format!("invoice-{i:02}")).collect();
+    let p = support::publisher(&url).await;
+    for (i, k) in keys.iter().enumerate() {
+        if i == 3 {
+            // No dedup key, no message id, no key: nothing a key strategy can read.
+            let keyless = OutgoingMessage::new(q.clone(), r#"{"invoice":"?"}"#);
+            p.publish(keyless)
+                .await
+                .expect("publish the key-less message");
+        }
+        let m = OutgoingMessage::new(q.clone(), format!("{{\"invoice\":\"{k}\"}}"))
+            .with_dedup_key(k.clone());
+        p.publish(m).await.expect("publish");
+    }
+
+    let effects = support::Effects::default();
+    let consumer = support::counting_consumer(
+        Arc::new(MemoryStore::new()),
+        "billing",
+        effects.clone(),
+        Duration::from_millis(1),
+        Default::default(),
+    )
+    // Small batches: the key-less message sits in the middle of one, and more follow.
+    .with_config(ConsumerConfig {
+        max_batch: 4,
+        ..ConsumerConfig::default()
+    });
+    let mut src = support::source(support::config(&url, &q, QueueType::Classic)).await;
+    let progress = effects.clone();
+    let stop = async move {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while support::applied(&progress) < 12 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    consumer.run(&mut src, stop).await.expect("run");
+    src.close().await.expect("close");
+
+    // Everything behind the key-less message was processed, once.
+    let (doubles, lost) = support::double_and_lost(&effects, &keys);
+    assert_eq!(
+        (doubles, lost),
+        (0, 0),
+        "double_effects={doubles} lost={lost}"
+    );
+    assert_eq!(consumer.stats().rejected, 1, "{:?}", consumer.stats());
+
+    // The key-less message is in the dead-letter queue with the reason, and nowhere else.
+    let dead = support::take_all(&url, &format!("{q}.dlq")).await;
+    assert_eq!(dead.len(), 1, "one dead letter: {dead:?}");
+    let d = &dead[0];
+    assert_eq!(&d.payload[..], br#"{"invoice":"?"}"#);
+    let reason = d.headers.get_str(DLQ_REASON).unwrap_or_default();
+    assert!(
+        reason.contains("no usable dedup key") && reason.contains(idemq_core::DEDUP_HEADER),
+        "the reason must say why: {reason:?}"
+    );
+    assert_eq!(d.headers.get_str(DLQ_QUEUE), Some(q.as_str()));
+    assert!(
+        support::take_all(&url, &q).await.is_empty(),
+        "nothing left in the queue (the key-less message was acked after its copy)"
     );
     support::delete_queues(&url, &[q.clone(), format!("{q}.dlq")]).await;
 }
