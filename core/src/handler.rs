@@ -257,3 +257,114 @@ where
         (self)(msg).await
     }
 }
+
+/// A closure handler with shared state, made by [`with_state`].
+pub struct StateHandler<S, F> {
+    state: S,
+    f: F,
+}
+
+/// A handler from a closure that gets a clone of `state` with each message, so shared
+/// state (a pool, a client, a counter) needs no outer-and-inner clone dance:
+///
+/// ```
+/// use idemq_core::handler::with_state;
+/// use std::sync::{Arc, atomic::{AtomicU64, Ordering}};
+///
+/// let applied = Arc::new(AtomicU64::new(0));
+/// let handler = with_state(applied.clone(), |applied, _msg| async move {
+///     applied.fetch_add(1, Ordering::Relaxed);
+///     Ok(None)
+/// });
+/// # let _ = handler;
+/// ```
+pub fn with_state<S, F, Fut>(state: S, f: F) -> StateHandler<S, F>
+where
+    S: Clone + Send + Sync + 'static,
+    F: Fn(S, ClaimedMessage) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = HandlerResult> + Send + 'static,
+{
+    StateHandler { state, f }
+}
+
+#[async_trait]
+impl<S, F, Fut> Handler for StateHandler<S, F>
+where
+    S: Clone + Send + Sync + 'static,
+    F: Fn(S, ClaimedMessage) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = HandlerResult> + Send + 'static,
+{
+    async fn handle(&self, msg: ClaimedMessage) -> HandlerResult {
+        (self.f)(self.state.clone(), msg).await
+    }
+}
+
+/// A payload that is not the JSON its handler declared: the message is dead-lettered with
+/// this reason (resending it cannot help).
+#[derive(Debug, thiserror::Error)]
+#[error("payload is not a valid `{type_name}` (JSON): {source}")]
+pub struct MalformedPayload {
+    /// The Rust type the handler asked for.
+    pub type_name: &'static str,
+    /// What serde said.
+    #[source]
+    pub source: serde_json::Error,
+}
+
+/// A handler of typed JSON payloads, made by [`json`].
+pub struct JsonHandler<T, S, F> {
+    state: S,
+    f: F,
+    _payload: std::marker::PhantomData<fn() -> T>,
+}
+
+/// A handler from a closure that gets a clone of `state`, the message, and its payload
+/// parsed from JSON as `T`. A payload that does not parse as `T` never reaches the closure:
+/// it is a permanent failure ([`MalformedPayload`], naming the type and serde's reason), so
+/// the engine dead-letters it instead of retrying it forever. Pass `()` when there is no
+/// state.
+///
+/// ```
+/// use idemq_core::handler::json;
+///
+/// #[derive(serde::Deserialize)]
+/// struct Payment { payment_id: String, amount: i64 }
+///
+/// let handler = json((), |(), msg, p: Payment| async move {
+///     assert!(p.amount > 0, "{} for {}", p.payment_id, msg.key);
+///     Ok(None)
+/// });
+/// # let _ = handler;
+/// ```
+pub fn json<T, S, F, Fut>(state: S, f: F) -> JsonHandler<T, S, F>
+where
+    T: serde::de::DeserializeOwned + Send + 'static,
+    S: Clone + Send + Sync + 'static,
+    F: Fn(S, ClaimedMessage, T) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = HandlerResult> + Send + 'static,
+{
+    JsonHandler {
+        state,
+        f,
+        _payload: std::marker::PhantomData,
+    }
+}
+
+#[async_trait]
+impl<T, S, F, Fut> Handler for JsonHandler<T, S, F>
+where
+    T: serde::de::DeserializeOwned + Send + 'static,
+    S: Clone + Send + Sync + 'static,
+    F: Fn(S, ClaimedMessage, T) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = HandlerResult> + Send + 'static,
+{
+    async fn handle(&self, msg: ClaimedMessage) -> HandlerResult {
+        let payload: T = serde_json::from_slice(&msg.envelope.payload).map_err(|source| {
+            HandlerError::permanent(MalformedPayload {
+                type_name: std::any::type_name::<T>(),
+                source,
+            })
+        })?;
+        (self.f)(self.state.clone(), msg, payload).await
+    }
+}

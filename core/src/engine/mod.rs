@@ -242,44 +242,14 @@ impl<H: Handler> IdempotentConsumer<H> {
         source: &mut S,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), ConsumerError> {
-        tokio::pin!(shutdown);
-        let mut backoff = self.cfg.store_backoff;
-        loop {
-            let polled = tokio::select! {
-                biased;
-                _ = &mut shutdown => return Ok(()),
-                p = source.poll(self.cfg.max_batch) => p,
-            };
-            let trouble = match polled {
-                Ok(Some(batch)) => {
-                    let store_down = self.process_batch(batch).await;
-                    let committed = source.after_batch().await;
-                    if let Err(e) = &committed {
-                        tracing::warn!(error = %e, "source could not commit after a batch; it will redeliver");
-                    }
-                    if let Err(SourceError::Config(e)) = committed {
-                        return Err(SourceError::Config(e).into());
-                    }
-                    store_down
-                }
-                Ok(None) => return Ok(()),
-                Err(SourceError::Config(e)) => return Err(SourceError::Config(e).into()),
-                Err(e) => {
-                    tracing::warn!(error = %e, "poll failed; backing off");
-                    true
-                }
-            };
-            if trouble {
-                // Give the store or broker time before polling again.
-                tokio::select! {
-                    _ = &mut shutdown => return Ok(()),
-                    _ = tokio::time::sleep(backoff) => {}
-                }
-                backoff = (backoff * 2).min(self.cfg.store_backoff_max);
-            } else {
-                backoff = self.cfg.store_backoff;
-            }
-        }
+        let backoff = Backoff {
+            initial: self.cfg.store_backoff,
+            max: self.cfg.store_backoff_max,
+        };
+        drive_source(source, self.cfg.max_batch, backoff, shutdown, |batch| {
+            self.process_batch(batch)
+        })
+        .await
     }
 
     /// Runs until the source ends (for sources that end, such as a closed memory broker).
@@ -288,5 +258,76 @@ impl<H: Handler> IdempotentConsumer<H> {
         source: &mut S,
     ) -> Result<(), ConsumerError> {
         self.run(source, std::future::pending()).await
+    }
+}
+
+/// How long a poll loop waits after a batch that met a store or broker outage: `initial`,
+/// doubling up to `max`, back to `initial` after a good batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Backoff {
+    /// The first wait.
+    pub initial: std::time::Duration,
+    /// The longest wait.
+    pub max: std::time::Duration,
+}
+
+/// The poll loop every consumer mode shares: poll up to `max_batch` deliveries, hand them
+/// to `process` (which settles each one and answers whether it met an outage), tell the
+/// source the batch is done ([`Source::after_batch`]), back off after an outage, and stop
+/// when `shutdown` resolves (between batches: a batch in progress is finished) or the
+/// source ends. Configuration errors of the source end the loop; other poll and commit
+/// errors are logged and retried after the back-off. The caller closes the source.
+///
+/// [`IdempotentConsumer`] runs on it, and so do other consumer modes built outside the core
+/// (the SQL store's unique-index consumer), so they poll, commit and back off alike.
+pub async fn drive_source<S, F, Fut>(
+    source: &mut S,
+    max_batch: usize,
+    backoff: Backoff,
+    shutdown: impl Future<Output = ()>,
+    mut process: F,
+) -> Result<(), ConsumerError>
+where
+    S: Source + ?Sized,
+    F: FnMut(Vec<crate::source::Delivery>) -> Fut,
+    Fut: Future<Output = bool>,
+{
+    tokio::pin!(shutdown);
+    let mut wait = backoff.initial;
+    loop {
+        let polled = tokio::select! {
+            biased;
+            _ = &mut shutdown => return Ok(()),
+            p = source.poll(max_batch.max(1)) => p,
+        };
+        let trouble = match polled {
+            Ok(Some(batch)) => {
+                let outage = process(batch).await;
+                let committed = source.after_batch().await;
+                if let Err(e) = &committed {
+                    tracing::warn!(error = %e, "source could not commit after a batch; it will redeliver");
+                }
+                if let Err(SourceError::Config(e)) = committed {
+                    return Err(SourceError::Config(e).into());
+                }
+                outage
+            }
+            Ok(None) => return Ok(()),
+            Err(SourceError::Config(e)) => return Err(SourceError::Config(e).into()),
+            Err(e) => {
+                tracing::warn!(error = %e, "poll failed; backing off");
+                true
+            }
+        };
+        if trouble {
+            // Give the store or broker time before polling again.
+            tokio::select! {
+                _ = &mut shutdown => return Ok(()),
+                _ = tokio::time::sleep(wait) => {}
+            }
+            wait = (wait * 2).min(backoff.max);
+        } else {
+            wait = backoff.initial;
+        }
     }
 }
