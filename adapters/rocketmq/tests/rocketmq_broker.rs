@@ -6,6 +6,8 @@
 
 mod support;
 
+use support::wait_until;
+
 use idemq_core::engine::ConsumerConfig;
 use idemq_core::publish::{OutgoingMessage, Publisher};
 use idemq_core::source::Source;
@@ -34,17 +36,6 @@ fn count(effects: &Effects, key: &str) {
 
 fn snapshot(effects: &Effects) -> HashMap<String, u32> {
     effects.lock().unwrap_or_else(|e| e.into_inner()).clone()
-}
-
-async fn wait_until(within: Duration, mut done: impl FnMut() -> bool) -> bool {
-    let deadline = Instant::now() + within;
-    while Instant::now() < deadline {
-        if done() {
-            return true;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    done()
 }
 
 /// Seed 000: the payment callback is sent three times (producer retries: three msgIds and

@@ -6,6 +6,8 @@ use idemq_core::source::Source;
 use idemq_core::Envelope;
 use idemq_rocketmq::{PublisherConfig, RocketPublisher, RocketSource, SourceConfig};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// `IDEMQ_TEST_ROCKETMQ_NAMESRV`; `None` skips unless `IDEMQ_REQUIRE_SERVERS=1`.
 pub fn namesrv() -> Option<String> {
@@ -23,6 +25,33 @@ pub fn namesrv() -> Option<String> {
         }
         some => some,
     }
+}
+
+/// `IDEMQ_TEST_POSTGRES_URL`; `None` skips unless `IDEMQ_REQUIRE_SERVERS=1`.
+pub fn postgres_url() -> Option<String> {
+    let found = std::env::var("IDEMQ_TEST_POSTGRES_URL")
+        .ok()
+        .filter(|s| !s.trim().is_empty());
+    if found.is_none() {
+        assert!(
+            std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() != Ok("1"),
+            "IDEMQ_REQUIRE_SERVERS=1 needs IDEMQ_TEST_POSTGRES_URL (eval \"$(scripts/servers.sh env)\")"
+        );
+        eprintln!("skipped: no IDEMQ_TEST_POSTGRES_URL");
+    }
+    found
+}
+
+/// Polls `done` every 200 ms until it holds or `within` has passed; its last answer.
+pub async fn wait_until(within: Duration, mut done: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if done() {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    done()
 }
 
 /// A topic / group name used by this run only (RocketMQ names: letters, digits, `_`, `-`).
