@@ -55,6 +55,7 @@ mod queries;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sniff;
 mod store;
+pub mod unique;
 
 pub use backend::{map_sqlx_error, Dialect, SqlBackend};
 #[doc(hidden)]

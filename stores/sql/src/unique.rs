@@ -1,0 +1,617 @@
+//! The unique-index consumer: the claim *is* the key insert in the business transaction.
+//!
+//! The dedup-table engine ([`idemq_core::IdempotentConsumer`]) claims a key with a lease,
+//! runs the handler, then completes the record: three writes per message (batched), and a
+//! lease protocol that works for any effect, including ones outside the database. When the
+//! effect is a write to the *same* database, a unique index does the whole job with one
+//! write: insert the key in the transaction that writes the effect, commit, then ack.
+//!
+//! [`UniqueIndexConsumer`] runs that strategy over any [`Source`]:
+//!
+//! 1. derive each delivery's key (no usable key → rejected with the reason);
+//! 2. open one transaction for the batch and insert all its keys into the keys table with
+//!    one statement (`INSERT … ON CONFLICT DO NOTHING RETURNING`, sorted, so two consumers
+//!    lock keys in the same order); keys that were already there are duplicates;
+//! 3. run the handler for each new key through the same transaction, then commit;
+//! 4. ack what committed and the duplicates; nothing is acked before the commit.
+//!
+//! When one handler fails, the batch transaction is rolled back and the batch runs again
+//! one message per transaction, so the failure is isolated: the others commit, the failed
+//! one gets the [`RetryPolicy`] (nack after a delay, dead-letter once attempts are used up,
+//! or at once for a permanent error).
+//!
+//! Why no lease is needed: a concurrent consumer inserting the same key waits on the row
+//! lock of the uncommitted insert (PostgreSQL, MariaDB; SQLite has a single writer), then
+//! sees it committed (a duplicate: skip) or rolled back (its own insert wins). A crash
+//! before the commit leaves nothing; a crash after it leaves a key whose redelivery is a
+//! duplicate. A commit whose answer was lost is settled the same way: nacked, and the
+//! redelivery finds the key if the commit happened.
+//!
+//! What it cannot do: effects outside this database (an HTTP call, a publish) are not in
+//! the transaction — use the dedup-table engine and its lease for those. There is no
+//! stored result to replay to duplicates, and no "in flight elsewhere" answer (a duplicate
+//! waits for the other transaction instead). Keys live in
+//! [`SqlStore::keys_table`](crate::SqlStore::keys_table); purge them with
+//! [`SqlStore::purge_keys_older_than`](crate::SqlStore::purge_keys_older_than).
+//!
+//! ```no_run
+//! use idemq_core::broker::MemoryBroker;
+//! use idemq_core::KeyStrategy;
+//! use idemq_sql::unique::UniqueIndexConsumer;
+//! use idemq_sql::{sqlx, PgStore, SqlResultExt};
+//!
+//! # async fn run(store: PgStore, broker: MemoryBroker) -> Result<(), Box<dyn std::error::Error>> {
+//! let keys = KeyStrategy::json_pointer("payments", "/payment_id")?;
+//! let consumer = UniqueIndexConsumer::from_fn(store, keys, |msg, tx| Box::pin(async move {
+//!     sqlx::query("INSERT INTO ledger (payment_id) VALUES ($1)")
+//!         .bind(msg.key.as_str())
+//!         .execute(&mut *tx)
+//!         .await
+//!         .classify()?;
+//!     Ok(())
+//! }));
+//! consumer.run_until_idle(&mut broker.subscribe()).await?;
+//! # Ok(()) }
+//! ```
+
+use crate::backend::{error_class, Dialect, ErrorClass, Kind, SqlBackend, Val};
+use crate::store::SqlStore;
+use async_trait::async_trait;
+use idemq_core::engine::{drive_source, Backoff};
+use idemq_core::metrics::{self as m, outcome};
+use idemq_core::{
+    ConsumerError, DedupKey, Delivery, Envelope, HandlerError, KeyStrategy, RetryPolicy, Source,
+};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// One message as the unique-index handler sees it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct UniqueMessage {
+    /// The dedup key (already inserted in the transaction the handler writes through).
+    pub key: DedupKey,
+    /// The message.
+    pub envelope: Envelope,
+    /// Which attempt this is (1 on the first delivery; the broker's delivery count when it
+    /// has one, else what this consumer has seen).
+    pub attempt: u32,
+}
+
+/// Writes one message's effect through the batch's transaction. Return an error to roll
+/// the message back: [`HandlerError::Retryable`] retries it by the [`RetryPolicy`],
+/// [`HandlerError::Permanent`] dead-letters it. Closures go through [`tx_fn`].
+#[async_trait]
+pub trait TxHandler<DB: SqlBackend>: Send + Sync + 'static {
+    /// Writes the effect of `msg` through `tx` (do not commit or roll back: the consumer
+    /// owns the transaction).
+    async fn handle(
+        &self,
+        msg: &UniqueMessage,
+        tx: &mut DB::Connection,
+    ) -> Result<(), HandlerError>;
+}
+
+/// The future a [`tx_fn`] closure returns (borrowing the message and the connection).
+pub type TxFuture<'a> = Pin<Box<dyn Future<Output = Result<(), HandlerError>> + Send + 'a>>;
+
+/// A [`TxHandler`] from a closure `|msg, tx| Box::pin(async move { … })` (the box lets the
+/// future borrow the message and the transaction). Name the backend when the closure is
+/// written apart from the consumer (`tx_fn::<sqlx::Postgres, _>(…)`), or pass the closure
+/// to [`UniqueIndexConsumer::from_fn`], which knows it from the store.
+pub fn tx_fn<DB, F>(f: F) -> TxFn<DB, F>
+where
+    DB: SqlBackend,
+    F: for<'a> Fn(&'a UniqueMessage, &'a mut DB::Connection) -> TxFuture<'a>,
+{
+    TxFn(f, std::marker::PhantomData)
+}
+
+/// A [`TxHandler`] from a closure over backend `DB`; made by [`tx_fn`].
+pub struct TxFn<DB, F>(F, std::marker::PhantomData<fn() -> DB>);
+
+#[async_trait]
+impl<DB, F> TxHandler<DB> for TxFn<DB, F>
+where
+    DB: SqlBackend,
+    F: for<'a> Fn(&'a UniqueMessage, &'a mut DB::Connection) -> TxFuture<'a>
+        + Send
+        + Sync
+        + 'static,
+{
+    async fn handle(
+        &self,
+        msg: &UniqueMessage,
+        tx: &mut DB::Connection,
+    ) -> Result<(), HandlerError> {
+        (self.0)(msg, tx).await
+    }
+}
+
+/// Settings of a [`UniqueIndexConsumer`].
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct UniqueIndexConfig {
+    /// Deliveries per poll, and keys per transaction (default 256).
+    pub max_batch: usize,
+    /// Delays and attempts for failed handlers (default: the engine's).
+    pub retry: RetryPolicy,
+    /// Wait after a batch that met a database outage, doubling up to `store_backoff_max`.
+    pub store_backoff: Duration,
+    /// The longest back-off.
+    pub store_backoff_max: Duration,
+    /// Delay before a delivery nacked because the database was down comes back.
+    pub outage_redelivery: Duration,
+    /// How often a batch transaction is retried at once after a deadlock or serialization
+    /// failure before its messages are nacked (default 3).
+    pub deadlock_retries: u32,
+}
+
+impl Default for UniqueIndexConfig {
+    fn default() -> Self {
+        Self {
+            max_batch: 256,
+            retry: RetryPolicy::default(),
+            store_backoff: Duration::from_millis(100),
+            store_backoff_max: Duration::from_secs(5),
+            outage_redelivery: Duration::from_secs(1),
+            deadlock_retries: 3,
+        }
+    }
+}
+
+impl UniqueIndexConfig {
+    /// With this batch size.
+    pub fn with_max_batch(mut self, n: usize) -> Self {
+        self.max_batch = n.max(1);
+        self
+    }
+    /// With this retry policy.
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+}
+
+/// Counters of a [`UniqueIndexConsumer`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct UniqueIndexStats {
+    /// Effects committed.
+    pub processed: u64,
+    /// Deliveries whose key was already there (acked without running).
+    pub duplicates: u64,
+    /// Handler failures nacked for a retry.
+    pub retried: u64,
+    /// Deliveries dead-lettered (no key, permanent failure, attempts used up).
+    pub rejected: u64,
+    /// Batches that fell back to one transaction per message after a handler failed.
+    pub split_batches: u64,
+    /// Batches nacked because the database was unavailable.
+    pub store_unavailable: u64,
+    /// Settlements the broker refused.
+    pub settle_failures: u64,
+}
+
+#[derive(Default)]
+struct Counters {
+    processed: AtomicU64,
+    duplicates: AtomicU64,
+    retried: AtomicU64,
+    rejected: AtomicU64,
+    split_batches: AtomicU64,
+    store_unavailable: AtomicU64,
+    settle_failures: AtomicU64,
+}
+
+/// Runs a [`TxHandler`] over a [`Source`] with the unique-index strategy (see the module
+/// docs): one key insert per message, in the transaction of its effect.
+pub struct UniqueIndexConsumer<DB: SqlBackend, H> {
+    store: SqlStore<DB>,
+    keys: KeyStrategy,
+    handler: H,
+    cfg: UniqueIndexConfig,
+    insert_sql: InsertSql,
+    counters: Counters,
+    /// Attempts seen here per key, for brokers that do not count deliveries (bounded: it
+    /// is cleared when it grows past a limit, which only makes retries start over).
+    attempts: Mutex<HashMap<String, u32>>,
+}
+
+/// What happened to one message's key in a transaction.
+#[derive(Debug)]
+enum Fate {
+    Committed,
+    Duplicate,
+    Failed(HandlerError),
+}
+
+/// Why a transaction did not commit.
+enum TxFailure {
+    /// The handler of item `index` failed.
+    Handler(usize, HandlerError),
+    /// The database failed.
+    Store(sqlx::Error),
+}
+
+impl<DB: SqlBackend, F> UniqueIndexConsumer<DB, TxFn<DB, F>>
+where
+    F: for<'a> Fn(&'a UniqueMessage, &'a mut DB::Connection) -> TxFuture<'a>
+        + Send
+        + Sync
+        + 'static,
+{
+    /// A consumer from a closure `|msg, tx| Box::pin(async move { … })` that writes each
+    /// message's effect through `tx` (see [`tx_fn`]).
+    pub fn from_fn(store: SqlStore<DB>, keys: KeyStrategy, f: F) -> Self {
+        Self::new(store, keys, TxFn(f, std::marker::PhantomData))
+    }
+}
+
+impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
+    /// A consumer writing keys to `store`'s keys table (created by its migrations).
+    pub fn new(store: SqlStore<DB>, keys: KeyStrategy, handler: H) -> Self {
+        let insert_sql = InsertSql::new(DB::DIALECT, store.keys_table().as_str());
+        Self {
+            store,
+            keys,
+            handler,
+            cfg: UniqueIndexConfig::default(),
+            insert_sql,
+            counters: Counters::default(),
+            attempts: Mutex::default(),
+        }
+    }
+
+    /// Replaces the settings.
+    pub fn with_config(mut self, cfg: UniqueIndexConfig) -> Self {
+        self.cfg = cfg;
+        self.cfg.max_batch = self.cfg.max_batch.max(1);
+        self
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> UniqueIndexStats {
+        let c = &self.counters;
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        UniqueIndexStats {
+            processed: l(&c.processed),
+            duplicates: l(&c.duplicates),
+            retried: l(&c.retried),
+            rejected: l(&c.rejected),
+            split_batches: l(&c.split_batches),
+            store_unavailable: l(&c.store_unavailable),
+            settle_failures: l(&c.settle_failures),
+        }
+    }
+
+    /// Polls and processes until `shutdown` resolves or the source ends, then closes the
+    /// source. A batch in progress is finished first.
+    pub async fn run<S: Source + ?Sized>(
+        &self,
+        source: &mut S,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ConsumerError> {
+        let backoff = Backoff {
+            initial: self.cfg.store_backoff,
+            max: self.cfg.store_backoff_max,
+        };
+        let result = drive_source(source, self.cfg.max_batch, backoff, shutdown, |batch| {
+            self.process_batch(batch)
+        })
+        .await;
+        let closed = source.close().await;
+        result?;
+        closed.map_err(ConsumerError::from)
+    }
+
+    /// Runs until the source ends.
+    pub async fn run_until_idle<S: Source + ?Sized>(
+        &self,
+        source: &mut S,
+    ) -> Result<(), ConsumerError> {
+        self.run(source, std::future::pending()).await
+    }
+
+    /// One polled batch; answers whether the database was unavailable.
+    async fn process_batch(&self, batch: Vec<Delivery>) -> bool {
+        // Keys: the first delivery of a key runs, later copies share its fate.
+        let mut firsts: BTreeMap<String, (UniqueMessage, Delivery)> = BTreeMap::new();
+        let mut copies: Vec<(String, Delivery)> = Vec::new();
+        for d in batch {
+            if d.is_stale() {
+                continue; // the source gave it up; dropping it abandons nothing of ours
+            }
+            let key = match self.keys.derive(&d.envelope) {
+                Ok(k) => k,
+                Err(e) => {
+                    let reason = format!("no usable dedup key: {e}");
+                    tracing::warn!(source = %d.envelope.source.name, %reason, "rejecting");
+                    self.reject(d, &reason).await;
+                    continue;
+                }
+            };
+            let k = key.as_str().to_owned();
+            if firsts.contains_key(&k) {
+                copies.push((k, d));
+                continue;
+            }
+            let attempt = self.attempt(&k, &d.envelope);
+            let msg = UniqueMessage {
+                key,
+                envelope: d.envelope.clone(),
+                attempt,
+            };
+            firsts.insert(k, (msg, d));
+        }
+        if firsts.is_empty() {
+            return false;
+        }
+        // BTreeMap order = sorted keys: every consumer inserts (and locks) in one order.
+        let items: Vec<(UniqueMessage, Delivery)> = firsts.into_values().collect();
+        let (fates, outage) = self.transact(&items).await;
+        let mut by_key: HashMap<String, Settlement> = HashMap::with_capacity(items.len());
+        for ((msg, d), fate) in items.into_iter().zip(fates) {
+            let s = self.settlement(&msg, fate);
+            by_key.insert(msg.key.as_str().to_owned(), s.clone());
+            self.settle(d, &s).await;
+        }
+        for (k, d) in copies {
+            let s = by_key
+                .get(&k)
+                .cloned()
+                .unwrap_or(Settlement::Nack(self.cfg.outage_redelivery));
+            self.settle(d, &s).await;
+        }
+        outage
+    }
+
+    /// Runs the batch in one transaction, or one transaction per message after a handler
+    /// failure; answers each item's fate (`None`: the database was unavailable).
+    async fn transact(&self, items: &[(UniqueMessage, Delivery)]) -> (Vec<Option<Fate>>, bool) {
+        let all: Vec<usize> = (0..items.len()).collect();
+        match self.with_retries(items, &all).await {
+            Ok(fates) => return (fates.into_iter().map(Some).collect(), false),
+            Err(TxFailure::Store(e)) => {
+                self.outage(&e, items.len());
+                return ((0..items.len()).map(|_| None).collect(), true);
+            }
+            Err(TxFailure::Handler(i, e)) if items.len() == 1 => {
+                debug_assert_eq!(i, 0);
+                return (vec![Some(Fate::Failed(e))], false);
+            }
+            Err(TxFailure::Handler(..)) => {}
+        }
+        // One handler failed: isolate it, one transaction per message.
+        self.counters.split_batches.fetch_add(1, Ordering::Relaxed);
+        let mut fates = Vec::with_capacity(items.len());
+        let mut outage = false;
+        for i in 0..items.len() {
+            let fate = match self.with_retries(items, &[i]).await {
+                Ok(mut f) => f.pop(),
+                Err(TxFailure::Handler(_, e)) => Some(Fate::Failed(e)),
+                Err(TxFailure::Store(e)) => {
+                    self.outage(&e, 1);
+                    outage = true;
+                    None
+                }
+            };
+            fates.push(fate);
+        }
+        (fates, outage)
+    }
+
+    fn outage(&self, e: &sqlx::Error, n: usize) {
+        tracing::warn!(error = %e, messages = n, "database unavailable; nacking, nothing acked");
+        self.counters
+            .store_unavailable
+            .fetch_add(n as u64, Ordering::Relaxed);
+        metrics::counter!(m::STORE_ERRORS, "op" => "unique_insert").increment(1);
+    }
+
+    /// [`Self::run_tx`], retried at once after deadlocks and serialization failures.
+    async fn with_retries(
+        &self,
+        items: &[(UniqueMessage, Delivery)],
+        which: &[usize],
+    ) -> Result<Vec<Fate>, TxFailure> {
+        let mut tries = 0;
+        loop {
+            match self.run_tx(items, which).await {
+                Err(TxFailure::Store(e))
+                    if error_class::<DB>(&e) == ErrorClass::RetryNow
+                        && tries < self.cfg.deadlock_retries =>
+                {
+                    tries += 1;
+                    tracing::debug!(error = %e, tries, "unique-index transaction retried");
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// One transaction: insert the keys of `which`, run the handlers of the new ones, commit.
+    async fn run_tx(
+        &self,
+        items: &[(UniqueMessage, Delivery)],
+        which: &[usize],
+    ) -> Result<Vec<Fate>, TxFailure> {
+        let mut tx = self.store.pool().begin().await.map_err(TxFailure::Store)?;
+        let keys: Vec<&str> = which.iter().map(|&i| items[i].0.key.as_str()).collect();
+        let inserted = self
+            .insert_sql
+            .insert::<DB>(&mut *tx, &keys)
+            .await
+            .map_err(TxFailure::Store)?;
+        let mut fates = Vec::with_capacity(which.len());
+        for &i in which {
+            let msg = &items[i].0;
+            if !inserted.contains(msg.key.as_str()) {
+                fates.push(Fate::Duplicate);
+                continue;
+            }
+            if let Err(e) = self.handler.handle(msg, &mut *tx).await {
+                // Dropping the transaction rolls it back (key insert included).
+                return Err(TxFailure::Handler(i, e));
+            }
+            fates.push(Fate::Committed);
+        }
+        tx.commit().await.map_err(TxFailure::Store)?;
+        Ok(fates)
+    }
+
+    fn attempt(&self, key: &str, env: &Envelope) -> u32 {
+        let mut seen = self.attempts.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.len() > 100_000 {
+            seen.clear();
+        }
+        let here = seen.entry(key.to_owned()).or_insert(0);
+        *here += 1;
+        (*here).max(env.delivery_count.unwrap_or(1))
+    }
+
+    fn forget_attempts(&self, key: &str) {
+        self.attempts
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(key);
+    }
+
+    fn settlement(&self, msg: &UniqueMessage, fate: Option<Fate>) -> Settlement {
+        let group = self.keys.group().as_str().to_owned();
+        let count = |o: &'static str| {
+            metrics::counter!(m::MESSAGES, "outcome" => o, "broker" => msg.envelope.broker.to_string(), "group" => group.clone())
+                .increment(1)
+        };
+        match fate {
+            None => Settlement::Nack(self.cfg.outage_redelivery),
+            Some(Fate::Committed) => {
+                self.forget_attempts(msg.key.as_str());
+                self.counters.processed.fetch_add(1, Ordering::Relaxed);
+                count(outcome::PROCESSED);
+                Settlement::Ack
+            }
+            Some(Fate::Duplicate) => {
+                self.forget_attempts(msg.key.as_str());
+                self.counters.duplicates.fetch_add(1, Ordering::Relaxed);
+                count(outcome::DUPLICATE);
+                metrics::counter!(m::DUPLICATES, "topic" => msg.envelope.source.name.clone(), "group" => group.clone()).increment(1);
+                Settlement::Ack
+            }
+            Some(Fate::Failed(e)) => {
+                let (delay, permanent) = match &e {
+                    HandlerError::Permanent(_) => (Duration::ZERO, true),
+                    HandlerError::RetryAfter { delay, .. } => (*delay, false),
+                    _ => (self.cfg.retry.delay(msg.attempt), false),
+                };
+                if permanent || self.cfg.retry.exhausted(msg.attempt) {
+                    self.forget_attempts(msg.key.as_str());
+                    let reason = if permanent {
+                        e.to_string()
+                    } else {
+                        format!("gave up after {} attempts: {e}", msg.attempt)
+                    };
+                    tracing::warn!(key = %msg.key, %reason, "dead-lettering");
+                    Settlement::Reject(reason)
+                } else {
+                    tracing::warn!(key = %msg.key, attempt = msg.attempt, error = %e, "handler failed; rolled back, will retry");
+                    self.counters.retried.fetch_add(1, Ordering::Relaxed);
+                    Settlement::Nack(delay)
+                }
+            }
+        }
+    }
+
+    async fn settle(&self, d: Delivery, s: &Settlement) {
+        let (what, res) = match s {
+            Settlement::Ack => ("ack", d.ack().await),
+            Settlement::Nack(after) => ("nack", d.nack(*after).await),
+            Settlement::Reject(reason) => {
+                self.counters.rejected.fetch_add(1, Ordering::Relaxed);
+                ("reject", d.reject(reason).await)
+            }
+        };
+        if let Err(e) = res {
+            self.counters
+                .settle_failures
+                .fetch_add(1, Ordering::Relaxed);
+            metrics::counter!(m::SETTLE_FAILURES, "settlement" => what).increment(1);
+            tracing::warn!(error = %e, settlement = what, "broker refused a settlement; it will redeliver");
+        }
+    }
+
+    async fn reject(&self, d: Delivery, reason: &str) {
+        self.settle(d, &Settlement::Reject(reason.to_owned())).await;
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Settlement {
+    Ack,
+    Nack(Duration),
+    Reject(String),
+}
+
+/// The batch key insert of one dialect.
+struct InsertSql {
+    dialect: Dialect,
+    table: String,
+}
+
+impl InsertSql {
+    fn new(dialect: Dialect, table: &str) -> Self {
+        Self {
+            dialect,
+            table: table.to_owned(),
+        }
+    }
+
+    /// Inserts `keys`; answers the ones that were new.
+    async fn insert<DB: SqlBackend>(
+        &self,
+        conn: &mut DB::Connection,
+        keys: &[&str],
+    ) -> Result<HashSet<String>, sqlx::Error> {
+        let (t, now) = (&self.table, self.dialect.now_ms_sql());
+        let (sql, args) = match self.dialect {
+            // One array parameter, whatever the batch size.
+            Dialect::Postgres => (
+                format!(
+                    "INSERT INTO {t} (dedup_key, created_ms) SELECT u, {now} FROM UNNEST(?::text[]) AS u \
+                     ON CONFLICT (dedup_key) DO NOTHING RETURNING dedup_key"
+                ),
+                vec![Val::TextArray(
+                    keys.iter().map(|k| Some((*k).to_owned())).collect(),
+                )],
+            ),
+            Dialect::Sqlite | Dialect::MySql => {
+                let rows = vec![format!("(?, {now})"); keys.len()].join(", ");
+                let sql = if self.dialect == Dialect::MySql {
+                    // MariaDB: IGNORE skips existing keys (after waiting for an uncommitted
+                    // insert of the same key), RETURNING lists the rows written.
+                    format!("INSERT IGNORE INTO {t} (dedup_key, created_ms) VALUES {rows} RETURNING dedup_key")
+                } else {
+                    format!(
+                        "INSERT INTO {t} (dedup_key, created_ms) VALUES {rows} \
+                         ON CONFLICT (dedup_key) DO NOTHING RETURNING dedup_key"
+                    )
+                };
+                let args = keys.iter().map(|k| Val::Key((*k).to_owned())).collect();
+                (sql, args)
+            }
+        };
+        let sql = self.dialect.placeholders(sql);
+        let rows = DB::fetch(conn, &sql, args, &[Kind::Text]).await?;
+        rows.iter()
+            .map(|r| {
+                r.text(0)
+                    .map(str::to_owned)
+                    .map_err(|e| sqlx::Error::Decode(e.into()))
+            })
+            .collect()
+    }
+}
