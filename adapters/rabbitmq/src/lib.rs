@@ -19,7 +19,7 @@
 //! | settle | effect |
 //! |---|---|
 //! | `ack` | `basic.ack` of the delivery tag on the channel it came from |
-//! | `nack(delay)` | a copy goes, *confirmed*, to the TTL retry queue of the delay's tier (`<queue>.retry.<ms>`, delays rounded up to [`DEFAULT_RETRY_TIERS_MS`]), which dead-letters it back to `<queue>` through the default exchange when the TTL ends; then the original is acked. No hot loop, no prefetch slot held while waiting. [`RETRIES`] counts the round trips (added to `delivery_count`). A zero delay is a plain requeue |
+//! | `nack(delay)` | a copy goes, *confirmed*, to the TTL retry queue of the delay's tier (`<queue>.retry.<ms>`, delays rounded up to [`DEFAULT_RETRY_TIERS_MS`]), which dead-letters it back to `<queue>` through the default exchange when the TTL ends; then the original is acked. Retry queues carry `x-expires` (tier + [`RabbitSourceConfig::retry_queue_idle_expiry`], 30 min by default), so those of a queue nobody consumes any more go away; the source redeclares a tier before it could expire with a message inside. No hot loop, no prefetch slot held while waiting. [`RETRIES`] counts the round trips (added to `delivery_count`). A zero delay is a plain requeue |
 //! | `reject(reason)` | a copy goes, confirmed, to the dead-letter queue (`<queue>.dlq` by default) with [`DLQ_REASON`] and [`DLQ_QUEUE`] headers; then the original is acked. A failed publish fails the reject (the engine then nacks), so nothing is lost |
 //! | dropped unsettled | `basic.nack` with requeue |
 //!
@@ -66,9 +66,9 @@ mod topology;
 pub use publisher::{route, RabbitPublisher, PLUGIN_DEDUP_HEADER};
 pub use source::{to_envelope, RabbitSource, RabbitSourceConfig, DLQ_QUEUE, DLQ_REASON, RETRIES};
 pub use topology::{
-    declare_dedup_exchange, declare_dedup_queue, detect_dedup_plugin, retry_queue_name, retry_tier,
-    DedupExchange, DedupPlugin, QueueType, DEDUP_EXCHANGE_TYPE, DEDUP_PLUGIN,
-    DEFAULT_RETRY_TIERS_MS,
+    declare_dedup_exchange, declare_dedup_queue, detect_dedup_plugin, retry_queue_expires_ms,
+    retry_queue_name, retry_tier, DedupExchange, DedupPlugin, QueueType, DEDUP_EXCHANGE_TYPE,
+    DEDUP_PLUGIN, DEFAULT_RETRY_TIERS_MS,
 };
 
 /// Re-export of the lapin version this crate is built on.

@@ -19,7 +19,7 @@ use lapin::options::{
 use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, Consumer};
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -60,6 +60,14 @@ pub struct RabbitSourceConfig {
     pub reconnect_max: Duration,
     /// Longest wait for the broker to confirm a retry or dead-letter publish.
     pub confirm_timeout: Duration,
+    /// How long a TTL retry queue may go undeclared before the broker deletes it
+    /// (`x-expires` = tier + this; default 30 min; `None`: retry queues stay until deleted by
+    /// hand). Each source declares a tier again before parking a message in it once half
+    /// this time has passed, so a parked message always returns before its queue can expire.
+    /// Every source of a queue must use the same value (RabbitMQ refuses to redeclare a
+    /// queue with other arguments), and retry queues declared by an older version without
+    /// `x-expires` must be deleted once, when empty.
+    pub retry_queue_idle_expiry: Option<Duration>,
 }
 
 impl RabbitSourceConfig {
@@ -77,6 +85,7 @@ impl RabbitSourceConfig {
             reconnect_min: Duration::from_millis(100),
             reconnect_max: Duration::from_secs(10),
             confirm_timeout: Duration::from_secs(30),
+            retry_queue_idle_expiry: Some(Duration::from_secs(30 * 60)),
         }
     }
     /// Declares the queue as `kind` (builder form).
@@ -113,8 +122,8 @@ struct Shared {
     dlq: String,
     /// Bumped on every new channel and on close: a delivery of an older one is stale.
     generation: AtomicU64,
-    /// Retry tiers declared so far.
-    tiers: Mutex<HashSet<u64>>,
+    /// Retry tiers declared so far, with when this source last declared each.
+    tiers: Mutex<HashMap<u64, Instant>>,
     /// Ordered mode: nacked deliveries waiting, on one lane (the queue).
     held: Mutex<DelayedRedelivery<Delivery, ()>>,
     held_changed: Notify,
@@ -207,22 +216,37 @@ impl RabbitSettle {
         }
     }
 
+    /// Declares the tier's retry queue unless this source declared it recently enough: with
+    /// `x-expires`, again once half the idle expiry has passed (a declaration resets the
+    /// broker's expiry timer, and the queue must outlive the message about to be parked).
     async fn ensure_tier(&self, tier: u64) -> Result<(), SourceError> {
+        let cfg = &self.shared.cfg;
+        let fresh = |declared: Instant| match cfg.retry_queue_idle_expiry {
+            Some(idle) => declared.elapsed() < idle / 2,
+            None => true,
+        };
         let known = self
             .shared
             .tiers
             .lock()
             .unwrap_or_else(|e| e.into_inner())
-            .contains(&tier);
+            .get(&tier)
+            .is_some_and(|at| fresh(*at));
         if !known {
-            topology::declare_retry_tier(&self.channel, &self.shared.cfg.queue, tier)
-                .await
-                .map_err(|e| lapin_err("declare retry queue", e))?;
+            let at = Instant::now();
+            topology::declare_retry_tier(
+                &self.channel,
+                &cfg.queue,
+                tier,
+                cfg.retry_queue_idle_expiry,
+            )
+            .await
+            .map_err(|e| lapin_err("declare retry queue", e))?;
             self.shared
                 .tiers
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .insert(tier);
+                .insert(tier, at);
         }
         Ok(())
     }
@@ -597,7 +621,7 @@ impl RabbitSource {
             dlq: cfg.dead_letter_queue_name(),
             cfg,
             generation: AtomicU64::new(0),
-            tiers: Mutex::new(HashSet::new()),
+            tiers: Mutex::new(HashMap::new()),
             held: Mutex::new(DelayedRedelivery::new()),
             held_changed: Notify::new(),
         });

@@ -76,19 +76,42 @@ pub(crate) async fn declare_plain(ch: &Channel, queue: &str) -> Result<(), lapin
         .map(|_| ())
 }
 
+/// The `x-expires` of a tier's retry queue when it may sit unused for `idle`: the tier's
+/// TTL plus `idle`, so that a message parked right after a declaration is dead-lettered
+/// back long before the queue can expire.
+pub fn retry_queue_expires_ms(tier_ms: u64, idle: Duration) -> u64 {
+    let idle_ms = u64::try_from(idle.as_millis()).unwrap_or(u64::MAX);
+    tier_ms.saturating_add(idle_ms)
+}
+
 /// Declares the retry queue of one tier: messages wait `tier_ms` (`x-message-ttl`, the same
 /// for every message of the queue, so they expire in arrival order), then the broker
 /// dead-letters them through the default exchange back to `queue`. Nobody consumes it.
+///
+/// With `idle`, the queue also gets `x-expires` ([`retry_queue_expires_ms`]): RabbitMQ
+/// deletes it once nobody has declared it for that long, so the retry queues of a queue
+/// that is no longer consumed (or of a tier no longer used) do not stay forever. The broker
+/// deletes an expired queue *with* its messages; the source therefore declares a tier again
+/// before parking a message in it once `idle / 2` has passed since its last declaration
+/// (see `RabbitSourceConfig::retry_queue_idle_expiry`).
 pub(crate) async fn declare_retry_tier(
     ch: &Channel,
     queue: &str,
     tier_ms: u64,
+    idle: Option<Duration>,
 ) -> Result<(), lapin::Error> {
     let mut args = FieldTable::default();
     args.insert(
         "x-message-ttl".into(),
         AMQPValue::LongLongInt(i64::try_from(tier_ms).unwrap_or(i64::MAX)),
     );
+    if let Some(idle) = idle {
+        let ms = retry_queue_expires_ms(tier_ms, idle);
+        args.insert(
+            "x-expires".into(),
+            AMQPValue::LongLongInt(i64::try_from(ms).unwrap_or(i64::MAX)),
+        );
+    }
     put_str(&mut args, "x-dead-letter-exchange", "");
     put_str(&mut args, "x-dead-letter-routing-key", queue);
     ch.queue_declare(&retry_queue_name(queue, tier_ms), durable(), args)

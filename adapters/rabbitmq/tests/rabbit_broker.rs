@@ -351,3 +351,56 @@ async fn a_key_less_message_is_dead_lettered_with_the_reason_and_the_consumer_ke
     );
     support::delete_queues(&url, &[q.clone(), format!("{q}.dlq")]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_queue_nobody_declares_any_more_expires() {
+    let Some(url) = support::amqp_url() else {
+        return;
+    };
+    let q = support::fresh_queue("retry-expiry");
+    let mut cfg = support::config(&url, &q, QueueType::Classic);
+    cfg.retry_queue_idle_expiry = Some(Duration::from_millis(1500));
+    let mut src = support::source(cfg).await;
+    let msg = OutgoingMessage::new(q.clone(), "x").with_dedup_key("expire-me");
+    support::publisher(&url)
+        .await
+        .publish(msg)
+        .await
+        .expect("publish");
+    next_one(&mut src)
+        .await
+        .nack(Duration::from_millis(100))
+        .await
+        .expect("park in the 100 ms tier");
+    // The parked message comes back (the queue outlived it) ...
+    let back = next_one(&mut src).await;
+    assert_eq!(back.envelope.headers.get_str(RETRIES), Some("1"));
+    back.ack().await.expect("ack");
+    src.close().await.expect("close");
+    // ... and the retry queue, unused from now on, goes away (x-expires = 100 ms + 1.5 s).
+    let tier = idemq_rabbitmq::retry_queue_name(&q, 100);
+    let conn = support::connection(&url).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    let gone = loop {
+        // A passive declare counts as a use (it restarts the expiry timer): look less often
+        // than the queue's expiry. A passive declare of a missing queue closes the channel:
+        // one channel per try.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let ch = conn.create_channel().await.expect("channel");
+        let opts = idemq_rabbitmq::lapin::options::QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let exists = ch
+            .queue_declare(&tier, opts, Default::default())
+            .await
+            .is_ok();
+        if !exists || tokio::time::Instant::now() > deadline {
+            break !exists;
+        }
+        let _ = ch.close(200, "next try").await;
+    };
+    let _ = conn.close(200, "done").await;
+    assert!(gone, "{tier} still exists 30 s after its last use");
+    support::delete_queues(&url, &[q.clone(), format!("{q}.dlq")]).await;
+}
