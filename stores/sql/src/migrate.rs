@@ -3,8 +3,8 @@
 //!
 //! The applied version is kept per dedup table in `idemq_schema_version`. Migrations run
 //! under a lock (SQLite `BEGIN IMMEDIATE`, a PostgreSQL advisory lock, MySQL `GET_LOCK`) so
-//! many processes starting at once apply each file exactly once. The placeholders `{table}`
-//! and `{keys_table}` are replaced by validated identifiers only.
+//! many processes starting at once apply each file exactly once. The placeholders `{table}`,
+//! `{keys_table}` and `{fence_table}` are replaced by validated identifiers only.
 
 use crate::backend::{map_sqlx_error, Dialect, Kind, SqlBackend, Val};
 use crate::ident::TableName;
@@ -31,17 +31,31 @@ const SQLITE: &[Migration] = &[Migration {
     sql: include_str!("../migrations/sqlite/0001_dedup_table.sql"),
 }];
 
-const POSTGRES: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_dedup_table.sql",
-    sql: include_str!("../migrations/postgres/0001_dedup_table.sql"),
-}];
+const POSTGRES: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_dedup_table.sql",
+        sql: include_str!("../migrations/postgres/0001_dedup_table.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_fence_table.sql",
+        sql: include_str!("../migrations/postgres/0002_fence_table.sql"),
+    },
+];
 
-const MYSQL: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_dedup_table.sql",
-    sql: include_str!("../migrations/mysql/0001_dedup_table.sql"),
-}];
+const MYSQL: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_dedup_table.sql",
+        sql: include_str!("../migrations/mysql/0001_dedup_table.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_fence_table.sql",
+        sql: include_str!("../migrations/mysql/0002_fence_table.sql"),
+    },
+];
 
 const SQLITE_OUTBOX: &[Migration] = &[Migration {
     version: 1,
@@ -88,13 +102,27 @@ pub fn latest_version(dialect: Dialect) -> i64 {
 /// Substitutes the table names and splits a migration into statements (one per `;` at the
 /// end of a line; `--` comment lines dropped).
 pub fn render(sql: &str, table: &TableName, keys_table: &TableName) -> Vec<String> {
-    let text: String = sql
+    render_with(sql, table, keys_table, None)
+}
+
+/// [`render`], also substituting `{fence_table}` (left as is when `None`: a migration that
+/// names it then fails, never touching another table).
+pub fn render_with(
+    sql: &str,
+    table: &TableName,
+    keys_table: &TableName,
+    fence_table: Option<&TableName>,
+) -> Vec<String> {
+    let mut text: String = sql
         .lines()
         .filter(|l| !l.trim_start().starts_with("--"))
         .collect::<Vec<_>>()
         .join("\n")
-        .replace("{keys_table}", keys_table.as_str())
-        .replace("{table}", table.as_str());
+        .replace("{keys_table}", keys_table.as_str());
+    if let Some(f) = fence_table {
+        text = text.replace("{fence_table}", f.as_str());
+    }
+    let text = text.replace("{table}", table.as_str());
     text.split(";\n")
         .map(|s| s.trim().trim_end_matches(';').trim().to_owned())
         .filter(|s| !s.is_empty())
@@ -109,8 +137,16 @@ pub(crate) async fn run<DB: SqlBackend>(
     pool: &Pool<DB>,
     table: &TableName,
     keys_table: &TableName,
+    fence_table: &TableName,
 ) -> Result<i64, StoreError> {
-    run_set::<DB>(pool, migrations(DB::DIALECT), table, keys_table).await
+    run_named::<DB>(
+        pool,
+        migrations(DB::DIALECT),
+        table,
+        keys_table,
+        Some(fence_table),
+    )
+    .await
 }
 
 /// Brings `table` up to date with the migration series `set`; returns its version.
@@ -119,6 +155,16 @@ pub(crate) async fn run_set<DB: SqlBackend>(
     set: &'static [Migration],
     table: &TableName,
     keys_table: &TableName,
+) -> Result<i64, StoreError> {
+    run_named::<DB>(pool, set, table, keys_table, None).await
+}
+
+async fn run_named<DB: SqlBackend>(
+    pool: &Pool<DB>,
+    set: &'static [Migration],
+    table: &TableName,
+    keys_table: &TableName,
+    fence_table: Option<&TableName>,
 ) -> Result<i64, StoreError> {
     let err = |e| map_sqlx_error::<DB>("migration", e);
     match DB::DIALECT {
@@ -137,7 +183,7 @@ pub(crate) async fn run_set<DB: SqlBackend>(
                     "mysql migration: timed out waiting for the migration lock".into(),
                 ));
             }
-            let res = apply::<DB>(&mut conn, set, table, keys_table).await;
+            let res = apply::<DB>(&mut conn, set, table, keys_table, fence_table).await;
             let unlock = DB::execute(
                 &mut conn,
                 "SELECT RELEASE_LOCK(?)",
@@ -164,7 +210,7 @@ pub(crate) async fn run_set<DB: SqlBackend>(
                 .await
                 .map_err(err)?;
             }
-            let version = apply::<DB>(&mut tx, set, table, keys_table).await?;
+            let version = apply::<DB>(&mut tx, set, table, keys_table, fence_table).await?;
             tx.commit().await.map_err(err)?;
             Ok(version)
         }
@@ -176,6 +222,7 @@ async fn apply<DB: SqlBackend>(
     set: &'static [Migration],
     table: &TableName,
     keys_table: &TableName,
+    fence_table: Option<&TableName>,
 ) -> Result<i64, StoreError> {
     let d = DB::DIALECT;
     let err = |e| map_sqlx_error::<DB>("migration", e);
@@ -220,7 +267,7 @@ async fn apply<DB: SqlBackend>(
     let mut version = from;
     for m in set.iter().filter(|m| m.version > from) {
         tracing::info!(table = %table, backend = d.name(), migration = m.name, "applying idemq migration");
-        for stmt in render(m.sql, table, keys_table) {
+        for stmt in render_with(m.sql, table, keys_table, fence_table) {
             DB::execute(conn, &stmt, vec![])
                 .await
                 .map_err(|e| map_sqlx_error::<DB>(&format!("migration {} ({stmt})", m.name), e))?;

@@ -59,8 +59,20 @@ pub(crate) const ACQUIRED_KINDS: &[Kind] =
 /// completed records past retention through — [`idemq_core::evaluate_claim`]'s `AcquireFresh`
 /// and `TakeOver` verdicts, evaluated at the database's clock (`{now}`: see
 /// [`Dialect::now_ms_sql`]). Binds nothing.
-fn upsert_tail(now: &str) -> String {
-    UPSERT_TAIL.replace("{now}", now)
+///
+/// With a fence table (`takeover == false`, PostgreSQL) the statement takes no ended lease
+/// over: a takeover first fences the old token ([`Queries::tombstones`]) and then rewrites
+/// the row with [`Queries::takeover`].
+fn upsert_tail(now: &str, takeover: bool) -> String {
+    let tail = UPSERT_TAIL.replace("{now}", now);
+    if takeover {
+        tail
+    } else {
+        tail.replace(
+            &format!(" OR (t.status = 0 AND t.lease_until_ms <= {now})"),
+            "",
+        )
+    }
 }
 
 const UPSERT_TAIL: &str = " ON CONFLICT (dedup_key) DO UPDATE SET \
@@ -185,11 +197,122 @@ pub(crate) struct Queries {
     pub insert_key: String,
     /// `?age_ms ?limit` → rows affected.
     pub purge_keys: String,
+    /// The fence table's statements (PostgreSQL, MySQL; `None` on SQLite).
+    pub fence: Option<FenceQueries>,
+}
+
+/// How long a takeover's tombstone is kept (a day): an in-transaction completion by the
+/// old token is fenced while its tombstone lives, so a business transaction whose snapshot
+/// is older than this could complete a token taken over before the snapshot was purged.
+pub(crate) const TOMBSTONE_TTL_MS: i64 = 86_400_000;
+
+/// Kinds of fence-table rows.
+pub(crate) const FENCE_TOMBSTONE: i64 = 0;
+/// An in-transaction completion ([`FenceQueries::complete`]).
+pub(crate) const FENCE_COMPLETION: i64 = 1;
+
+/// Statements of the fence table `<table>_fence` (PostgreSQL, MySQL): in-transaction
+/// completions are *inserted* there, keyed by `(dedup_key, token)`, instead of updating the
+/// heartbeated dedup row (which fails under snapshot isolation); a takeover inserts a
+/// tombstone for the old token first (see docs/stores-sql.md, "Snapshot isolation").
+#[derive(Debug)]
+pub(crate) struct FenceQueries {
+    /// The fence table.
+    pub table: String,
+    /// `?key` → (token, status, lease_until_ms): a plain, non-locking read (a snapshot
+    /// read never fails on a row changed after the snapshot).
+    pub own_row: String,
+    /// `?key ?token ?result ?retention_ms` → rows inserted (0: the pair exists).
+    pub complete: String,
+    /// `?key ?token` → kind.
+    pub kind: String,
+    /// `?key` → tombstones the key's current token (before `forget` deletes the row).
+    pub forget_tombstone: String,
+    /// `?key` → deletes the key's completions.
+    pub forget_completions: String,
+    /// `?limit` → deletes fence rows past their expiry.
+    pub purge: String,
+}
+
+impl FenceQueries {
+    fn new(dialect: Dialect, t: &str, f: &str) -> Self {
+        let now = dialect.now_ms_sql();
+        let p = |s: String| dialect.placeholders(s);
+        let insert = |rest: &str| match dialect {
+            Dialect::MySql => format!("INSERT IGNORE INTO {f} {rest}"),
+            Dialect::Postgres | Dialect::Sqlite => {
+                format!("INSERT INTO {f} {rest} ON CONFLICT (dedup_key, token) DO NOTHING")
+            }
+        };
+        Self {
+            table: f.to_owned(),
+            own_row: p(format!(
+                "SELECT token, status, lease_until_ms FROM {t} WHERE dedup_key = ?"
+            )),
+            complete: p(insert(&format!(
+                "(dedup_key, token, kind, result, completed_ms, expires_ms) \
+                 VALUES (?, ?, {FENCE_COMPLETION}, ?, {now}, {now} + ?)"
+            ))),
+            kind: p(format!(
+                "SELECT kind FROM {f} WHERE dedup_key = ? AND token = ?"
+            )),
+            forget_tombstone: p(insert(&format!(
+                "(dedup_key, token, kind, result, completed_ms, expires_ms) \
+                 SELECT dedup_key, token, {FENCE_TOMBSTONE}, NULL, {now}, {now} + {TOMBSTONE_TTL_MS} \
+                 FROM {t} WHERE dedup_key = ?"
+            ))),
+            forget_completions: p(format!(
+                "DELETE FROM {f} WHERE dedup_key = ? AND kind = {FENCE_COMPLETION}"
+            )),
+            purge: p(match dialect {
+                Dialect::MySql => {
+                    format!("DELETE FROM {f} WHERE expires_ms <= {now} ORDER BY expires_ms LIMIT ?")
+                }
+                Dialect::Postgres | Dialect::Sqlite => format!(
+                    "WITH doomed AS (SELECT dedup_key, token FROM {f} WHERE expires_ms <= {now} \
+                     ORDER BY expires_ms LIMIT ? FOR UPDATE SKIP LOCKED) \
+                     DELETE FROM {f} AS f USING doomed WHERE f.dedup_key = doomed.dedup_key \
+                     AND f.token = doomed.token"
+                ),
+            }),
+        }
+    }
+}
+
+/// One key of a takeover ([`Queries::takeover`]): the record the read-back saw and the new
+/// lease.
+pub(crate) struct TakeoverRow<'a> {
+    pub key: &'a DedupKey,
+    /// The token, lease end and attempts the read-back saw: the row is rewritten only if
+    /// they are unchanged (and the lease has ended at the database's clock).
+    pub old_token: i64,
+    pub old_until: i64,
+    pub attempts: i64,
+    pub took_over: bool,
+    pub token: FencingToken,
+    pub lease_ms: i64,
+    pub payload_hash: Option<&'a PayloadHash>,
+    pub worker: Option<&'a str>,
 }
 
 impl Queries {
-    pub fn new(dialect: Dialect, mariadb: bool, table: &TableName, keys_table: &TableName) -> Self {
+    pub fn new(
+        dialect: Dialect,
+        mariadb: bool,
+        table: &TableName,
+        keys_table: &TableName,
+        fence_table: Option<&TableName>,
+    ) -> Self {
         let t = table.as_str();
+        let fence = fence_table.map(|f| FenceQueries::new(dialect, t, f.as_str()));
+        let not_in_fence = match &fence {
+            None => String::new(),
+            Some(fq) => format!(
+                " AND NOT EXISTS (SELECT 1 FROM {} AS f WHERE f.dedup_key = {t}.dedup_key \
+                 AND f.token = {t}.token AND f.kind = {FENCE_COMPLETION})",
+                fq.table
+            ),
+        };
         let k = keys_table.as_str();
         let p = |s: String| dialect.placeholders(s);
         // Every time below is the database's clock (see `Dialect::now_ms_sql`).
@@ -262,9 +385,13 @@ impl Queries {
             }),
             now: format!("SELECT {now}"),
             complete_one: p(format!(
-                "UPDATE {t} SET status = 1, result = ?, completed_ms = {now}, \
+                "UPDATE {t} SET status = 1, result = {}, completed_ms = {now}, \
                  expires_ms = {now} + ? \
-                 WHERE dedup_key = ? AND token = ? AND status = 0 AND lease_until_ms > 0"
+                 WHERE dedup_key = ? AND token = ? AND status = 0 AND lease_until_ms > 0",
+                match &fence {
+                    None => "?".to_owned(),
+                    Some(fq) => fence_result_sql(&fq.table, t, "?"),
+                }
             )),
             probe: p(format!(
                 "SELECT token, status FROM {t} WHERE dedup_key = ?{}",
@@ -273,11 +400,190 @@ impl Queries {
             forget: p(format!("DELETE FROM {t} WHERE dedup_key = ?")),
             purge: p(purge),
             list_stuck: p(format!(
-                "SELECT {RECORD_COLS} FROM {t} WHERE status = 0 AND lease_until_ms <= {now} - ? \
-                 ORDER BY lease_until_ms, dedup_key LIMIT ?"
+                "SELECT {RECORD_COLS} FROM {t} WHERE status = 0 AND lease_until_ms <= {now} - ?\
+                 {not_in_fence} ORDER BY lease_until_ms, dedup_key LIMIT ?"
             )),
             insert_key: p(insert_key),
             purge_keys: p(purge_keys),
+            fence,
+        }
+    }
+
+    /// `CASE WHEN <an in-transaction completion of row's token> THEN <its result> ELSE
+    /// fallback END` with a fence table, else `fallback`. Binds nothing.
+    fn fence_result(&self, row: &str, fallback: &str) -> String {
+        match &self.fence {
+            None => fallback.to_owned(),
+            Some(fq) => fence_result_sql(&fq.table, row, fallback),
+        }
+    }
+
+    /// Tombstones `(key, token)` pairs in the fence table (sorted by key), ignoring pairs
+    /// that exist. Waits for an open transaction's uncommitted completion of a pair.
+    pub fn tombstones(&self, f: &str, pairs: &[(&DedupKey, i64)]) -> Stmt {
+        let now = self.dialect.now_ms_sql();
+        let cols = "(dedup_key, token, kind, result, completed_ms, expires_ms)";
+        match self.dialect {
+            Dialect::MySql => {
+                let mut doc = String::from("[");
+                for (i, (k, tok)) in pairs.iter().enumerate() {
+                    if i > 0 {
+                        doc.push(',');
+                    }
+                    doc.push('[');
+                    json_str(&mut doc, k.as_str());
+                    doc.push_str(&format!(",{tok}]"));
+                }
+                doc.push(']');
+                Stmt {
+                    sql: format!(
+                        "INSERT IGNORE INTO {f} {cols} SELECT v.j_key, v.j_token, {FENCE_TOMBSTONE}, \
+                         NULL, {now}, {now} + {TOMBSTONE_TTL_MS} FROM JSON_TABLE(?, '$[*]' \
+                         COLUMNS(j_key VARBINARY(257) PATH '$[0]', j_token BIGINT PATH '$[1]')) AS v"
+                    ),
+                    args: vec![Val::Text(Some(doc))],
+                }
+            }
+            Dialect::Postgres | Dialect::Sqlite => Stmt {
+                sql: self.dialect.placeholders(format!(
+                    "INSERT INTO {f} {cols} SELECT v.k, v.tok, {FENCE_TOMBSTONE}, NULL, {now}, \
+                     {now} + {TOMBSTONE_TTL_MS} FROM UNNEST(?::text[], ?::bigint[]) AS v(k, tok) \
+                     ON CONFLICT (dedup_key, token) DO NOTHING"
+                )),
+                args: vec![
+                    key_array(pairs.iter().map(|p| p.0)),
+                    Val::I64Array(pairs.iter().map(|p| p.1).collect()),
+                ],
+            },
+        }
+    }
+
+    /// `SELECT dedup_key, token, kind FROM <fence> WHERE dedup_key IN (…)`.
+    pub fn fence_rows<'a>(
+        &self,
+        f: &str,
+        keys: impl ExactSizeIterator<Item = &'a DedupKey>,
+    ) -> Stmt {
+        self.select_by_keys_in(
+            f,
+            "dedup_key, token, kind",
+            "t.dedup_key, t.token, t.kind",
+            keys,
+        )
+    }
+
+    /// Folds the in-transaction completions of `keys` into their dedup rows: a row still in
+    /// progress under the token of a completion becomes completed with its result and times.
+    pub fn fold<'a>(&self, f: &str, keys: impl ExactSizeIterator<Item = &'a DedupKey>) -> Stmt {
+        let t = &self.table;
+        match self.dialect {
+            Dialect::MySql => Stmt {
+                sql: format!(
+                    "UPDATE {t} AS t JOIN {f} AS f ON f.dedup_key = t.dedup_key AND f.token = t.token \
+                     JOIN JSON_TABLE(?, '$[*]' COLUMNS(j_key VARBINARY(257) PATH '$')) AS v \
+                     ON t.dedup_key = v.j_key SET t.status = 1, t.result = f.result, \
+                     t.completed_ms = f.completed_ms, t.expires_ms = f.expires_ms \
+                     WHERE f.kind = {FENCE_COMPLETION} AND t.status = 0"
+                ),
+                args: vec![key_json(keys)],
+            },
+            Dialect::Postgres | Dialect::Sqlite => Stmt {
+                sql: self.dialect.placeholders(format!(
+                    "UPDATE {t} AS t SET status = 1, result = f.result, completed_ms = f.completed_ms, \
+                     expires_ms = f.expires_ms FROM {f} AS f WHERE f.dedup_key = t.dedup_key \
+                     AND f.token = t.token AND f.kind = {FENCE_COMPLETION} AND t.status = 0 \
+                     AND t.dedup_key = ANY(?::text[])"
+                )),
+                args: vec![key_array(keys)],
+            },
+        }
+    }
+
+    /// Rewrites rows whose lease has ended (after their old token was tombstoned) to the
+    /// new owner, only while they still hold what the read-back saw. PostgreSQL returns
+    /// [`ACQUIRED_KINDS`]; MySQL (no `UPDATE … RETURNING`) the count, read back by token.
+    pub fn takeover(&self, rows: &[TakeoverRow<'_>]) -> Stmt {
+        let t = &self.table;
+        let now = self.dialect.now_ms_sql();
+        let set = format!(
+            "status = 0, token = v.tok, lease_until_ms = {now} + v.lease, attempts = v.att, \
+             took_over = v.tko, payload_hash = {}, result = NULL, completed_ms = NULL, \
+             expires_ms = NULL, worker = v.w",
+            if self.dialect == Dialect::MySql {
+                "UNHEX(v.ph)"
+            } else {
+                "v.ph"
+            }
+        );
+        let guard = format!(
+            "t.token = v.old AND t.status = 0 AND t.lease_until_ms = v.old_until \
+             AND t.lease_until_ms <= {now}"
+        );
+        match self.dialect {
+            Dialect::MySql => {
+                let mut doc = String::with_capacity(rows.len() * 120 + 2);
+                doc.push('[');
+                for (i, r) in rows.iter().enumerate() {
+                    if i > 0 {
+                        doc.push(',');
+                    }
+                    doc.push('[');
+                    json_str(&mut doc, r.key.as_str());
+                    doc.push_str(&format!(
+                        ",{},{},{},{},{},{},",
+                        r.old_token,
+                        r.old_until,
+                        r.token.0,
+                        r.lease_ms,
+                        r.attempts,
+                        i64::from(r.took_over)
+                    ));
+                    json_hex(&mut doc, r.payload_hash.map(|h| &h.0[..]));
+                    doc.push(',');
+                    match r.worker {
+                        Some(w) => json_str(&mut doc, w),
+                        None => doc.push_str("null"),
+                    }
+                    doc.push(']');
+                }
+                doc.push(']');
+                // Every assignment reads `v` only: a multi-table UPDATE has no assignment order.
+                let set = set.replace("status = 0", "t.status = 0");
+                Stmt {
+                    sql: format!(
+                        "UPDATE {t} AS t JOIN JSON_TABLE(?, '$[*]' COLUMNS(k VARBINARY(257) PATH '$[0]', \
+                         old BIGINT PATH '$[1]', old_until BIGINT PATH '$[2]', tok BIGINT PATH '$[3]', \
+                         lease BIGINT PATH '$[4]', att BIGINT PATH '$[5]', tko BIGINT PATH '$[6]', \
+                         ph VARCHAR(64) PATH '$[7]', w TEXT CHARACTER SET utf8mb4 PATH '$[8]')) AS v \
+                         ON t.dedup_key = v.k SET {set} WHERE {guard}"
+                    ),
+                    args: vec![Val::Text(Some(doc))],
+                }
+            }
+            Dialect::Postgres | Dialect::Sqlite => Stmt {
+                sql: self.dialect.placeholders(format!(
+                    "UPDATE {t} AS t SET {set} FROM UNNEST(?::text[], ?::bigint[], ?::bigint[], \
+                     ?::bigint[], ?::bigint[], ?::bigint[], ?::bigint[], ?::bytea[], ?::text[]) \
+                     AS v(k, old, old_until, tok, lease, att, tko, ph, w) \
+                     WHERE t.dedup_key = v.k AND {guard} \
+                     RETURNING t.dedup_key, t.token, t.lease_until_ms, t.attempts, t.took_over"
+                )),
+                args: vec![
+                    key_array(rows.iter().map(|r| r.key)),
+                    Val::I64Array(rows.iter().map(|r| r.old_token).collect()),
+                    Val::I64Array(rows.iter().map(|r| r.old_until).collect()),
+                    Val::I64Array(rows.iter().map(|r| r.token.0).collect()),
+                    Val::I64Array(rows.iter().map(|r| r.lease_ms).collect()),
+                    Val::I64Array(rows.iter().map(|r| r.attempts).collect()),
+                    Val::I64Array(rows.iter().map(|r| i64::from(r.took_over)).collect()),
+                    Val::BytesArray(
+                        rows.iter()
+                            .map(|r| r.payload_hash.map(|h| h.0.to_vec()))
+                            .collect(),
+                    ),
+                    Val::TextArray(rows.iter().map(|r| r.worker.map(str::to_owned)).collect()),
+                ],
+            },
         }
     }
 
@@ -326,7 +632,7 @@ impl Queries {
             args.push(Val::Bytes(r.payload_hash.map(|h| h.0.to_vec())));
             args.push(Val::Text(r.worker.map(str::to_owned)));
         }
-        sql.push_str(&upsert_tail(now));
+        sql.push_str(&upsert_tail(now, self.fence.is_none()));
         Stmt {
             sql: self.dialect.placeholders(sql),
             args,
@@ -344,7 +650,7 @@ impl Queries {
              FROM UNNEST(?::text[], ?::bigint[], ?::bigint[], ?::bytea[], ?::text[]) \
              AS v(k, tok, lease, ph, w){}",
             self.table,
-            upsert_tail(now)
+            upsert_tail(now, self.fence.is_none())
         );
         let args = vec![
             Val::TextArray(
@@ -413,6 +719,12 @@ impl Queries {
         } else {
             ""
         };
+        // With a fence table, ended leases are taken over by `takeover` (after a tombstone).
+        let takeover = if self.fence.is_none() {
+            format!(" OR (status = 0 AND lease_until_ms <= {now})")
+        } else {
+            String::new()
+        };
         let sql = format!(
             "{mode}INSERT INTO {} (dedup_key, status, token, lease_until_ms, attempts, took_over, \
              payload_hash, result, first_seen_ms, completed_ms, expires_ms, worker) \
@@ -421,7 +733,7 @@ impl Queries {
              j_token BIGINT PATH '$[1]', j_lease BIGINT PATH '$[2]', j_hash VARCHAR(64) PATH '$[3]', \
              j_worker TEXT CHARACTER SET utf8mb4 PATH '$[4]')) AS v \
              ON DUPLICATE KEY UPDATE \
-             token = IF((status = 1 AND expires_ms <= {now}) OR (status = 0 AND lease_until_ms <= {now}), \
+             token = IF((status = 1 AND expires_ms <= {now}){takeover}, \
              -VALUES(token), token), \
              attempts = IF(token = -VALUES(token), IF(status = 0, attempts + 1, 1), attempts), \
              took_over = IF(token = -VALUES(token), IF(status = 0 AND lease_until_ms > 0, 1, 0), took_over), \
@@ -472,7 +784,17 @@ impl Queries {
         cols_t: &str,
         keys: impl ExactSizeIterator<Item = &'a DedupKey>,
     ) -> Stmt {
-        let t = &self.table;
+        self.select_by_keys_in(&self.table, cols, cols_t, keys)
+    }
+
+    /// [`Queries::select_by_keys`] over table `t`.
+    fn select_by_keys_in<'a>(
+        &self,
+        t: &str,
+        cols: &str,
+        cols_t: &str,
+        keys: impl ExactSizeIterator<Item = &'a DedupKey>,
+    ) -> Stmt {
         match self.dialect {
             Dialect::Postgres => Stmt {
                 sql: format!("SELECT {cols} FROM {t} WHERE dedup_key = ANY($1::text[])"),
@@ -523,10 +845,11 @@ impl Queries {
         match self.dialect {
             Dialect::Postgres => {
                 sql.push_str(&format!(
-                    "UPDATE {t} AS t SET status = 1, result = v.res, completed_ms = {now}, \
+                    "UPDATE {t} AS t SET status = 1, result = {}, completed_ms = {now}, \
                      expires_ms = {now} + v.ret FROM UNNEST(?::text[], ?::bigint[], ?::bytea[], \
                      ?::bigint[]) AS v(k, tok, res, ret) WHERE t.dedup_key = v.k \
-                     AND t.token = v.tok AND t.status = 0 AND t.lease_until_ms > 0 RETURNING t.dedup_key, t.token"
+                     AND t.token = v.tok AND t.status = 0 AND t.lease_until_ms > 0 RETURNING t.dedup_key, t.token",
+                    self.fence_result("t", "v.res")
                 ));
                 args.push(Val::TextArray(
                     items
@@ -568,17 +891,20 @@ impl Queries {
                 sql.push_str(&format!(
                     "UPDATE {t} SET status = 1, completed_ms = {now}, result = "
                 ));
+                let mut res = String::new();
                 if items.iter().all(|it| it.result.is_none()) {
-                    sql.push_str("NULL");
+                    res.push_str("NULL");
                 } else {
-                    sql.push_str("CASE dedup_key");
+                    res.push_str("CASE dedup_key");
                     for it in items.iter().filter(|it| it.result.is_some()) {
-                        sql.push_str(" WHEN ? THEN ?");
+                        res.push_str(" WHEN ? THEN ?");
                         args.push(Val::Key(it.key.as_str().to_owned()));
                         args.push(Val::Bytes(it.result.map(<[u8]>::to_vec)));
                     }
-                    sql.push_str(" ELSE NULL END");
+                    res.push_str(" ELSE NULL END");
                 }
+                // The fence subqueries bind nothing, so the arguments stay in text order.
+                sql.push_str(&self.fence_result(t, &res));
                 sql.push_str(", expires_ms = ");
                 sql.push_str(now);
                 sql.push_str(" + ");
@@ -617,6 +943,16 @@ impl Queries {
             args,
         }
     }
+}
+
+/// `CASE WHEN <fence table f holds a completion of row's token> THEN <its result> ELSE
+/// fallback END`.
+fn fence_result_sql(f: &str, row: &str, fallback: &str) -> String {
+    let pair = format!(
+        "FROM {f} AS f WHERE f.dedup_key = {row}.dedup_key AND f.token = {row}.token \
+         AND f.kind = {FENCE_COMPLETION}"
+    );
+    format!("CASE WHEN EXISTS (SELECT 1 {pair}) THEN (SELECT f.result {pair}) ELSE {fallback} END")
 }
 
 /// Keys as one PostgreSQL `TEXT[]` argument.

@@ -5,8 +5,8 @@ use crate::backend::{error_class, map_sqlx_error, Dialect, ErrorClass, Kind, Sql
 use crate::ident::TableName;
 use crate::migrate;
 use crate::queries::{
-    decode_record, ClaimRow, CompleteRow, Queries, Stmt, StoredRecord, ACQUIRED_KINDS,
-    READ_BACK_KINDS, RECORD_KINDS,
+    decode_record, ClaimRow, CompleteRow, FenceQueries, Queries, Stmt, StoredRecord, TakeoverRow,
+    ACQUIRED_KINDS, FENCE_COMPLETION, READ_BACK_KINDS, RECORD_KINDS,
 };
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -77,6 +77,17 @@ pub struct SqlStoreOptions {
     pub sqlite_synchronous: SqliteSynchronous,
     /// The most keys written by one statement; larger batches are split (default 500).
     pub max_batch: usize,
+    /// PostgreSQL and MySQL: the fence table of in-transaction completions and takeover
+    /// tombstones (default `<table>_fence`; see [`SqlStore::complete_in_tx`]).
+    pub fence_table: Option<TableName>,
+    /// PostgreSQL and MySQL: connections of the heartbeat's own pool (default 2), used by
+    /// [`DedupStore::extend`] / [`DedupStore::extend_batch`] only, so renewing leases never
+    /// waits for a connection behind handler transactions holding the main pool. `0` shares
+    /// the main pool. SQLite always shares it (a pool given to
+    /// [`SqlStore::from_pool`] may be an in-memory database, of which every new connection
+    /// would be a different, empty one; and SQLite's single writer makes a heartbeat wait
+    /// for a handler's write transaction whatever pool it comes from).
+    pub heartbeat_connections: u32,
 }
 
 impl Default for SqlStoreOptions {
@@ -91,6 +102,8 @@ impl Default for SqlStoreOptions {
             connect_timeout: Duration::from_secs(5),
             sqlite_synchronous: SqliteSynchronous::Full,
             max_batch: 500,
+            fence_table: None,
+            heartbeat_connections: 2,
         }
     }
 }
@@ -113,6 +126,23 @@ impl SqlStoreOptions {
                 StoreError::Config(format!(
                     "dedup table name `{}` is too long to derive the keys table `{}_keys`: \
                      set SqlStoreOptions::keys_table explicitly",
+                    self.table, self.table
+                ))
+            }),
+        }
+    }
+}
+
+impl SqlStoreOptions {
+    /// The fence table: [`SqlStoreOptions::fence_table`] or `<table>_fence` (an error when
+    /// that would exceed the identifier limit: set it explicitly).
+    pub fn fence_table(&self) -> Result<TableName, StoreError> {
+        match &self.fence_table {
+            Some(f) => Ok(f.clone()),
+            None => self.table.with_suffix("_fence").map_err(|_| {
+                StoreError::Config(format!(
+                    "dedup table name `{}` is too long to derive the fence table `{}_fence`: \
+                     set SqlStoreOptions::fence_table explicitly",
                     self.table, self.table
                 ))
             }),
@@ -145,18 +175,24 @@ pub enum KeyInsert {
 /// [`evaluate_claim`], the same rules as every other store.
 pub struct SqlStore<DB: SqlBackend> {
     pool: Pool<DB>,
+    /// The heartbeat's pool ([`SqlStoreOptions::heartbeat_connections`]); the main pool
+    /// when shared.
+    heartbeat_pool: Pool<DB>,
     q: Arc<Queries>,
     options: Arc<SqlStoreOptions>,
     keys_table: TableName,
+    fence_table: TableName,
 }
 
 impl<DB: SqlBackend> Clone for SqlStore<DB> {
     fn clone(&self) -> Self {
         Self {
             pool: self.pool.clone(),
+            heartbeat_pool: self.heartbeat_pool.clone(),
             q: self.q.clone(),
             options: self.options.clone(),
             keys_table: self.keys_table.clone(),
+            fence_table: self.fence_table.clone(),
         }
     }
 }
@@ -282,6 +318,12 @@ impl<DB: SqlBackend> SqlStore<DB> {
                 "the keys table must differ from the dedup table (`{keys_table}`)"
             )));
         }
+        let fence_table = options.fence_table()?;
+        if fence_table == options.table || fence_table == keys_table {
+            return Err(StoreError::Config(format!(
+                "the fence table must differ from the dedup and keys tables (`{fence_table}`)"
+            )));
+        }
         let mariadb = if DB::DIALECT == Dialect::MySql {
             let mut conn = pool
                 .acquire()
@@ -301,12 +343,26 @@ impl<DB: SqlBackend> SqlStore<DB> {
             mariadb,
             &options.table,
             &keys_table,
+            // SQLite needs no fence table: see `complete_in_tx`.
+            (DB::DIALECT != Dialect::Sqlite).then_some(&fence_table),
         ));
+        let heartbeat_pool = if DB::DIALECT == Dialect::Sqlite || options.heartbeat_connections == 0
+        {
+            pool.clone()
+        } else {
+            // Same server and credentials as the main pool; connections open on first use.
+            sqlx::pool::PoolOptions::<DB>::new()
+                .max_connections(options.heartbeat_connections)
+                .acquire_timeout(options.acquire_timeout)
+                .connect_lazy_with((*pool.connect_options()).clone())
+        };
         let store = Self {
             pool,
+            heartbeat_pool,
             q,
             options: Arc::new(options),
             keys_table,
+            fence_table,
         };
         if store.options.migrate {
             store.migrate().await?;
@@ -334,6 +390,17 @@ impl<DB: SqlBackend> SqlStore<DB> {
         &self.keys_table
     }
 
+    /// The fence table of in-transaction completions (PostgreSQL, MySQL; SQLite has none).
+    pub fn fence_table(&self) -> Option<&TableName> {
+        self.q.fence.as_ref().map(|_| &self.fence_table)
+    }
+
+    /// The heartbeat's pool ([`SqlStoreOptions::heartbeat_connections`]; the main pool when
+    /// shared).
+    pub fn heartbeat_pool(&self) -> &Pool<DB> {
+        &self.heartbeat_pool
+    }
+
     /// The SQL dialect.
     pub fn dialect(&self) -> Dialect {
         DB::DIALECT
@@ -342,7 +409,13 @@ impl<DB: SqlBackend> SqlStore<DB> {
     /// Creates or upgrades the tables; returns the schema version now applied. Safe to run
     /// concurrently from many processes.
     pub async fn migrate(&self) -> Result<i64, StoreError> {
-        migrate::run::<DB>(&self.pool, &self.options.table, &self.keys_table).await
+        migrate::run::<DB>(
+            &self.pool,
+            &self.options.table,
+            &self.keys_table,
+            &self.fence_table,
+        )
+        .await
     }
 
     /// The schema version recorded for this store's table, `None` before any migration.
@@ -375,8 +448,19 @@ impl<DB: SqlBackend> SqlStore<DB> {
     ///
     /// Answers [`CompleteOutcome::Fenced`] when `token` no longer owns the key (its lease
     /// was taken over, it was released or purged): roll the transaction back. Completing
-    /// twice with the owning token answers `Completed`. On PostgreSQL and MySQL the row stays
-    /// locked until the caller commits.
+    /// twice with the owning token answers `Completed`.
+    ///
+    /// On PostgreSQL and MySQL the completion does not touch the dedup row, which the
+    /// engine's heartbeat keeps rewriting: it is *inserted* into the fence table under
+    /// `(key, token)`, so the business transaction may run at any isolation level
+    /// (REPEATABLE READ, SERIALIZABLE, MariaDB's snapshot isolation) and for longer than a
+    /// heartbeat. A takeover of the key tombstones the old token first, waiting for this
+    /// transaction: if it commits, the takeover answers `Duplicate` instead; once the
+    /// tombstone is in, this call answers `Fenced` (or, at snapshot isolation, fails with a
+    /// retryable serialization error, after which it answers `Fenced`). The engine's
+    /// completion after the commit, [`DedupStore::get`] and the next claim fold it into the
+    /// dedup row. On SQLite the completion updates the dedup row (SQLite has one writer and
+    /// snapshots the whole database: a fence table would not help; see docs/stores-sql.md).
     pub async fn complete_in_tx(
         &self,
         conn: &mut DB::Connection,
@@ -386,9 +470,81 @@ impl<DB: SqlBackend> SqlStore<DB> {
         retention: Duration,
     ) -> Result<CompleteOutcome, StoreError> {
         check_key(key)?;
-        self.complete_one(conn, key, token, result, retention)
-            .await
-            .map_err(|e| map_sqlx_error::<DB>("complete_in_tx", e))
+        let done = match &self.q.fence {
+            None => self.complete_one(conn, key, token, result, retention).await,
+            Some(fq) => {
+                self.complete_fenced(conn, fq, key, token, result, retention)
+                    .await
+            }
+        };
+        done.map_err(|e| map_sqlx_error::<DB>("complete_in_tx", e))
+    }
+
+    /// [`SqlStore::complete_in_tx`] with a fence table.
+    async fn complete_fenced(
+        &self,
+        conn: &mut DB::Connection,
+        fq: &FenceQueries,
+        key: &DedupKey,
+        token: FencingToken,
+        result: Option<&[u8]>,
+        retention: Duration,
+    ) -> Result<CompleteOutcome, sqlx::Error> {
+        // A plain read: at snapshot isolation it sees the row as of the snapshot, which is
+        // enough — a takeover since then has tombstoned the token (checked by the insert).
+        let row = DB::fetch(
+            conn,
+            &fq.own_row,
+            vec![Val::Key(key.as_str().to_owned())],
+            &[Kind::I64, Kind::I64, Kind::I64],
+        )
+        .await?;
+        let Some(row) = row.first() else {
+            return Ok(CompleteOutcome::Fenced);
+        };
+        let (Ok(owner), Ok(status), Ok(until)) = (row.i64(0), row.i64(1), row.i64(2)) else {
+            return Ok(CompleteOutcome::Fenced);
+        };
+        if owner != token.0 {
+            return Ok(CompleteOutcome::Fenced);
+        }
+        if status == RecordStatus::Completed.code() {
+            return Ok(CompleteOutcome::Completed);
+        }
+        if until <= 0 {
+            // Released.
+            return Ok(CompleteOutcome::Fenced);
+        }
+        let inserted = DB::execute(
+            conn,
+            &fq.complete,
+            vec![
+                Val::Key(key.as_str().to_owned()),
+                Val::I64(Some(token.0)),
+                Val::Bytes(result.map(<[u8]>::to_vec)),
+                Val::I64(Some(duration_ms(retention))),
+            ],
+        )
+        .await?;
+        if inserted > 0 {
+            return Ok(CompleteOutcome::Completed);
+        }
+        // The pair exists: our own completion (idempotent) or a takeover's tombstone. A row
+        // this transaction cannot see (MySQL at snapshot isolation) answers `Fenced`.
+        let kind = DB::fetch(
+            conn,
+            &fq.kind,
+            vec![Val::Key(key.as_str().to_owned()), Val::I64(Some(token.0))],
+            &[Kind::I64],
+        )
+        .await?;
+        Ok(
+            if kind.first().and_then(|r| r.i64(0).ok()) == Some(FENCE_COMPLETION) {
+                CompleteOutcome::Completed
+            } else {
+                CompleteOutcome::Fenced
+            },
+        )
     }
 
     async fn complete_one(
@@ -567,6 +723,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
             // claimed afresh whatever the time.
             let now = now.unwrap_or(0);
             let mut retry = Vec::new();
+            let mut takeovers = Vec::new();
             for i in rest {
                 let req = &reqs[i];
                 let ours = tokens.get(req.key.as_str()).map(|t| t.1);
@@ -587,11 +744,18 @@ impl<DB: SqlBackend> SqlStore<DB> {
                         match evaluate_claim(stored.map(|s| &s.rec), req.payload_hash.as_ref(), now)
                         {
                             ClaimVerdict::Answer(o) => out[i] = Some(o),
+                            // With a fence table the claim statement leaves ended leases
+                            // alone: the takeover fences the old token first.
+                            ClaimVerdict::TakeOver if self.q.fence.is_some() => takeovers.push(i),
                             // The row changed between the write and the read: claim again.
                             ClaimVerdict::AcquireFresh | ClaimVerdict::TakeOver => retry.push(i),
                         }
                     }
                 }
+            }
+            if let (Some(fq), false) = (&self.q.fence, takeovers.is_empty()) {
+                self.take_over(conn, fq, reqs, &found, &takeovers, &tokens, out, &mut retry)
+                    .await?;
             }
             if retry.is_empty() {
                 return Ok(());
@@ -614,6 +778,144 @@ impl<DB: SqlBackend> SqlStore<DB> {
             DB::DIALECT.name(),
             pending.len()
         )))
+    }
+
+    /// Takes over the ended leases `idx` (indices into `reqs`, in key order; `found` holds
+    /// the records the read-back saw): tombstones each old token in the fence table — which
+    /// waits for an open transaction's completion of it —, folds the keys whose old token
+    /// completed in a transaction after all (pushed to `retry`: the next read-back answers
+    /// `Duplicate`), and rewrites the others to the new token while they still hold what
+    /// the read-back saw. Keys that changed meanwhile are pushed to `retry`.
+    #[allow(clippy::too_many_arguments)]
+    async fn take_over(
+        &self,
+        conn: &mut DB::Connection,
+        fq: &FenceQueries,
+        reqs: &[ClaimRequest],
+        found: &HashMap<String, StoredRecord>,
+        idx: &[usize],
+        tokens: &HashMap<&str, (usize, FencingToken)>,
+        out: &mut [Option<ClaimOutcome>],
+        retry: &mut Vec<usize>,
+    ) -> Result<(), StoreError> {
+        let mut seen = Vec::with_capacity(idx.len());
+        for &i in idx {
+            match found.get(reqs[i].key.as_str()) {
+                Some(s) => seen.push((i, s)),
+                None => retry.push(i),
+            }
+        }
+        let pairs: Vec<(&DedupKey, i64)> = seen
+            .iter()
+            .map(|(i, s)| (&reqs[*i].key, s.rec.token.0))
+            .collect();
+        if pairs.is_empty() {
+            return Ok(());
+        }
+        let Stmt { sql, args } = self.q.tombstones(&fq.table, &pairs);
+        let mut args = first_then(args, || self.q.tombstones(&fq.table, &pairs).args);
+        retry_now!("claim tombstones", DB::execute(conn, &sql, args()))?;
+        drop(args);
+        let Stmt { sql, args } = self.q.fence_rows(&fq.table, pairs.iter().map(|p| p.0));
+        let mut args = first_then(args, || {
+            self.q.fence_rows(&fq.table, pairs.iter().map(|p| p.0)).args
+        });
+        let rows = retry_now!(
+            "claim fence read",
+            DB::fetch(conn, &sql, args(), &[Kind::Text, Kind::I64, Kind::I64])
+        )?;
+        drop(args);
+        let mut completed: HashSet<(&str, i64)> = HashSet::new();
+        for r in &rows {
+            if let (Ok(k), Ok(t), Ok(FENCE_COMPLETION)) = (r.text(0), r.i64(1), r.i64(2)) {
+                if let Some((key, tok)) = pairs.iter().find(|p| p.0.as_str() == k && p.1 == t) {
+                    completed.insert((key.as_str(), *tok));
+                }
+            }
+        }
+        let (done, take): (Vec<_>, Vec<_>) = seen
+            .into_iter()
+            .partition(|(i, s)| completed.contains(&(reqs[*i].key.as_str(), s.rec.token.0)));
+        if !done.is_empty() {
+            // The old token's transaction committed its completion: fold it into the row.
+            let Stmt { sql, args } = self
+                .q
+                .fold(&fq.table, done.iter().map(|(i, _)| &reqs[*i].key));
+            let mut args = first_then(args, || {
+                self.q
+                    .fold(&fq.table, done.iter().map(|(i, _)| &reqs[*i].key))
+                    .args
+            });
+            retry_now!("claim fold", DB::execute(conn, &sql, args()))?;
+            retry.extend(done.iter().map(|(i, _)| *i));
+        }
+        if take.is_empty() {
+            return Ok(());
+        }
+        let rows: Vec<TakeoverRow<'_>> = take
+            .iter()
+            .map(|&(i, s)| {
+                let r = &reqs[i];
+                TakeoverRow {
+                    key: &r.key,
+                    old_token: s.rec.token.0,
+                    old_until: s.rec.lease_until_ms,
+                    attempts: i64::from(s.rec.attempts).saturating_add(1),
+                    took_over: s.rec.lease_until_ms > 0,
+                    token: tokens
+                        .get(r.key.as_str())
+                        .map_or_else(FencingToken::random, |t| t.1),
+                    lease_ms: duration_ms(r.lease),
+                    payload_hash: r.payload_hash.as_ref(),
+                    worker: r.worker.as_deref().map(bounded_worker),
+                }
+            })
+            .collect();
+        let Stmt { sql, args } = self.q.takeover(&rows);
+        let mut args = first_then(args, || self.q.takeover(&rows).args);
+        if self.q.dialect == Dialect::MySql {
+            retry_now!("claim takeover", DB::execute(conn, &sql, args()))?;
+            drop(args);
+            // No `UPDATE … RETURNING`: read the rows back by token.
+            let Stmt { sql, args } = self.q.read_back(rows.iter().map(|r| r.key));
+            let mut args = first_then(args, || self.q.read_back(rows.iter().map(|r| r.key)).args);
+            let back = retry_now!(
+                "claim takeover read-back",
+                DB::fetch(conn, &sql, args(), READ_BACK_KINDS)
+            )?;
+            for row in &back {
+                let s = decode_record(row)?;
+                if let Some(&(i, ours)) = tokens.get(s.rec.key.as_str()) {
+                    if s.rec.token == ours && s.rec.status == RecordStatus::InProgress {
+                        out[i] = Some(ClaimOutcome::Acquired(Lease {
+                            token: ours,
+                            until_ms: s.rec.lease_until_ms,
+                            attempt: s.rec.attempts,
+                            takeover: s.took_over,
+                        }));
+                    }
+                }
+            }
+        } else {
+            let returned = retry_now!(
+                "claim takeover",
+                DB::fetch(conn, &sql, args(), ACQUIRED_KINDS)
+            )?;
+            take_acquired(&returned, tokens, out)?;
+        }
+        retry.extend(take.iter().map(|(i, _)| *i).filter(|&i| out[i].is_none()));
+        Ok(())
+    }
+
+    /// Folds the in-transaction completion of `key` (if any) into its dedup row.
+    async fn fold_one(&self, conn: &mut DB::Connection, key: &DedupKey) -> Result<(), StoreError> {
+        if let Some(fq) = &self.q.fence {
+            let keys = [key.clone()];
+            let Stmt { sql, args } = self.q.fold(&fq.table, keys.iter());
+            let mut args = first_then(args, || self.q.fold(&fq.table, keys.iter()).args);
+            retry_now!("fold", DB::execute(conn, &sql, args()))?;
+        }
+        Ok(())
     }
 
     async fn complete_chunk(
@@ -823,7 +1125,12 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
     ) -> Result<ExtendOutcome, StoreError> {
         check_key(key)?;
         let lease_ms = duration_ms(lease);
-        let mut conn = self.acquire().await?;
+        // The heartbeat's own pool: never queued behind handler transactions.
+        let mut conn = self
+            .heartbeat_pool
+            .acquire()
+            .await
+            .map_err(|e| map_sqlx_error::<DB>("acquire heartbeat connection", e))?;
         // The new end is the database's clock plus the lease, never this process's clock.
         let args = |lease_or_until: i64| {
             vec![
@@ -871,6 +1178,8 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
     async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
         check_key(key)?;
         let mut conn = self.acquire().await?;
+        // A committed in-transaction completion not folded yet is shown (and kept) folded.
+        self.fold_one(&mut conn, key).await?;
         let rows = retry_now!(
             "get",
             DB::fetch(
@@ -900,6 +1209,16 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
         )?;
         if n > 0 {
             tracing::debug!(table = %self.options.table, purged = n, "purged expired dedup records");
+        }
+        if let Some(fq) = &self.q.fence {
+            // Completions past retention and tombstones past `TOMBSTONE_TTL_MS`.
+            let f = retry_now!(
+                "purge_expired fence",
+                DB::execute(&mut conn, &fq.purge, vec![Val::I64(Some(limit_i64(limit)))])
+            )?;
+            if f > 0 {
+                tracing::debug!(table = %fq.table, purged = f, "purged expired fence rows");
+            }
         }
         Ok(n)
     }
@@ -933,6 +1252,19 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
     async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
         check_key(key)?;
         let mut conn = self.acquire().await?;
+        let k = || vec![Val::Key(key.as_str().to_owned())];
+        if let Some(fq) = &self.q.fence {
+            // Fence the current token first: a transaction still completing it must not
+            // commit after the record is gone (a fresh claim would run the effect again).
+            retry_now!(
+                "forget tombstone",
+                DB::execute(&mut conn, &fq.forget_tombstone, k())
+            )?;
+            retry_now!(
+                "forget completions",
+                DB::execute(&mut conn, &fq.forget_completions, k())
+            )?;
+        }
         let n = retry_now!(
             "forget",
             DB::execute(
