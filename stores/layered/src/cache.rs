@@ -74,13 +74,6 @@ impl Index {
         (&self.shards[(h >> 59) as usize % SHARDS], h)
     }
 
-    fn insert(&self, key: &DedupKey, v: Arc<Cached>) {
-        let (shard, h) = self.slot(key);
-        if let Ok(mut m) = shard.write() {
-            m.insert(h, v);
-        }
-    }
-
     /// Removes `key`'s entry, or only `only` if given (not a newer value).
     fn remove(&self, key: &DedupKey, only: Option<&Arc<Cached>>) {
         let (shard, h) = self.slot(key);
@@ -186,10 +179,26 @@ impl CompletedCache {
     }
 
     /// Caches a completed record for `min(time left, max_ttl)`.
+    #[cfg(test)]
     pub(crate) fn insert(&self, record: DedupRecord, left: Duration) {
+        self.insert_if(record, left, || true);
+    }
+
+    /// Caches a completed record for `min(time left, max_ttl)` if `still_valid()` says so,
+    /// checked under the lock of the key's index shard: an [`CompletedCache::invalidate`]
+    /// (which takes the same lock) that follows a change `still_valid` would see is
+    /// ordered either before the check (which then fails) or after the insert (which it
+    /// then undoes). Hits are served from the index only, so a policy entry left behind by
+    /// that race is never answered. Returns whether the record was cached.
+    pub(crate) fn insert_if(
+        &self,
+        record: DedupRecord,
+        left: Duration,
+        still_valid: impl FnOnce() -> bool,
+    ) -> bool {
         let ttl = left.min(self.max_ttl);
         let Some(deadline) = Instant::now().checked_add(ttl) else {
-            return;
+            return false;
         };
         let key = record.key.clone();
         let v = Arc::new(Cached {
@@ -197,10 +206,24 @@ impl CompletedCache {
             deadline,
             ttl,
         });
-        self.policy.insert(key.clone(), v.clone());
-        self.index.insert(&key, v);
+        {
+            let (shard, h) = self.index.slot(&key);
+            let Ok(mut m) = shard.write() else {
+                return false;
+            };
+            if !still_valid() {
+                return false;
+            }
+            #[cfg(test)]
+            test_hook::before_insert();
+            m.insert(h, v.clone());
+        }
+        // Outside the shard lock: moka may call the eviction listener, which takes it.
+        self.policy.insert(key, v);
+        true
     }
 
+    /// Drops `key`'s entry (waits for an [`CompletedCache::insert_if`] of it in progress).
     pub(crate) fn invalidate(&self, key: &DedupKey) {
         self.policy.invalidate(key);
         self.index.remove(key, None);
@@ -213,6 +236,30 @@ impl CompletedCache {
 
     pub(crate) fn entry_count(&self) -> u64 {
         self.policy.entry_count()
+    }
+}
+
+/// A hook run inside [`CompletedCache::insert_if`] between its check and its insert (tests
+/// of the forget race).
+#[cfg(test)]
+pub(crate) mod test_hook {
+    use std::cell::RefCell;
+
+    type Hook = Box<dyn FnOnce()>;
+
+    thread_local! {
+        static BEFORE_INSERT: RefCell<Option<Hook>> = const { RefCell::new(None) };
+    }
+
+    /// Runs `f` at the next insert on this thread.
+    pub(crate) fn set_before_insert(f: impl FnOnce() + 'static) {
+        BEFORE_INSERT.with(|h| *h.borrow_mut() = Some(Box::new(f)));
+    }
+
+    pub(super) fn before_insert() {
+        if let Some(f) = BEFORE_INSERT.with(|h| h.borrow_mut().take()) {
+            f();
+        }
     }
 }
 

@@ -341,9 +341,6 @@ impl LayeredStore {
 
     fn cache_record(&self, rec: &DedupRecord, epoch: u64) {
         let Some(cache) = &self.cache else { return };
-        if self.forgets.load(Ordering::Acquire) != epoch {
-            return;
-        }
         if rec.status != RecordStatus::Completed {
             return;
         }
@@ -354,7 +351,12 @@ impl LayeredStore {
         if left <= 0 {
             return;
         }
-        cache.insert(rec.clone(), Duration::from_millis(left as u64));
+        // The forget counter is compared under the cache's lock of this key, which
+        // `forget`'s invalidation takes after bumping it: a forget that begins after the
+        // read of `rec` either fails this check or removes the entry afterwards.
+        cache.insert_if(rec.clone(), Duration::from_millis(left as u64), || {
+            self.forgets.load(Ordering::Acquire) == epoch
+        });
     }
 
     fn uncache(&self, key: &DedupKey) {
@@ -818,19 +820,107 @@ impl DedupStore for LayeredStore {
         Ok(v)
     }
 
+    /// Forgets `key` on the primary and on the fallback, and drops it from the cache.
+    ///
+    /// A failure of either store is returned (after the other was tried and the cache
+    /// cleared): a key still known to the fallback would be answered `Duplicate` during
+    /// the next outage. A failed fallback forget is also counted
+    /// (`idemq_layered_fallback_forget_failures_total`) and logged.
     async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
         self.forgets.fetch_add(1, Ordering::AcqRel);
         self.uncache(key);
         self.claims.invalidate(key);
-        let existed = self.primary.forget(key).await?;
-        let fb_existed = match &self.fallback {
-            Some(fb) => fb.store.forget(key).await.unwrap_or(false),
-            None => false,
+        let primary = self.primary.forget(key).await;
+        let fallback = match &self.fallback {
+            Some(fb) => fb.store.forget(key).await,
+            None => Ok(false),
         };
         // Calls that read the record before it was deleted must not cache it now (they
-        // compare the counter), and one that cached it meanwhile is undone here.
+        // compare the counter under the cache's lock), and one that cached it meanwhile is
+        // undone here.
         self.forgets.fetch_add(1, Ordering::AcqRel);
         self.uncache(key);
-        Ok(existed || fb_existed)
+        let fallback = fallback.inspect_err(|e| {
+            metrics::counter!("idemq_layered_fallback_forget_failures_total").increment(1);
+            tracing::warn!(
+                key = %key,
+                error = %e,
+                "forget failed on the fallback store: it may still answer Duplicate for this key during an outage"
+            );
+        });
+        Ok(primary? | fallback?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idemq_core::{ConsumerGroup, MemoryStore};
+    use std::sync::mpsc;
+
+    /// Issue 11, item 8: a `forget` that runs between the cache's "was the key forgotten
+    /// meanwhile?" check and its insert must not leave the forgotten key cached (it would
+    /// answer `Duplicate` for the cache TTL). The hook runs the forget on another thread
+    /// at exactly that point and gives it time to finish; the key must not be cached
+    /// afterwards, and the next claim must acquire it.
+    #[test]
+    fn a_forget_racing_the_cache_insert_leaves_nothing_cached() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let primary: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+        let store = Arc::new(LayeredStore::new(primary.clone()));
+        let key = DedupKey::new(&ConsumerGroup::new("race").expect("group"), "k").expect("key");
+        let req = ClaimRequest::new(key.clone(), Duration::from_secs(30));
+        rt.block_on(async {
+            // Completed on the primary behind the cache's back.
+            let ClaimOutcome::Acquired(l) = primary.claim(&req).await.expect("claim") else {
+                panic!("expected Acquired");
+            };
+            let done = primary
+                .complete(&key, l.token, None, Duration::from_secs(3600))
+                .await
+                .expect("complete");
+            assert_eq!(done, CompleteOutcome::Completed);
+        });
+        let (tx, rx) = mpsc::channel();
+        let (s2, k2) = (store.clone(), key.clone());
+        let forgetter = std::sync::Mutex::new(None);
+        let slot = Arc::new(forgetter);
+        let slot2 = slot.clone();
+        crate::cache::test_hook::set_before_insert(move || {
+            let h = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                let r = rt.block_on(s2.forget(&k2));
+                let _ = tx.send(());
+                r
+            });
+            // Before the fix the forget finishes here, then the stale insert lands. With
+            // the fix it waits for the shard lock this insert holds.
+            let _ = rx.recv_timeout(Duration::from_millis(300));
+            if let Ok(mut g) = slot2.lock() {
+                *g = Some(h);
+            }
+        });
+        let first = rt.block_on(store.claim(&req)).expect("claim");
+        assert!(matches!(first, ClaimOutcome::Duplicate(_)), "{first:?}");
+        let h = slot.lock().expect("lock").take().expect("the hook ran");
+        assert!(
+            h.join().expect("join").expect("forget"),
+            "the record existed"
+        );
+        assert!(
+            !store.is_cached_duplicate(&key),
+            "a forgotten key is still cached"
+        );
+        let again = rt.block_on(store.claim(&req)).expect("claim");
+        assert!(
+            matches!(again, ClaimOutcome::Acquired(_)),
+            "after forget: {again:?}"
+        );
     }
 }

@@ -580,3 +580,35 @@ async fn a_claim_that_read_the_record_before_a_forget_does_not_cache_it() {
         "after the forget the key is processed again, not answered from the cache"
     );
 }
+
+/// Issue 11, item 8: a `forget` the fallback store fails is no longer dropped: the caller
+/// gets the error (the key may still answer `Duplicate` from the fallback during the next
+/// outage), after the primary forgot it and the cache dropped it. The fallback is a real
+/// SQLite store whose table is gone, so its `DELETE` fails in the database.
+#[tokio::test]
+async fn a_failed_fallback_forget_is_returned() {
+    let fallback = idemq_sql::SqliteStore::connect("sqlite::memory:", Default::default())
+        .await
+        .expect("sqlite");
+    let s = LayeredStore::builder(Arc::new(MemoryStore::new()))
+        .fallback(Arc::new(fallback.clone()), FallbackGate::AllKeys)
+        .build()
+        .expect("layered");
+    let k = key(&group(), "unforgettable");
+    process(&s, &k).await;
+    assert!(s.is_cached_duplicate(&k));
+    sqlx_exec(&fallback, "DROP TABLE idemq_dedup").await;
+    let err = s
+        .forget(&k)
+        .await
+        .expect_err("the fallback's failure must be returned");
+    assert!(!err.to_string().is_empty());
+    // The primary and the cache did forget it.
+    assert!(!s.is_cached_duplicate(&k));
+    assert!(s.primary().get(&k).await.expect("get").is_none());
+}
+
+async fn sqlx_exec(store: &idemq_sql::SqliteStore, sql: &str) {
+    use idemq_sql::sqlx::Executor;
+    store.pool().execute(sql).await.expect(sql);
+}

@@ -6,7 +6,8 @@ use idemq_core::{DedupKey, FencingToken, StoreError};
 use idemq_layered::{Novelty, PreFilter};
 use redis::aio::ConnectionManager;
 use redis::Value;
-use std::sync::LazyLock;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 /// Items per script call (Lua's `unpack` has a bounded stack).
 const CHUNK: usize = 1000;
@@ -33,7 +34,26 @@ end
 return redis.call(ARGV[2], KEYS[1], unpack(ARGV, 3))
 "#;
 
-static GUARDED_SCRIPT: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(GUARDED));
+/// The server's `run_id` from an `INFO server` reply (a new one on every start of a server
+/// process, and another server's after a failover).
+pub(crate) fn run_id(info: &str) -> Option<&str> {
+    info.lines()
+        .find_map(|l| l.strip_prefix("run_id:"))
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+}
+
+async fn server_run_id(conn: &ConnectionManager) -> Result<String, StoreError> {
+    let mut con = conn.clone();
+    let info: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut con)
+        .await
+        .map_err(|e| map_redis_error(&e))?;
+    run_id(&info)
+        .map(str::to_owned)
+        .ok_or_else(|| StoreError::Backend("INFO server has no run_id".into()))
+}
 
 /// Whether the server has the RedisBloom module loaded (`MODULE LIST` names `bf`).
 pub async fn redisbloom_loaded(conn: &ConnectionManager) -> Result<bool, StoreError> {
@@ -90,12 +110,25 @@ pub async fn redisbloom_loaded(conn: &ConnectionManager) -> Result<bool, StoreEr
 /// For gating a fallback ([`FallbackGate::NeverSeenKeys`](idemq_layered::FallbackGate)),
 /// put the filter on a different server than the primary store: if both are down
 /// together, every key counts as "maybe seen" and nothing goes to the fallback.
+///
+/// **Restarts.** A filter that survived a restart may still be *older* than the keys it
+/// was given: restored from a snapshot, or an AOF written with `appendfsync everysec` that
+/// lost its last second in a crash. It would then answer "never seen" for keys it has
+/// seen, and the incarnation marker, restored with it, cannot tell. So the filter records
+/// the server's `run_id` when it opens and sends `INFO server` in the same pipeline as
+/// every call: once another server process answers (a restart, a failover), every call
+/// fails with [`StoreError::Backend`] (`IDEMQ_FILTER_RESTARTED`), which a
+/// [`LayeredStore`](idemq_layered::LayeredStore) takes as "stop trusting the filter". To
+/// use a filter again after a restart, open a new one (a new name, or delete the old one
+/// and its marker): it covers keys inserted from then on.
 #[derive(Clone)]
 pub struct RedisBloomFilter {
     conn: ConnectionManager,
     filter_key: String,
     marker_key: String,
     incarnation: String,
+    run_id: String,
+    restarted: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for RedisBloomFilter {
@@ -145,13 +178,31 @@ impl RedisBloomFilter {
             .invoke_async(&mut con)
             .await
             .map_err(|e| map_redis_error(&e))?;
-        tracing::debug!(filter = %filter_key, %incarnation, "redisbloom filter opened");
+        let run_id = server_run_id(&conn).await?;
+        tracing::debug!(filter = %filter_key, %incarnation, %run_id, "redisbloom filter opened");
         Ok(Self {
             conn,
             filter_key,
             marker_key,
             incarnation,
+            run_id,
+            restarted: Arc::new(AtomicBool::new(false)),
         })
+    }
+
+    /// Whether a server other than the one the filter was opened on has answered (a
+    /// restart or a failover): every call fails from then on.
+    pub fn restart_seen(&self) -> bool {
+        self.restarted.load(Ordering::Acquire)
+    }
+
+    fn restart_error(&self) -> StoreError {
+        StoreError::Backend(format!(
+            "IDEMQ_FILTER_RESTARTED the Redis server of filter {} restarted or failed over \
+             since the filter was opened: it may have been rolled back and can no longer \
+             prove that a key was never seen",
+            self.filter_key
+        ))
     }
 
     /// The Redis key of the filter.
@@ -160,23 +211,42 @@ impl RedisBloomFilter {
     }
 
     async fn guarded(&self, command: &str, keys: &[DedupKey]) -> Result<Vec<Novelty>, StoreError> {
+        if self.restart_seen() {
+            return Err(self.restart_error());
+        }
         let mut out = Vec::with_capacity(keys.len());
         let mut con = self.conn.clone();
         // BF.MADD: 1 = newly added (was absent). BF.MEXISTS: 1 = maybe present.
         let added_means_new = command == "BF.MADD";
         for chunk in keys.chunks(CHUNK) {
-            let mut call = GUARDED_SCRIPT.prepare_invoke();
-            call.key(&self.filter_key)
-                .key(&self.marker_key)
+            // `INFO server` in the same pipeline, on the same connection: both replies come
+            // from one server process, whose `run_id` must be the one the filter opened on.
+            let mut pipe = redis::pipe();
+            let eval = pipe
+                .cmd("EVAL")
+                .arg(GUARDED)
+                .arg(2)
+                .arg(&self.filter_key)
+                .arg(&self.marker_key)
                 .arg(&self.incarnation)
                 .arg(command);
             for k in chunk {
-                call.arg(k.as_str());
+                eval.arg(k.as_str());
             }
-            let bits: Vec<i64> = call
-                .invoke_async(&mut con)
+            pipe.cmd("INFO").arg("server");
+            let (bits, info): (Vec<i64>, String) = pipe
+                .query_async(&mut con)
                 .await
                 .map_err(|e| map_redis_error(&e))?;
+            if run_id(&info) != Some(self.run_id.as_str()) {
+                if !self.restarted.swap(true, Ordering::AcqRel) {
+                    tracing::error!(
+                        filter = %self.filter_key,
+                        "redisbloom filter's server restarted or failed over: the filter is no longer trusted"
+                    );
+                }
+                return Err(self.restart_error());
+            }
             if bits.len() != chunk.len() {
                 return Err(StoreError::Backend(format!(
                     "{command} answered {} items for {}",

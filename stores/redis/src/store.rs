@@ -11,7 +11,7 @@ use idemq_core::{
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{Cmd, RedisError, Value};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -137,6 +137,10 @@ pub struct RedisStoreOptions {
     /// `SET NX GET` claim fast path on Redis >= 7.0 (default `false`: it writes lease ends
     /// from this process's clock; see [`RedisStoreBuilder::fast_claims`]).
     pub fast_claims: bool,
+    /// How often a background task checks the store's incarnation marker (default 1 s;
+    /// zero: only [`RedisStore::check_incarnation`] checks). See
+    /// [`RedisStore::incarnation_lost`].
+    pub incarnation_check_interval: Duration,
 }
 
 impl Default for RedisStoreOptions {
@@ -153,6 +157,7 @@ impl Default for RedisStoreOptions {
             scan_count: 1000,
             purge_scan_budget: usize::MAX,
             fast_claims: false,
+            incarnation_check_interval: Duration::from_secs(1),
         }
     }
 }
@@ -272,6 +277,13 @@ impl RedisStoreBuilder {
         })
     }
 
+    /// How often the incarnation marker is checked in the background (default 1 s; zero
+    /// turns the background check off). See [`RedisStore::incarnation_lost`].
+    pub fn incarnation_check_interval(mut self, d: Duration) -> Self {
+        self.opts.incarnation_check_interval = d;
+        self
+    }
+
     /// Validates the configuration, connects (a [`ConnectionManager`] of its own, which
     /// reconnects after a Redis restart) and loads the scripts.
     ///
@@ -307,14 +319,14 @@ impl RedisStoreBuilder {
         let conn = ConnectionManager::new_with_config(client, config)
             .await
             .map_err(store_err)?;
-        RedisStore::from_parts(conn, settings, self.opts.fast_claims).await
+        RedisStore::from_parts(conn, settings, &self.opts).await
     }
 
     /// Like [`RedisStoreBuilder::connect`] over an existing connection (shared with other
     /// users; its own timeouts and reconnection apply). The URL is ignored.
     pub async fn with_connection(self, conn: ConnectionManager) -> Result<RedisStore, StoreError> {
         let settings = self.settings()?;
-        RedisStore::from_parts(conn, settings, self.opts.fast_claims).await
+        RedisStore::from_parts(conn, settings, &self.opts).await
     }
 }
 
@@ -385,6 +397,68 @@ pub struct RedisStore {
     fast_claims: bool,
     /// Where the next `purge_expired` resumes its `SCAN`.
     purge_cursor: Arc<AtomicU64>,
+    incarnation: Arc<Incarnation>,
+}
+
+/// Writes the incarnation marker unless it exists; answers the marker's value.
+const ENSURE_MARKER: &str = r#"
+local v = redis.call('GET', KEYS[1])
+if v then return v end
+redis.call('SET', KEYS[1], ARGV[1])
+return ARGV[1]
+"#;
+
+/// The store's incarnation marker: a key holding a random id, written when the first store
+/// on a dataset connects. A dataset that lost it (a restart without persistence, a failover
+/// to a replica that never had it, a `FLUSHALL`, an eviction) lost acknowledged claims and
+/// completions too.
+struct Incarnation {
+    conn: ConnectionManager,
+    key: String,
+    id: std::sync::Mutex<String>,
+    lost: AtomicBool,
+}
+
+impl Incarnation {
+    /// Checks the marker; on a loss records it (sticky flag, metric, error log) and adopts
+    /// a new marker, so the next loss is seen too.
+    async fn check(&self) -> Result<bool, StoreError> {
+        let mut con = self.conn.clone();
+        let fresh = FencingToken::random().to_string();
+        let now: String = redis::Script::new(ENSURE_MARKER)
+            .key(&self.key)
+            .arg(&fresh)
+            .invoke_async(&mut con)
+            .await
+            .map_err(store_err)?;
+        let mut id = self
+            .id
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *id == now {
+            return Ok(false);
+        }
+        let how = if now == fresh { "missing" } else { "replaced" };
+        metrics::counter!("idemq_redis_incarnation_lost_total").increment(1);
+        tracing::error!(
+            marker = %self.key,
+            how,
+            "redis dataset lost: the dedup store's incarnation marker is {how}; claims and \
+             completions acknowledged before may be gone, and their messages may run again"
+        );
+        *id = now;
+        self.lost.store(true, Ordering::Release);
+        Ok(true)
+    }
+
+    fn lost_error(&self) -> StoreError {
+        StoreError::Backend(format!(
+            "redis dataset lost: the incarnation marker `{}` disappeared or changed (a restart \
+             without persistence, a failover to a replica behind, a FLUSHALL, an eviction); \
+             claims and completions acknowledged before may be gone",
+            self.key
+        ))
+    }
 }
 
 impl std::fmt::Debug for RedisStore {
@@ -442,13 +516,44 @@ impl RedisStore {
     async fn from_parts(
         conn: ConnectionManager,
         cfg: Settings,
-        fast_claims: bool,
+        opts: &RedisStoreOptions,
     ) -> Result<Self, StoreError> {
+        let fast_claims = opts.fast_claims;
+        // Outside the records' pattern (`<prefix>:*`), so scans never meet it.
+        let marker = format!("{}.incarnation", cfg.prefix);
+        let mut con = conn.clone();
+        let id: String = redis::Script::new(ENSURE_MARKER)
+            .key(&marker)
+            .arg(FencingToken::random().to_string())
+            .invoke_async(&mut con)
+            .await
+            .map_err(store_err)?;
+        let incarnation = Arc::new(Incarnation {
+            conn: conn.clone(),
+            key: marker,
+            id: std::sync::Mutex::new(id),
+            lost: AtomicBool::new(false),
+        });
+        if !opts.incarnation_check_interval.is_zero() {
+            // Holds a weak reference: ends when the last clone of the store is dropped.
+            let weak = Arc::downgrade(&incarnation);
+            let every = opts.incarnation_check_interval;
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(every).await;
+                    let Some(inc) = weak.upgrade() else { break };
+                    if let Err(e) = inc.check().await {
+                        tracing::debug!(marker = %inc.key, error = %e, "incarnation check failed");
+                    }
+                }
+            });
+        }
         let mut store = Self {
             conn,
             cfg: Arc::new(cfg),
             fast_claims: false,
             purge_cursor: Arc::new(AtomicU64::new(0)),
+            incarnation,
         };
         store.check_eviction_policy().await;
         for s in lua::all() {
@@ -509,6 +614,39 @@ impl RedisStore {
     /// The key prefix.
     pub fn prefix(&self) -> &str {
         &self.cfg.prefix
+    }
+
+    /// The Redis key of the store's incarnation marker (`<prefix>.incarnation`).
+    pub fn incarnation_key(&self) -> &str {
+        &self.incarnation.key
+    }
+
+    /// Whether the store has seen its dataset lost (its incarnation marker gone or
+    /// replaced) since it connected or since [`RedisStore::acknowledge_data_loss`]: claims
+    /// and completions acknowledged before may be gone, so messages may run again. Checked
+    /// in the background every [`RedisStoreOptions::incarnation_check_interval`] and by
+    /// [`RedisStore::check_incarnation`]; each loss also counts
+    /// `idemq_redis_incarnation_lost_total` and logs an error.
+    pub fn incarnation_lost(&self) -> bool {
+        self.incarnation.lost.load(Ordering::Acquire)
+    }
+
+    /// Checks the incarnation marker now. `Ok(())` while the dataset is the one the store
+    /// connected to; a [`StoreError::Backend`] naming the marker once it was lost (and
+    /// until [`RedisStore::acknowledge_data_loss`]); [`StoreError::Unavailable`] when Redis
+    /// cannot be asked.
+    pub async fn check_incarnation(&self) -> Result<(), StoreError> {
+        self.incarnation.check().await?;
+        if self.incarnation_lost() {
+            return Err(self.incarnation.lost_error());
+        }
+        Ok(())
+    }
+
+    /// Clears the [`RedisStore::incarnation_lost`] state (an operator has dealt with the
+    /// loss); the marker written after the loss is the store's incarnation from now on.
+    pub fn acknowledge_data_loss(&self) {
+        self.incarnation.lost.store(false, Ordering::Release);
     }
 
     /// The connection (cheap to clone; shares the socket), e.g. for a
