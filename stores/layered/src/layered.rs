@@ -91,9 +91,24 @@ pub struct LayeredStoreBuilder {
     fallback: Option<Fallback>,
     outage_retry_after: Duration,
     reconcile: bool,
+    distrust_when: Option<DistrustProbe>,
 }
 
+/// A condition under which the pre-filter's "never seen" answers are no longer trusted
+/// (see [`LayeredStoreBuilder::distrust_filter_when`]).
+type DistrustProbe = Arc<dyn Fn() -> bool + Send + Sync>;
+
 impl LayeredStoreBuilder {
+    /// Stop trusting the pre-filter for the fallback gate (for good, as after a failed
+    /// insert) once `lost()` answers `true` — e.g. the primary reports that its dataset was
+    /// lost (`idemq_redis::RedisStore::incarnation_lost`): keys it knew may then be
+    /// missing from a filter restored or recreated with it. Checked before each use of the
+    /// filter's answers and by [`LayeredStore::filter_trusted`].
+    pub fn distrust_filter_when(mut self, lost: impl Fn() -> bool + Send + Sync + 'static) -> Self {
+        self.distrust_when = Some(Arc::new(lost));
+        self
+    }
+
     /// Size and time bound of the cache of completed keys (`capacity` 0 disables it).
     pub fn cache(mut self, capacity: u64, ttl: Duration) -> Self {
         self.cache_capacity = capacity;
@@ -180,6 +195,7 @@ impl LayeredStoreBuilder {
             fallback: self.fallback,
             outage_retry_after: self.outage_retry_after,
             reconcile: self.reconcile,
+            distrust_when: self.distrust_when,
             counters: Counters::default(),
             forgets: AtomicU64::new(0),
         }
@@ -240,6 +256,7 @@ pub struct LayeredStore {
     fallback: Option<Fallback>,
     outage_retry_after: Duration,
     reconcile: bool,
+    distrust_when: Option<DistrustProbe>,
     counters: Counters,
     /// Bumped by `forget`: a claim or completion that began before a forget must not
     /// cache what it read (the operator wants the key processed again).
@@ -276,6 +293,7 @@ impl LayeredStore {
             fallback: None,
             outage_retry_after: DEFAULT_OUTAGE_RETRY_AFTER,
             reconcile: false,
+            distrust_when: None,
         }
     }
 
@@ -317,7 +335,20 @@ impl LayeredStore {
 
     /// Whether the pre-filter is still trusted to gate the fallback (false after an insert failed).
     pub fn filter_trusted(&self) -> bool {
-        self.filter.is_some() && self.filter_trusted.load(Ordering::Acquire)
+        self.filter.is_some() && self.trust_filter()
+    }
+
+    /// Whether the filter's answers may gate the fallback: no insert failed and the
+    /// [`LayeredStoreBuilder::distrust_filter_when`] condition never held.
+    fn trust_filter(&self) -> bool {
+        if let Some(lost) = &self.distrust_when {
+            if lost() {
+                self.distrust_filter(
+                    "the distrust_filter_when condition holds (e.g. the primary lost its dataset)",
+                );
+            }
+        }
+        self.filter_trusted.load(Ordering::Acquire)
     }
 
     /// What the layers answered so far.
@@ -540,9 +571,7 @@ impl LayeredStore {
         let allowed: Vec<bool> = match fb.gate {
             FallbackGate::AllKeys => vec![true; reqs.len()],
             FallbackGate::NeverSeenKeys => match novelty {
-                Some(v) if self.filter_trusted.load(Ordering::Acquire) => {
-                    v.iter().map(|n| n.is_never_seen()).collect()
-                }
+                Some(v) if self.trust_filter() => v.iter().map(|n| n.is_never_seen()).collect(),
                 _ => vec![false; reqs.len()],
             },
         };

@@ -75,6 +75,17 @@ async fn redis_data_loss_and_restarts_are_detected() {
     complete_one(&store, "before-loss").await;
     store.check_incarnation().await.expect("nothing lost yet");
     assert!(!store.incarnation_lost() && !watcher.incarnation_lost());
+    // A layered store over the watcher, whose fallback gate follows its health.
+    let gated = {
+        let w = watcher.clone();
+        LayeredStore::builder(Arc::new(watcher.clone()))
+            .prefilter(Arc::new(idemq_layered::LocalBloom::new(1000, 0.01)))
+            .fallback(Arc::new(MemoryStore::new()), FallbackGate::NeverSeenKeys)
+            .distrust_filter_when(move || w.incarnation_lost())
+            .build()
+            .expect("layered")
+    };
+    assert!(gated.filter_trusted());
     // The loss of this store's keyspace, as a failover to a replica that never had it
     // would look (a FLUSHALL would also hit the other tests sharing the server).
     let mut raw = raw(&url).await;
@@ -96,6 +107,10 @@ async fn redis_data_loss_and_restarts_are_detected() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    assert!(
+        !gated.filter_trusted(),
+        "the fallback gate still trusts negative answers after a data loss"
+    );
     store.acknowledge_data_loss();
     store
         .check_incarnation()
