@@ -185,6 +185,9 @@ pub(crate) struct Queries {
     pub now: String,
     /// `?result ?retention_ms ?key ?token` → rows affected.
     pub complete_one: String,
+    /// [`Queries::complete_one`], keeping the result of an in-transaction completion of the
+    /// row's token found in the fence table (the same statement without a fence table).
+    pub complete_one_fold: String,
     /// `?key` → (token, status), locking read.
     pub probe: String,
     /// `?key` → rows affected.
@@ -305,6 +308,14 @@ impl Queries {
     ) -> Self {
         let t = table.as_str();
         let fence = fence_table.map(|f| FenceQueries::new(dialect, t, f.as_str()));
+        let now = dialect.now_ms_sql();
+        let complete_one = |result: &str| {
+            format!(
+                "UPDATE {t} SET status = 1, result = {result}, completed_ms = {now}, \
+                 expires_ms = {now} + ? \
+                 WHERE dedup_key = ? AND token = ? AND status = 0 AND lease_until_ms > 0"
+            )
+        };
         let not_in_fence = match &fence {
             None => String::new(),
             Some(fq) => format!(
@@ -316,7 +327,6 @@ impl Queries {
         let k = keys_table.as_str();
         let p = |s: String| dialect.placeholders(s);
         // Every time below is the database's clock (see `Dialect::now_ms_sql`).
-        let now = dialect.now_ms_sql();
         let purge = match dialect {
             Dialect::MySql => format!(
                 "DELETE FROM {t} WHERE status = 1 AND expires_ms <= {now} ORDER BY expires_ms LIMIT ?"
@@ -384,15 +394,11 @@ impl Queries {
                 ),
             }),
             now: format!("SELECT {now}"),
-            complete_one: p(format!(
-                "UPDATE {t} SET status = 1, result = {}, completed_ms = {now}, \
-                 expires_ms = {now} + ? \
-                 WHERE dedup_key = ? AND token = ? AND status = 0 AND lease_until_ms > 0",
-                match &fence {
-                    None => "?".to_owned(),
-                    Some(fq) => fence_result_sql(&fq.table, t, "?"),
-                }
-            )),
+            complete_one: p(complete_one("?")),
+            complete_one_fold: p(complete_one(&match &fence {
+                None => "?".to_owned(),
+                Some(fq) => fence_result_sql(&fq.table, t, "?"),
+            })),
             probe: p(format!(
                 "SELECT token, status FROM {t} WHERE dedup_key = ?{}",
                 dialect.locking_read()
@@ -831,7 +837,18 @@ impl Queries {
 
     /// Completes many keys in one statement: each row is updated only while its token owns
     /// it and it is in progress.
-    pub fn complete_batch(&self, items: &[CompleteRow<'_>]) -> Stmt {
+    ///
+    /// With `fold`, a row whose token completed in a transaction (fence table) keeps that
+    /// completion's result: one more index lookup per row, so only asked for when
+    /// in-transaction completions are in use.
+    pub fn complete_batch(&self, items: &[CompleteRow<'_>], fold: bool) -> Stmt {
+        let fence_result = |row: &str, fallback: &str| {
+            if fold {
+                self.fence_result(row, fallback)
+            } else {
+                fallback.to_owned()
+            }
+        };
         let t = &self.table;
         let now = self.dialect.now_ms_sql();
         let mut sql = String::with_capacity(300 + items.len() * 24);
@@ -849,7 +866,7 @@ impl Queries {
                      expires_ms = {now} + v.ret FROM UNNEST(?::text[], ?::bigint[], ?::bytea[], \
                      ?::bigint[]) AS v(k, tok, res, ret) WHERE t.dedup_key = v.k \
                      AND t.token = v.tok AND t.status = 0 AND t.lease_until_ms > 0 RETURNING t.dedup_key, t.token",
-                    self.fence_result("t", "v.res")
+                    fence_result("t", "v.res")
                 ));
                 args.push(Val::TextArray(
                     items
@@ -904,7 +921,7 @@ impl Queries {
                     res.push_str(" ELSE NULL END");
                 }
                 // The fence subqueries bind nothing, so the arguments stay in text order.
-                sql.push_str(&self.fence_result(t, &res));
+                sql.push_str(&fence_result(t, &res));
                 sql.push_str(", expires_ms = ");
                 sql.push_str(now);
                 sql.push_str(" + ");
