@@ -2,8 +2,9 @@
 //! Orderly consumption at a scale that means something, on the real (rocketmq-rust) broker:
 //! 200 keys × 10 versions (every seventh version sent twice, as a producer retry would),
 //! spread over the topic's queues by sharding key, consumed orderly with dedup on and
-//! injected handler failures (some versions fail once, some twice). Every key's versions are
-//! applied in order, each exactly once.
+//! injected handler failures (some versions fail once, some twice), while a second member
+//! joins the group and the first leaves (two rebalances). Every key's versions are applied
+//! in order, each exactly once.
 
 mod support;
 
@@ -93,12 +94,7 @@ async fn orderly_consumption_keeps_per_key_order_with_dedup_and_injected_failure
     let handler = move |m: ClaimedMessage| {
         let seen = seen.clone();
         async move {
-            let dedup = m
-                .envelope
-                .headers
-                .get_str(idemq_core::DEDUP_HEADER)
-                .unwrap_or("")
-                .to_string();
+            let dedup = support::dedup_key_of(&m.envelope);
             let (key, v) = dedup
                 .split_once(":v")
                 .and_then(|(k, v)| Some((k.to_string(), v.parse::<u32>().ok()?)))
@@ -132,37 +128,56 @@ async fn orderly_consumption_keeps_per_key_order_with_dedup_and_injected_failure
             Ok(None)
         }
     };
-    let consumer = IdempotentConsumer::new(
-        Arc::new(MemoryStore::new()),
-        KeyStrategy::dedup_header(&group).expect("group"),
-        handler,
-    )
-    .with_config(ConsumerConfig {
+    let store = Arc::new(MemoryStore::new());
+    let cfg = ConsumerConfig {
         ordering: DeliveryOrder::PerKey,
         retry: RetryPolicy::fixed(Duration::from_millis(100)),
         max_batch: 64,
         ..ConsumerConfig::default()
-    });
-    let mut src = support::source(SourceConfig::new(&ns, &group, &topic).orderly()).await;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(async move {
-        let r = consumer
-            .run(&mut src, async {
-                let _ = stop_rx.await;
-            })
-            .await;
-        (r, consumer.stats())
-    });
+    };
+    // A member of the group, stopped (gracefully) by its sender.
+    let member = || {
+        let consumer = IdempotentConsumer::new(
+            store.clone(),
+            KeyStrategy::dedup_header(&group).expect("group"),
+            handler.clone(),
+        )
+        .with_config(cfg.clone());
+        let config = SourceConfig::new(&ns, &group, &topic).orderly();
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(async move {
+            let mut src = support::source(config).await;
+            let r = consumer
+                .run(&mut src, async {
+                    let _ = stop_rx.await;
+                })
+                .await;
+            (r, consumer.stats())
+        });
+        (stop_tx, run)
+    };
     let applied = |l: &Ledger| l.applied.values().map(Vec::len).sum::<usize>();
-    let done = wait_until(Duration::from_secs(300), || {
-        applied(&lock(&ledger)) >= expected
-    })
-    .await;
+    let reached = |share: usize| {
+        let ledger = ledger.clone();
+        move || applied(&lock(&ledger)) >= share
+    };
+    // Rebalances mid-run: a second member joins after a third of the versions (the queues
+    // are split between two live members), the first leaves after two thirds.
+    let (stop_first, first) = member();
+    let joined = wait_until(Duration::from_secs(120), reached(expected / 3)).await;
+    let (stop_second, second) = member();
+    let left = wait_until(Duration::from_secs(120), reached(expected * 2 / 3)).await;
+    let _ = stop_first.send(());
+    let (first_result, first_stats) = first.await.expect("first member");
+    let done = wait_until(Duration::from_secs(300), reached(expected)).await;
     // Anything applied twice would show up now.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let _ = stop_tx.send(());
-    let (result, stats) = run.await.expect("consumer task");
-    result.expect("the consumer ran without error");
+    let _ = stop_second.send(());
+    let (second_result, second_stats) = second.await.expect("second member");
+    first_result.expect("the first member ran without error");
+    second_result.expect("the second member ran without error");
+    let duplicates = first_stats.duplicates + second_stats.duplicates;
+    let stats = [first_stats, second_stats];
 
     let l = lock(&ledger);
     let wrong: Vec<String> = (0..KEYS)
@@ -176,7 +191,7 @@ async fn orderly_consumption_keeps_per_key_order_with_dedup_and_injected_failure
         .flat_map(|k| (1..=VERSIONS).map(move |v| injected_failures(k, v)))
         .sum();
     assert!(
-        done && wrong.is_empty() && l.violations.is_empty(),
+        joined && left && done && wrong.is_empty() && l.violations.is_empty(),
         "{} of {expected} applied; {} keys wrong (first: {:?}); violations: {:?}; stats {stats:?}",
         applied(&l),
         wrong.len(),
@@ -190,10 +205,9 @@ async fn orderly_consumption_keeps_per_key_order_with_dedup_and_injected_failure
     );
     assert_eq!(l.failures, injected, "every injected failure happened");
     assert!(
-        stats.duplicates as usize >= sent - expected,
-        "{} producer duplicates, {} dropped as duplicates: {stats:?}",
+        duplicates as usize >= sent - expected,
+        "{} producer duplicates, {duplicates} dropped as duplicates: {stats:?}",
         sent - expected,
-        stats.duplicates
     );
     eprintln!(
         "{sent} messages, {expected} applied in order over queues {:?}, {} injected failures, {stats:?}",

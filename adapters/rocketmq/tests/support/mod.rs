@@ -42,6 +42,15 @@ pub fn postgres_url() -> Option<String> {
     found
 }
 
+/// The dedup key a delivery carries (`""` without one).
+pub fn dedup_key_of(envelope: &Envelope) -> String {
+    envelope
+        .headers
+        .get_str(idemq_core::DEDUP_HEADER)
+        .unwrap_or("")
+        .to_string()
+}
+
 /// Polls `done` every 200 ms until it holds or `within` has passed; its last answer.
 pub async fn wait_until(within: Duration, mut done: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + within;
