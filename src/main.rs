@@ -1,4 +1,6 @@
 //! The `idemq` command line: the embedded demo and store operations.
+// The RocketMQ client's futures are deep: proving them Send needs more than 128 levels.
+#![recursion_limit = "512"]
 
 mod bench;
 mod demo;

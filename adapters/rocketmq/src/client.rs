@@ -64,6 +64,19 @@ pub(crate) fn env() -> Result<&'static ClientEnv, RocketError> {
         .map_err(|e| RocketError::Client(e.clone()))
 }
 
+/// The process-wide RocketMQ client runtime the adapter's consumers and producers run on,
+/// for clients of your own beside them (a hand-written consumer, a benchmark baseline):
+/// `DefaultMQPushConsumer::builder(client_runtime()?)`.
+pub fn client_runtime() -> Result<Arc<ClientRuntime>, RocketError> {
+    Ok(env()?.client.clone())
+}
+
+/// A client config for `name_server` with an instance name of its own and offsets persisted
+/// every second, as the adapter's own clients use.
+pub fn client_config(name_server: &str) -> Result<ClientConfig, RocketError> {
+    own_client(name_server)
+}
+
 static NEXT_INSTANCE: AtomicUsize = AtomicUsize::new(0);
 
 /// A client config with an instance name of its own: two members of one group in one

@@ -51,10 +51,16 @@ mod publisher;
 mod source;
 mod transaction;
 
+pub use client::{client_config, client_runtime};
 pub use fields::{
     stable_message_id, to_envelope, to_message, DLQ_ORIGIN_TOPIC, DLQ_REASON, OFFSET_MSG_ID,
 };
 pub use publisher::{PublisherConfig, RocketPublisher};
+/// The RocketMQ client crate the adapter is built on, for code that talks to the client
+/// directly beside it (with [`client_runtime`] and [`client_config`]).
+pub use rocketmq_client_rust;
+/// The RocketMQ message model (messages, queues, consume-from settings) of that client.
+pub use rocketmq_model;
 pub use source::{ConsumeMode, RocketSource, SourceConfig, MIN_RECONSUME_DELAY};
 pub use transaction::{LocalOutcome, StoreCheckBack, TransactionalPublisher};
 
