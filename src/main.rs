@@ -1,9 +1,12 @@
-//! The `idemq` command line: the embedded demo and store operations.
+//! The `idemq` command line: the embedded demo, store operations, benchmarks and (feature
+//! `kafka`) `idemq kafka check-config`.
 // The RocketMQ client's futures are deep: proving them Send needs more than 128 levels.
 #![recursion_limit = "512"]
 
 mod bench;
 mod demo;
+#[cfg(feature = "kafka")]
+mod kafka_cli;
 
 use clap::{Parser, Subcommand};
 use std::process::ExitCode;
@@ -27,6 +30,12 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Measure the engine against the bare broker consumer (ratios, same run).
     Bench(bench::BenchArgs),
+    /// Kafka tools (build with feature `kafka`).
+    #[cfg(feature = "kafka")]
+    Kafka {
+        #[command(subcommand)]
+        op: kafka_cli::KafkaOp,
+    },
     /// Operate a dedup store.
     Store {
         /// Store URL: sqlite://file.db, postgres://…, mysql://…, redis://…, memory://
@@ -82,6 +91,8 @@ async fn main() -> ExitCode {
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args).await,
         Command::Store { url, op } => store_op(&url, op).await,
+        #[cfg(feature = "kafka")]
+        Command::Kafka { op } => kafka_cli::run(op),
     };
     match result {
         Ok(code) => code,

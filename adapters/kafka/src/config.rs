@@ -120,6 +120,102 @@ pub enum ConfigProblem {
     },
 }
 
+/// One rule of the validator ([`KafkaProducerConfig::explain`] gives each one's verdict).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Rule {
+    /// `bootstrap.servers` is set.
+    Bootstrap,
+    /// Idempotence: `acks=all`.
+    AcksAll,
+    /// Idempotence: at most 5 requests in flight per connection.
+    InFlight,
+    /// Idempotence: retries not disabled.
+    Retries,
+    /// The idempotent / transactional builder is not overridden with
+    /// `enable.idempotence=false`.
+    IdempotenceKept,
+    /// `transactional.id` only with idempotence.
+    TransactionsNeedIdempotence,
+    /// A transactional producer has a `transactional.id`.
+    TransactionalId,
+    /// `transaction.timeout.ms` within the broker's `transaction.max.timeout.ms`.
+    TransactionTimeout,
+    /// `message.timeout.ms` within `transaction.timeout.ms`.
+    MessageTimeout,
+}
+
+impl Rule {
+    /// Every rule, in the order they are checked.
+    pub const ALL: [Rule; 9] = [
+        Rule::Bootstrap,
+        Rule::AcksAll,
+        Rule::InFlight,
+        Rule::Retries,
+        Rule::IdempotenceKept,
+        Rule::TransactionsNeedIdempotence,
+        Rule::TransactionalId,
+        Rule::TransactionTimeout,
+        Rule::MessageTimeout,
+    ];
+
+    /// What the rule asks, in one line.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Rule::Bootstrap => "bootstrap.servers is set",
+            Rule::AcksAll => "idempotence: acks=all",
+            Rule::InFlight => "idempotence: max.in.flight.requests.per.connection <= 5",
+            Rule::Retries => "idempotence: retries not disabled",
+            Rule::IdempotenceKept => {
+                "builder's idempotence not overridden by enable.idempotence=false"
+            }
+            Rule::TransactionsNeedIdempotence => "transactional.id only with idempotence",
+            Rule::TransactionalId => "transactional producer has a transactional.id",
+            Rule::TransactionTimeout => {
+                "transaction.timeout.ms <= the broker's transaction.max.timeout.ms"
+            }
+            Rule::MessageTimeout => "message.timeout.ms <= transaction.timeout.ms",
+        }
+    }
+}
+
+impl ConfigProblem {
+    /// The rule this problem breaks (`None` for a malformed properties line).
+    pub fn rule(&self) -> Option<Rule> {
+        Some(match self {
+            ConfigProblem::MissingBootstrap => Rule::Bootstrap,
+            ConfigProblem::AcksBreakIdempotence { .. } => Rule::AcksAll,
+            ConfigProblem::TooManyInFlight { .. } => Rule::InFlight,
+            ConfigProblem::NoRetries { .. } => Rule::Retries,
+            ConfigProblem::IdempotenceDisabled { .. } => Rule::IdempotenceKept,
+            ConfigProblem::TransactionalWithoutIdempotence { .. } => {
+                Rule::TransactionsNeedIdempotence
+            }
+            ConfigProblem::MissingTransactionalId => Rule::TransactionalId,
+            ConfigProblem::TransactionTimeoutTooLong { .. } => Rule::TransactionTimeout,
+            ConfigProblem::MessageTimeoutAboveTransactionTimeout { .. } => Rule::MessageTimeout,
+            ConfigProblem::NotANumber { key, .. } => match key.as_str() {
+                k if IN_FLIGHT.contains(&k) => Rule::InFlight,
+                k if RETRIES.contains(&k) => Rule::Retries,
+                "transaction.timeout.ms" => Rule::TransactionTimeout,
+                _ => Rule::MessageTimeout,
+            },
+            ConfigProblem::Malformed { .. } => return None,
+        })
+    }
+}
+
+/// One rule's verdict on a configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RuleVerdict {
+    /// The rule applies and holds.
+    Holds,
+    /// The rule does not apply to this configuration (why).
+    NotApplicable(&'static str),
+    /// The rule is broken: the problems found, each naming the key and the fix.
+    Broken(Vec<ConfigProblem>),
+}
+
 /// Every problem found in a configuration (never empty).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
@@ -370,6 +466,57 @@ impl KafkaProducerConfig {
                 }
             }
         }
+    }
+
+    /// Whether the configuration asks for idempotence (by builder, flag or transactions).
+    fn is_idempotent(&self) -> bool {
+        let txn = self
+            .get("transactional.id")
+            .is_some_and(|id| !id.trim().is_empty());
+        self.mode != ProducerMode::Plain
+            || self.get("enable.idempotence").map(str::trim) == Some("true")
+            || txn
+    }
+
+    /// Every rule of the validator with its verdict on this configuration, in order (what
+    /// `idemq kafka check-config` prints).
+    pub fn explain(&self) -> Vec<(Rule, RuleVerdict)> {
+        let problems = self.problems();
+        let idempotent = self.is_idempotent();
+        let txn_id_set = self.get("transactional.id").is_some();
+        let transactional = txn_id_set || self.mode == ProducerMode::Transactional;
+        Rule::ALL
+            .iter()
+            .map(|&rule| {
+                let broken: Vec<ConfigProblem> = problems
+                    .iter()
+                    .filter(|p| p.rule() == Some(rule))
+                    .cloned()
+                    .collect();
+                if !broken.is_empty() {
+                    return (rule, RuleVerdict::Broken(broken));
+                }
+                let not_applicable = match rule {
+                    Rule::AcksAll | Rule::InFlight | Rule::Retries if !idempotent => {
+                        Some("not an idempotent producer")
+                    }
+                    Rule::IdempotenceKept if self.mode == ProducerMode::Plain => {
+                        Some("no idempotent or transactional builder")
+                    }
+                    Rule::TransactionsNeedIdempotence if !txn_id_set => Some("no transactional.id"),
+                    Rule::TransactionalId | Rule::TransactionTimeout | Rule::MessageTimeout
+                        if !transactional =>
+                    {
+                        Some("not a transactional producer")
+                    }
+                    _ => None,
+                };
+                (
+                    rule,
+                    not_applicable.map_or(RuleVerdict::Holds, RuleVerdict::NotApplicable),
+                )
+            })
+            .collect()
     }
 
     /// Refuses an unsafe configuration, naming every problem and its fix.

@@ -74,7 +74,7 @@ mod to_database;
 mod transactional;
 
 pub use config::{
-    ConfigError, ConfigProblem, KafkaProducerConfig, ProducerMode,
+    ConfigError, ConfigProblem, KafkaProducerConfig, ProducerMode, Rule, RuleVerdict,
     DEFAULT_BROKER_MAX_TRANSACTION_TIMEOUT, MAX_IDEMPOTENT_IN_FLIGHT,
 };
 pub use db_offsets::{OffsetStore, OffsetStoreError};

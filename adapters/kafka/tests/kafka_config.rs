@@ -173,3 +173,84 @@ fn safe_configurations_pass() {
         .validate()
         .is_ok());
 }
+
+/// `explain` (what `idemq kafka check-config` prints) gives every rule a verdict: each bad
+/// configuration breaks exactly its rule, with the same message `validate` gives.
+#[test]
+fn explain_gives_every_rule_a_verdict_and_blames_the_right_one() {
+    use idemq_kafka::{Rule, RuleVerdict};
+    let safe = KafkaProducerConfig::transactional(B, "app-0");
+    let verdicts = safe.explain();
+    assert_eq!(
+        verdicts.iter().map(|(r, _)| *r).collect::<Vec<_>>(),
+        Rule::ALL.to_vec()
+    );
+    assert!(
+        verdicts.iter().all(|(_, v)| *v == RuleVerdict::Holds),
+        "{verdicts:?}"
+    );
+    let plain = KafkaProducerConfig::new(B).explain();
+    assert_eq!(plain[0], (Rule::Bootstrap, RuleVerdict::Holds));
+    assert!(plain[1..]
+        .iter()
+        .all(|(_, v)| matches!(v, RuleVerdict::NotApplicable(_))));
+
+    let cases = [
+        (KafkaProducerConfig::idempotent(""), Rule::Bootstrap),
+        (
+            KafkaProducerConfig::idempotent(B).set("acks", "1"),
+            Rule::AcksAll,
+        ),
+        (
+            KafkaProducerConfig::idempotent(B)
+                .unset("max.in.flight.requests.per.connection")
+                .set("max.in.flight", "9"),
+            Rule::InFlight,
+        ),
+        (
+            KafkaProducerConfig::idempotent(B).set("retries", "0"),
+            Rule::Retries,
+        ),
+        (
+            KafkaProducerConfig::idempotent(B).set("enable.idempotence", "false"),
+            Rule::IdempotenceKept,
+        ),
+        (
+            KafkaProducerConfig::new(B)
+                .set("transactional.id", "x")
+                .set("enable.idempotence", "false"),
+            Rule::TransactionsNeedIdempotence,
+        ),
+        (
+            KafkaProducerConfig::transactional(B, " "),
+            Rule::TransactionalId,
+        ),
+        (
+            KafkaProducerConfig::transactional(B, "a").set("transaction.timeout.ms", "900001"),
+            Rule::TransactionTimeout,
+        ),
+        (
+            KafkaProducerConfig::transactional(B, "a").set("message.timeout.ms", "60001"),
+            Rule::MessageTimeout,
+        ),
+    ];
+    for (cfg, rule) in cases {
+        let err = cfg.validate().expect_err("unsafe");
+        let broken: Vec<_> = cfg
+            .explain()
+            .into_iter()
+            .filter_map(|(r, v)| match v {
+                RuleVerdict::Broken(p) => Some((r, p)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            broken.iter().map(|(r, _)| *r).collect::<Vec<_>>(),
+            vec![rule],
+            "{cfg:?}"
+        );
+        for p in &broken[0].1 {
+            assert!(err.to_string().contains(&p.to_string()));
+        }
+    }
+}
