@@ -85,7 +85,7 @@ pub use source::{
 };
 #[cfg(feature = "sql")]
 pub use to_database::{DbOffsetStore, KafkaToDatabase, KafkaTx, NoKafkaPosition};
-pub use transactional::{TransactionalProcessor, TxnError};
+pub use transactional::{BusinessDedup, TransactionalProcessor, TxnError, TxnOptions};
 
 /// Re-export of the rdkafka version this crate is built on.
 pub use rdkafka;

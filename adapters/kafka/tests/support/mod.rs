@@ -121,3 +121,44 @@ pub async fn read_all(brokers: &str, topic: &str, quiet: Duration) -> Vec<Envelo
     .await
     .expect("reader thread")
 }
+
+/// `group`'s committed offsets on partitions `0..partitions` of `topic` (0 where none).
+pub fn committed_offsets(brokers: &str, group: &str, topic: &str, partitions: i32) -> Vec<i64> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .set("isolation.level", "read_committed")
+        .create()
+        .expect("offsets client");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..partitions {
+        tpl.add_partition(topic, p);
+    }
+    match c.committed_offsets(tpl, Duration::from_secs(10)) {
+        Ok(t) => t
+            .elements()
+            .iter()
+            .map(|e| match e.offset() {
+                Offset::Offset(o) => o,
+                _ => 0,
+            })
+            .collect(),
+        Err(_) => vec![0; partitions as usize],
+    }
+}
+
+/// The end (high watermark) of partitions `0..partitions` of `topic`.
+pub fn high_watermarks(brokers: &str, topic: &str, partitions: i32) -> Vec<i64> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .expect("watermark client");
+    (0..partitions)
+        .map(|p| {
+            c.fetch_watermarks(topic, p, Duration::from_secs(10))
+                .expect("watermarks")
+                .1
+        })
+        .collect()
+}
