@@ -33,6 +33,9 @@
 //! **Kafka → Kafka exactly once.** [`TransactionalProcessor`] consumes `read_committed`, produces
 //! a batch's outputs and `send_offsets_to_transaction` in one transaction; a failure aborts and
 //! rewinds to the committed offsets, a fenced producer stops with [`TxnError::Fenced`].
+//! With [`TxnOptions::dedup`] it also drops business duplicates (the same dedup key at a new
+//! offset): the keys seen live in a compacted changelog topic written in the same transaction
+//! ([`BusinessDedup`]).
 //!
 //! **Kafka → database exactly once** (feature `sql`, with `postgres` / `mysql`).
 //! [`KafkaToDatabase`] runs each record's effect, its dedup record and its partition's next
@@ -43,8 +46,9 @@
 //! callback, not at Kafka's committed offset. A crash anywhere loses nothing (the position
 //! only moves with the effect) and repeats nothing (the effect only commits with its dedup
 //! record and position), with no Kafka transaction; Kafka commits remain as an advisory copy
-//! for lag monitoring. Run the engine with `DeliveryOrder::PerPartition` so a partition's
-//! records commit in offset order.
+//! for lag monitoring. [`KafkaToDatabase::consumer`] builds the engine and refuses any
+//! ordering but `DeliveryOrder::PerPartition` (a partition's records must commit in offset
+//! order); the source redelivers a partition's sent-back records in offset order.
 //!
 //! **Producing.** [`KafkaProducerConfig`] keeps librdkafka's keys as they are and adds
 //! [`KafkaProducerConfig::idempotent`] and [`KafkaProducerConfig::transactional`] with a
@@ -84,7 +88,7 @@ pub use source::{
     KafkaSource, KafkaSourceConfig, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC,
 };
 #[cfg(feature = "sql")]
-pub use to_database::{DbOffsetStore, KafkaToDatabase, KafkaTx, NoKafkaPosition};
+pub use to_database::{check_ordering, DbOffsetStore, KafkaToDatabase, KafkaTx, NoKafkaPosition};
 pub use transactional::{BusinessDedup, TransactionalProcessor, TxnError, TxnOptions};
 
 /// Re-export of the rdkafka version this crate is built on.

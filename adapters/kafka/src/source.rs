@@ -47,7 +47,12 @@ pub struct KafkaSourceConfig {
     pub dead_letter_topic: Option<String>,
     /// Read only committed transactional records (`isolation.level=read_committed`).
     pub read_committed: bool,
-    /// Records buffered per partition before the partition is paused.
+    /// Records buffered per partition before the partition is paused (it is resumed once
+    /// half of them are taken). Pausing makes librdkafka drop what it prefetched for the
+    /// partition and fetch it again on resume, so the buffer must outlast that round trip:
+    /// with 1 000 the consumer stalled on every cycle (50 000 small records, 4 partitions:
+    /// 3.7 s, 3.2 s of it waiting for records), with the default 10 000 it does not (0.8 s,
+    /// as fast as never pausing). librdkafka itself prefetches up to 100 000 per partition.
     pub buffer_per_partition: usize,
     /// How often settled offsets are committed besides after each batch.
     pub commit_interval: Duration,
@@ -74,7 +79,7 @@ impl KafkaSourceConfig {
             cluster: None,
             dead_letter_topic: None,
             read_committed: false,
-            buffer_per_partition: 1000,
+            buffer_per_partition: 10_000,
             commit_interval: Duration::from_secs(5),
             dead_letter_timeout: Duration::from_secs(30),
             offset_store: None,
@@ -127,6 +132,33 @@ struct Record {
     epoch: Epoch,
     offset: i64,
     envelope: Envelope,
+    /// When a held (nacked) record is due again.
+    held_until: Instant,
+}
+
+/// Holds `r` until its `held_until`, keeping its partition's held records in **offset**
+/// order. The engine sends records back in the order their fates become known, which is not
+/// offset order: in an ordered batch a record whose key is in flight elsewhere goes back
+/// (with the rest of its lane) during dispatch, before an earlier record of the partition
+/// whose handler fails afterwards. Redelivered in that order, the later records would run
+/// first, and with offsets stored alongside the effects (Flow 3) move the stored offset past
+/// records that have not run; a crash then skipped them for good. A record due later than
+/// one behind it holds that one back too (`DelayedRedelivery` never lets a lane's later item
+/// be due before an earlier one).
+fn hold_in_offset_order(delayed: &mut DelayedRedelivery<Record, PartitionId>, r: Record) {
+    let lane = r.part.clone();
+    if !delayed.holds(&lane) {
+        let due = r.held_until;
+        delayed.push(lane, r, due);
+        return;
+    }
+    let mut held = delayed.drain_lanes(|l| *l == lane);
+    held.push(r);
+    held.sort_by_key(|h| h.offset);
+    for h in held {
+        let due = h.held_until;
+        delayed.push(lane.clone(), h, due);
+    }
 }
 
 #[derive(Debug)]
@@ -517,6 +549,7 @@ fn poll_thread(consumer: Arc<Consumer_>, shared: Arc<Shared>, cfg: KafkaSourceCo
                         epoch: ps.epoch,
                         offset: msg.offset(),
                         envelope,
+                        held_until: Instant::now(),
                     });
                     if ps.buffer.len() >= cap && !ps.paused {
                         ps.paused = true;
@@ -673,8 +706,8 @@ impl KafkaSettle {
         if self.current_of(&st, &r) {
             r.envelope.delivery_count = Some(r.envelope.delivery_count.unwrap_or(1) + 1);
             r.envelope.redelivered = true;
-            let lane = r.part.clone();
-            st.delayed.push(lane, r, Instant::now() + delay);
+            r.held_until = Instant::now() + delay;
+            hold_in_offset_order(&mut st.delayed, r);
             drop(st);
             self.shared.wake.notify_one();
         }

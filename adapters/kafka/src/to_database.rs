@@ -6,10 +6,11 @@ use crate::db_offsets::{OffsetStore, OffsetStoreError};
 use crate::KafkaSourceConfig;
 use bytes::Bytes;
 use idemq_core::adapter::PartitionId;
+use idemq_core::engine::{ConsumerConfig, DeliveryOrder};
 use idemq_core::envelope::Position;
 use idemq_core::{
     ClaimedMessage, CompleteOutcome, DedupKey, FencingToken, HandlerError, HandlerResult,
-    StoreError,
+    IdempotentConsumer, StoreError,
 };
 use idemq_sql::{handler_error, map_sqlx_error, LeaseLost, SourceOffsets, SqlBackend, SqlStore};
 use std::collections::HashMap;
@@ -30,8 +31,8 @@ pub struct NoKafkaPosition {
 /// one transaction on a [`SqlStore`]'s database, and gives the
 /// [`KafkaSource`](crate::KafkaSource) those offsets to start from on every assignment.
 ///
-/// Use it with [`DeliveryOrder::PerPartition`](idemq_core::engine::DeliveryOrder::PerPartition) so the
-/// records of a partition commit in offset order (the stored offset is "everything before
+/// Build the engine with [`KafkaToDatabase::consumer`], which refuses any ordering but
+/// [`DeliveryOrder::PerPartition`]: the records of a partition must commit in offset order (the stored offset is "everything before
 /// it is done"); the offset write is greatest-wins, so a late commit of a consumer that lost
 /// the partition never moves it back. Records settled without the handler's transaction (a
 /// business duplicate at a new offset, a dead-lettered record) do not move the stored
@@ -41,10 +42,9 @@ pub struct NoKafkaPosition {
 /// ```no_run
 /// # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
 /// use idemq_core::engine::{ConsumerConfig, DeliveryOrder};
-/// use idemq_core::{ClaimedMessage, IdempotentConsumer, KeyStrategy};
+/// use idemq_core::ClaimedMessage;
 /// use idemq_kafka::{KafkaSource, KafkaSourceConfig, KafkaToDatabase};
 /// use idemq_sql::{sqlx, PgStore, SqlResultExt, SqlStoreOptions};
-/// use std::sync::Arc;
 ///
 /// let store = PgStore::connect("postgres://localhost/app", SqlStoreOptions::default()).await?;
 /// let flow = KafkaToDatabase::new(store.clone(), "billing").await?;
@@ -52,9 +52,7 @@ pub struct NoKafkaPosition {
 ///     flow.source_config(KafkaSourceConfig::new("127.0.0.1:9092", "billing", &["payments"]))?,
 /// )?;
 /// let handler_flow = flow.clone();
-/// let consumer = IdempotentConsumer::new(
-///     Arc::new(store),
-///     KafkaToDatabase::<sqlx::Postgres>::key_strategy("billing")?,
+/// let consumer = flow.consumer(
 ///     move |msg: ClaimedMessage| {
 ///         let flow = handler_flow.clone();
 ///         async move {
@@ -67,8 +65,9 @@ pub struct NoKafkaPosition {
 ///             tx.commit().await // dedup record + offset + effect, one commit
 ///         }
 ///     },
-/// )
-/// .with_config(ConsumerConfig { ordering: DeliveryOrder::PerPartition, ..Default::default() });
+///     // Anything but PerPartition is refused with a Config error.
+///     ConsumerConfig { ordering: DeliveryOrder::PerPartition, ..Default::default() },
+/// )?;
 /// consumer.run(&mut source, std::future::pending()).await?;
 /// # Ok(()) }
 /// ```
@@ -154,6 +153,27 @@ impl<DB: SqlBackend> KafkaToDatabase<DB> {
         })
     }
 
+    /// The engine for Flow 3: `handler` (which writes its effect through
+    /// [`KafkaToDatabase::begin`] and [`KafkaTx::commit`]) over this flow's store, with
+    /// [`KafkaToDatabase::key_strategy`] keys under this flow's group.
+    ///
+    /// Refuses (a [`StoreError::Config`] naming the setting and the fix) an engine whose
+    /// `cfg.ordering` is not [`DeliveryOrder::PerPartition`]: the stored offset is
+    /// "everything before it is done" and greatest wins, so a partition's records must commit
+    /// in offset order. Run unordered (or per key), a later record commits its offset while an
+    /// earlier one is still running or was sent back, and a crash then starts the partition
+    /// past the earlier record: it is skipped for good.
+    pub fn consumer<H: idemq_core::Handler>(
+        &self,
+        handler: H,
+        cfg: ConsumerConfig,
+    ) -> Result<IdempotentConsumer<H>, StoreError> {
+        check_ordering(&cfg)?;
+        let keys = Self::key_strategy(&self.group)
+            .map_err(|e| StoreError::Config(format!("Flow 3 group {:?}: {e}", self.group)))?;
+        Ok(IdempotentConsumer::new(Arc::new(self.store.clone()), keys, handler).with_config(cfg))
+    }
+
     /// `cfg` starting every assigned partition at the offset stored here.
     pub fn source_config(&self, cfg: KafkaSourceConfig) -> Result<KafkaSourceConfig, StoreError> {
         Ok(cfg.offsets_from(self.offset_store()?))
@@ -191,6 +211,20 @@ impl<DB: SqlBackend> KafkaToDatabase<DB> {
             partition,
             offset,
         })
+    }
+}
+
+/// Flow 3's one requirement on the engine's settings (see [`KafkaToDatabase::consumer`]).
+pub fn check_ordering(cfg: &ConsumerConfig) -> Result<(), StoreError> {
+    match cfg.ordering {
+        DeliveryOrder::PerPartition => Ok(()),
+        other => Err(StoreError::Config(format!(
+            "Flow 3 (Kafka -> database) needs ConsumerConfig::ordering = \
+             DeliveryOrder::PerPartition, got {other:?}: the offset stored with each effect means \
+             \"everything before it is done\", so a partition's records must commit in offset \
+             order (otherwise a crash can skip a record a later one overtook); set \
+             `ordering: DeliveryOrder::PerPartition`"
+        ))),
     }
 }
 
@@ -350,5 +384,33 @@ impl<DB: SqlBackend> OffsetStore for DbOffsetStore<DB> {
             .map(|s| ((s.topic, s.partition), s.next_offset))
             .filter(|(p, _)| wanted.contains(p))
             .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flow3_refuses_any_ordering_but_per_partition() {
+        for ordering in [DeliveryOrder::Unordered, DeliveryOrder::PerKey] {
+            let err = check_ordering(&ConsumerConfig {
+                ordering,
+                ..ConsumerConfig::default()
+            })
+            .unwrap_err();
+            assert!(matches!(err, StoreError::Config(_)), "{err:?}");
+            let msg = err.to_string();
+            assert!(
+                msg.contains("DeliveryOrder::PerPartition")
+                    && msg.contains(&format!("{ordering:?}")),
+                "{msg}"
+            );
+        }
+        check_ordering(&ConsumerConfig {
+            ordering: DeliveryOrder::PerPartition,
+            ..ConsumerConfig::default()
+        })
+        .expect("PerPartition is what Flow 3 needs");
     }
 }
