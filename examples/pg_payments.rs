@@ -7,16 +7,25 @@
 //!     cargo run --example pg_payments --features postgres
 //! ```
 //!
-//! The idemq-specific code is the store, the key, the consumer, and three lines in the
-//! handler: `begin_for(&msg)` opens the transaction on the store's pool, `.classify()?`
+//! The idemq-specific code is the store, the key, a typed handler (`json`: the payload
+//! arrives parsed; one that does not parse is dead-lettered naming the type), the consumer,
+//! and three lines in the handler: `begin_for(&msg)` opens the transaction on the store's pool, `.classify()?`
 //! retries a deadlock but dead-letters a constraint violation, and `tx.commit()` completes
 //! the message with the engine's own key, token and retention before committing (a lost
 //! lease rolls back and retries).
 
 use idemq::broker::{Faults, MemoryBroker};
+use idemq::handler::json;
 use idemq::sql::{sqlx, PgStore, SqlResultExt};
-use idemq::{BrokerKind, ClaimedMessage, Envelope, HandlerError, IdempotentConsumer, KeyStrategy};
+use idemq::{BrokerKind, Envelope, IdempotentConsumer, KeyStrategy};
 use std::sync::Arc;
+
+/// A payment callback's body.
+#[derive(serde::Deserialize)]
+struct Payment {
+    payment_id: String,
+    amount: i64,
+}
 
 /// What a run did, for the caller to check.
 #[derive(Debug)]
@@ -54,26 +63,22 @@ pub async fn run(url: &str, payments: usize) -> Result<Report, Box<dyn std::erro
         broker.publish(Envelope::new(BrokerKind::Memory, "payment-callbacks", body));
     }
 
+    // --- idemq: the key, a typed handler writing the effect and completing the message in
+    // one transaction, the consumer (13 lines; the store was opened above) ---
     let keys = KeyStrategy::json_pointer(&format!("payments-{run_id}"), "/payment_id")?;
-    let (db, run) = (store.clone(), run_id.clone());
-    let consumer = IdempotentConsumer::new(Arc::new(store), keys, move |msg: ClaimedMessage| {
-        let (db, run) = (db.clone(), run.clone());
-        async move {
-            let p: serde_json::Value =
-                serde_json::from_slice(&msg.envelope.payload).map_err(HandlerError::permanent)?;
-            let mut tx = db.begin_for(&msg).await?;
-            sqlx::query(
-                "INSERT INTO example_payments (run, payment_id, amount) VALUES ($1, $2, $3)",
-            )
-            .bind(&run)
-            .bind(p["payment_id"].as_str())
-            .bind(p["amount"].as_i64())
+    let state = (store.clone(), run_id.clone());
+    let handler = json(state, |(db, run), msg, p: Payment| async move {
+        let mut tx = db.begin_for(&msg).await?;
+        sqlx::query("INSERT INTO example_payments (run, payment_id, amount) VALUES ($1, $2, $3)")
+            .bind(run)
+            .bind(p.payment_id)
+            .bind(p.amount)
             .execute(&mut *tx)
             .await
             .classify()?;
-            tx.commit().await
-        }
+        tx.commit().await
     });
+    let consumer = IdempotentConsumer::new(Arc::new(store), keys, handler);
     consumer.run_until_idle(&mut broker.subscribe()).await?;
 
     let pool = sqlx::PgPool::connect(url).await?;

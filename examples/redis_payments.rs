@@ -6,10 +6,17 @@
 //! ```
 
 use idemq::broker::{Faults, MemoryBroker};
+use idemq::handler::json;
 use idemq::redis::redis::AsyncCommands;
 use idemq::redis::{RedisResultExt, RedisStore};
-use idemq::{BrokerKind, ClaimedMessage, Envelope, HandlerError, IdempotentConsumer, KeyStrategy};
+use idemq::{BrokerKind, Envelope, IdempotentConsumer, KeyStrategy};
 use std::sync::Arc;
+
+/// A payment callback's body.
+#[derive(serde::Deserialize)]
+struct Payment {
+    payment_id: String,
+}
 
 /// What a run did, for the caller to check.
 #[derive(Debug)]
@@ -43,19 +50,17 @@ pub async fn run(url: &str, payments: usize) -> Result<Report, Box<dyn std::erro
         broker.publish(Envelope::new(BrokerKind::Memory, "payment-callbacks", body));
     }
 
+    // --- idemq: the store, the key, a typed handler, the consumer (8 lines) ---
     let store = RedisStore::connect(url, Default::default()).await?;
     let keys = KeyStrategy::json_pointer(&format!("payments-{run_id}"), "/payment_id")?;
-    let (conn, list) = (store.connection(), applied.clone());
-    let consumer = IdempotentConsumer::new(Arc::new(store), keys, move |msg: ClaimedMessage| {
-        let (mut conn, list) = (conn.clone(), list.clone());
-        async move {
-            let p: serde_json::Value =
-                serde_json::from_slice(&msg.envelope.payload).map_err(HandlerError::permanent)?;
-            let id = p["payment_id"].as_str().unwrap_or_default().to_owned();
-            let _: i64 = conn.rpush(&list, id).await.classify()?;
-            Ok(None)
-        }
+    let state = (store.connection(), applied.clone());
+    let handler = json(state, |(mut conn, list), _msg, p: Payment| async move {
+        conn.rpush::<_, _, i64>(&list, p.payment_id)
+            .await
+            .classify()?;
+        Ok(None)
     });
+    let consumer = IdempotentConsumer::new(Arc::new(store), keys, handler);
     consumer.run_until_idle(&mut broker.subscribe()).await?;
 
     let mut conn = idemq::redis::redis::Client::open(url)?

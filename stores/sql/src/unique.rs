@@ -94,6 +94,55 @@ pub trait TxHandler<DB: SqlBackend>: Send + Sync + 'static {
         msg: &UniqueMessage,
         tx: &mut DB::Connection,
     ) -> Result<(), HandlerError>;
+
+    /// Writes the effects of the batch's new messages through `tx`; the default calls
+    /// [`TxHandler::handle`] for each. Override it to write them all with one statement
+    /// (what a hand-written consumer does with a multi-row insert). When it fails, the
+    /// batch is rolled back and each message is retried alone, in its own transaction,
+    /// through this method with one message, so the failing one is found.
+    async fn handle_batch(
+        &self,
+        msgs: &[&UniqueMessage],
+        tx: &mut DB::Connection,
+    ) -> Result<(), HandlerError> {
+        for m in msgs {
+            self.handle(m, tx).await?;
+        }
+        Ok(())
+    }
+}
+
+/// The future a [`UniqueIndexConsumer::from_batch_fn`] closure returns.
+pub type BatchTxFuture<'a> = TxFuture<'a>;
+
+/// A [`TxHandler`] writing a whole batch's effects at once; made by
+/// [`UniqueIndexConsumer::from_batch_fn`].
+pub struct BatchTxFn<DB, F>(F, std::marker::PhantomData<fn() -> DB>);
+
+#[async_trait]
+impl<DB, F> TxHandler<DB> for BatchTxFn<DB, F>
+where
+    DB: SqlBackend,
+    F: for<'a> Fn(&'a [&'a UniqueMessage], &'a mut DB::Connection) -> BatchTxFuture<'a>
+        + Send
+        + Sync
+        + 'static,
+{
+    async fn handle(
+        &self,
+        msg: &UniqueMessage,
+        tx: &mut DB::Connection,
+    ) -> Result<(), HandlerError> {
+        (self.0)(&[msg], tx).await
+    }
+
+    async fn handle_batch(
+        &self,
+        msgs: &[&UniqueMessage],
+        tx: &mut DB::Connection,
+    ) -> Result<(), HandlerError> {
+        (self.0)(msgs, tx).await
+    }
 }
 
 /// The future a [`tx_fn`] closure returns (borrowing the message and the connection).
@@ -232,8 +281,8 @@ enum Fate {
 
 /// Why a transaction did not commit.
 enum TxFailure {
-    /// The handler of item `index` failed.
-    Handler(usize, HandlerError),
+    /// A handler failed (which one is known only for a one-message transaction).
+    Handler(HandlerError),
     /// The database failed.
     Store(sqlx::Error),
 }
@@ -249,6 +298,23 @@ where
     /// message's effect through `tx` (see [`tx_fn`]).
     pub fn from_fn(store: SqlStore<DB>, keys: KeyStrategy, f: F) -> Self {
         Self::new(store, keys, TxFn(f, std::marker::PhantomData))
+    }
+}
+
+impl<DB: SqlBackend, F> UniqueIndexConsumer<DB, BatchTxFn<DB, F>>
+where
+    F: for<'a> Fn(&'a [&'a UniqueMessage], &'a mut DB::Connection) -> BatchTxFuture<'a>
+        + Send
+        + Sync
+        + 'static,
+{
+    /// A consumer from a closure `|msgs, tx| Box::pin(async move { … })` that writes the
+    /// effects of all new messages of a batch through `tx` at once (one multi-row statement:
+    /// a batch then costs one key insert, one effect statement and one commit). A failure
+    /// rolls the batch back and retries each message alone, so only the failing one is
+    /// retried or dead-lettered.
+    pub fn from_batch_fn(store: SqlStore<DB>, keys: KeyStrategy, f: F) -> Self {
+        Self::new(store, keys, BatchTxFn(f, std::marker::PhantomData))
     }
 }
 
@@ -380,11 +446,10 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
                 self.outage(&e, items.len());
                 return ((0..items.len()).map(|_| None).collect(), true);
             }
-            Err(TxFailure::Handler(i, e)) if items.len() == 1 => {
-                debug_assert_eq!(i, 0);
+            Err(TxFailure::Handler(e)) if items.len() == 1 => {
                 return (vec![Some(Fate::Failed(e))], false);
             }
-            Err(TxFailure::Handler(..)) => {}
+            Err(TxFailure::Handler(_)) => {}
         }
         // One handler failed: isolate it, one transaction per message.
         self.counters.split_batches.fetch_add(1, Ordering::Relaxed);
@@ -393,7 +458,7 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
         for i in 0..items.len() {
             let fate = match self.with_retries(items, &[i]).await {
                 Ok(mut f) => f.pop(),
-                Err(TxFailure::Handler(_, e)) => Some(Fate::Failed(e)),
+                Err(TxFailure::Handler(e)) => Some(Fate::Failed(e)),
                 Err(TxFailure::Store(e)) => {
                     self.outage(&e, 1);
                     outage = true;
@@ -448,17 +513,21 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
             .await
             .map_err(TxFailure::Store)?;
         let mut fates = Vec::with_capacity(which.len());
+        let mut new_msgs: Vec<&UniqueMessage> = Vec::with_capacity(which.len());
         for &i in which {
             let msg = &items[i].0;
-            if !inserted.contains(msg.key.as_str()) {
+            if inserted.contains(msg.key.as_str()) {
+                new_msgs.push(msg);
+                fates.push(Fate::Committed);
+            } else {
                 fates.push(Fate::Duplicate);
-                continue;
             }
-            if let Err(e) = self.handler.handle(msg, &mut *tx).await {
-                // Dropping the transaction rolls it back (key insert included).
-                return Err(TxFailure::Handler(i, e));
+        }
+        if !new_msgs.is_empty() {
+            if let Err(e) = self.handler.handle_batch(&new_msgs, &mut *tx).await {
+                // Dropping the transaction rolls it back (key inserts included).
+                return Err(TxFailure::Handler(e));
             }
-            fates.push(Fate::Committed);
         }
         tx.commit().await.map_err(TxFailure::Store)?;
         Ok(fates)

@@ -40,7 +40,52 @@ async fn exec<DB: SqlBackend>(store: &SqlStore<DB>, sql: &str) {
         .expect(sql);
 }
 
-async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str) {
+fn payment_id(msg: &UniqueMessage) -> String {
+    msg.key
+        .as_str()
+        .rsplit(':')
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// The failures the storm injects, after the effect row was written (the rollback must
+/// take it away): the poison fails for good, ~5% of keys fail their first attempt.
+fn injected_failure(msg: &UniqueMessage) -> Result<(), HandlerError> {
+    let id = payment_id(msg);
+    if id == POISON {
+        return Err(HandlerError::permanent("poison payment"));
+    }
+    if msg.attempt == 1 && flaky(&id) {
+        return Err(HandlerError::retryable("flaky downstream"));
+    }
+    Ok(())
+}
+
+/// The two handler shapes behind one face, so one storm drives both.
+#[idemq_core::async_trait]
+trait Storm: Send + Sync {
+    async fn run_until_idle(
+        &self,
+        src: &mut idemq_core::broker::MemorySource,
+    ) -> Result<(), idemq_core::ConsumerError>;
+    fn stats(&self) -> idemq_sql::unique::UniqueIndexStats;
+}
+
+#[idemq_core::async_trait]
+impl<DB: SqlBackend, H: idemq_sql::unique::TxHandler<DB>> Storm for UniqueIndexConsumer<DB, H> {
+    async fn run_until_idle(
+        &self,
+        src: &mut idemq_core::broker::MemorySource,
+    ) -> Result<(), idemq_core::ConsumerError> {
+        UniqueIndexConsumer::run_until_idle(self, src).await
+    }
+    fn stats(&self) -> idemq_sql::unique::UniqueIndexStats {
+        UniqueIndexConsumer::stats(self)
+    }
+}
+
+async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str, batched: bool) {
     let ledger = support::unique("uq_ledger");
     exec(
         &store,
@@ -68,31 +113,41 @@ async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str) {
     let cfg = UniqueIndexConfig::default()
         .with_max_batch(64)
         .with_retry(RetryPolicy::fixed(Duration::from_millis(5)).with_max_attempts(4));
-    let consumer = Arc::new(
-        UniqueIndexConsumer::from_fn(store.clone(), keys, move |msg: &UniqueMessage, tx| {
-            let insert = insert.clone();
-            Box::pin(async move {
-                let id = msg
-                    .key
-                    .as_str()
-                    .rsplit(':')
-                    .next()
-                    .unwrap_or_default()
-                    .to_owned();
-                DB::execute(tx, &insert, vec![Val::Text(Some(id.clone()))])
-                    .await
-                    .map_err(HandlerError::retryable)?;
-                if id == POISON {
-                    return Err(HandlerError::permanent("poison payment"));
-                }
-                if msg.attempt == 1 && flaky(&id) {
-                    return Err(HandlerError::retryable("flaky downstream"));
-                }
-                Ok(())
+    let consumer: Arc<dyn Storm> = if batched {
+        // All new messages of a batch written with one multi-row insert.
+        let ledger = ledger.clone();
+        Arc::new(
+            UniqueIndexConsumer::from_batch_fn(store.clone(), keys, move |msgs, tx| {
+                let rows = vec!["(?)"; msgs.len()].join(", ");
+                let sql = DB::DIALECT
+                    .placeholders(format!("INSERT INTO {ledger} (payment_id) VALUES {rows}"));
+                Box::pin(async move {
+                    let ids = msgs
+                        .iter()
+                        .map(|m| Val::Text(Some(payment_id(m))))
+                        .collect();
+                    DB::execute(tx, &sql, ids)
+                        .await
+                        .map_err(HandlerError::retryable)?;
+                    msgs.iter().try_for_each(|m| injected_failure(m))
+                })
             })
-        })
-        .with_config(cfg),
-    );
+            .with_config(cfg),
+        )
+    } else {
+        Arc::new(
+            UniqueIndexConsumer::from_fn(store.clone(), keys, move |msg: &UniqueMessage, tx| {
+                let insert = insert.clone();
+                Box::pin(async move {
+                    DB::execute(tx, &insert, vec![Val::Text(Some(payment_id(msg)))])
+                        .await
+                        .map_err(HandlerError::retryable)?;
+                    injected_failure(msg)
+                })
+            })
+            .with_config(cfg),
+        )
+    };
 
     // Three consumers; the first crashes four times (its future is dropped mid-batch:
     // an open transaction is rolled back, unsettled deliveries go back to the queue).
@@ -178,7 +233,8 @@ async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn unique_index_storm_sqlite() {
     let (_guard, store) = support::sqlite_store().await.expect("sqlite");
-    storm(store, "sqlite").await;
+    storm(store.clone(), "sqlite", false).await;
+    storm(store, "sqlite batched", true).await;
 }
 
 #[cfg(feature = "postgres")]
@@ -187,7 +243,8 @@ async fn unique_index_storm_postgres() {
     let Some((_guard, store)) = support::postgres_store().await else {
         return;
     };
-    storm(store, "postgres").await;
+    storm(store.clone(), "postgres", false).await;
+    storm(store, "postgres batched", true).await;
 }
 
 #[cfg(feature = "mysql")]
@@ -196,7 +253,8 @@ async fn unique_index_storm_mariadb() {
     let Some((_guard, store)) = support::mysql_store().await else {
         return;
     };
-    storm(store, "mariadb").await;
+    storm(store.clone(), "mariadb", false).await;
+    storm(store, "mariadb batched", true).await;
 }
 
 /// A message without a usable key is dead-lettered with the reason; the rest commit.
