@@ -67,6 +67,13 @@ pub trait BrokerBench: Send + Sync {
     fn keys(&self) -> anyhow::Result<KeyStrategy> {
         Ok(KeyStrategy::dedup_header("bench")?)
     }
+
+    /// Broker-specific comparisons run after the consumers, in the same command (e.g. the
+    /// adapter's publisher against the client's own), printing their own report lines with
+    /// ratios. None by default.
+    async fn extra(&self, _run: &BrokerRun) -> anyhow::Result<()> {
+        Ok(())
+    }
 }
 
 /// The effect table of the benchmark: `msg_key` unique, as a hand-written consumer would
@@ -270,6 +277,7 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
         sink.drop_table().await?;
     }
     print_report(bench.name(), n, run, &f);
+    bench.extra(run).await?;
     Ok(f)
 }
 

@@ -10,6 +10,8 @@
     any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
 ))]
 pub mod broker;
+#[cfg(all(feature = "postgres", feature = "rabbitmq"))]
+mod rabbitmq;
 #[cfg(all(feature = "postgres", feature = "rocketmq"))]
 mod rocketmq;
 
@@ -218,6 +220,8 @@ async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         // Each broker module adds its arm here:
         // `#[cfg(feature = "kafka")] "kafka" => Some(Box::new(kafka::KafkaBench::from_env()?)),`
         let bench: Option<Box<dyn broker::BrokerBench>> = match name.as_str() {
+            #[cfg(feature = "rabbitmq")]
+            "rabbitmq" => Some(Box::new(rabbitmq::RabbitBench::from_env(args.batch)?)),
             #[cfg(feature = "rocketmq")]
             "rocketmq" => Some(Box::new(rocketmq::RocketBench::from_env()?)),
             _ => None,

@@ -61,6 +61,8 @@
 mod fields;
 mod publisher;
 mod source;
+#[cfg(feature = "streams")]
+pub mod stream;
 mod topology;
 
 pub use publisher::{route, RabbitPublisher, PLUGIN_DEDUP_HEADER};
@@ -119,8 +121,10 @@ pub enum RabbitError {
     Config(String),
 }
 
-/// Opens a connection whose I/O runs on the current tokio runtime.
-pub(crate) async fn connect(url: &str, name: &str) -> Result<lapin::Connection, RabbitError> {
+/// Opens a lapin connection whose I/O runs on the current tokio runtime, named `name` in the
+/// broker's connection list (what the source and the publisher use; handy for your own
+/// declarations or a plain consumer beside them).
+pub async fn connect(url: &str, name: &str) -> Result<lapin::Connection, RabbitError> {
     let props = lapin::ConnectionProperties::default()
         .with_executor(tokio_executor_trait::Tokio::current())
         .with_reactor(tokio_reactor_trait::Tokio)

@@ -127,3 +127,19 @@ pub fn double_and_lost(effects: &Effects, expected: &[String]) -> (usize, usize)
     let lost = expected.iter().filter(|k| !tally.contains_key(*k)).count();
     (doubles, lost)
 }
+
+/// `IDEMQ_TEST_RABBITMQ_STREAM_URL`; `None` skips the test unless `IDEMQ_REQUIRE_SERVERS=1`.
+pub fn stream_url() -> Option<String> {
+    let url = std::env::var("IDEMQ_TEST_RABBITMQ_STREAM_URL")
+        .ok()
+        .filter(|u| !u.is_empty());
+    if url.is_none() {
+        assert_ne!(
+            std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref(),
+            Ok("1"),
+            "IDEMQ_REQUIRE_SERVERS=1 but IDEMQ_TEST_RABBITMQ_STREAM_URL is not set (scripts/servers.sh env)"
+        );
+        eprintln!("skipped: IDEMQ_TEST_RABBITMQ_STREAM_URL is not set");
+    }
+    url
+}
