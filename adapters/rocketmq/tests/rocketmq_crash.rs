@@ -129,7 +129,10 @@ async fn a_consumer_process_killed_mid_batch_pays_each_key_once() {
     let publisher = support::publisher(&ns).await;
     let mut sent = 0;
     for i in 0..PAYMENTS {
-        let copies = if i % 4 == 0 { 2 } else { 1 };
+        let copies = match i % 4 {
+            0 => 2,
+            _ => 1,
+        };
         for _ in 0..copies {
             let m = OutgoingMessage::new(
                 &topic,

@@ -66,7 +66,10 @@ async fn orderly_consumption_keeps_per_key_order_with_dedup_and_injected_failure
             let mut copies_sent = 0usize;
             for v in 1..=VERSIONS {
                 for k in (p..KEYS).step_by(PUBLISHERS) {
-                    let copies = if (k + v as usize) % 7 == 0 { 2 } else { 1 };
+                    let copies = match (k + v as usize) % 7 {
+                        0 => 2,
+                        _ => 1,
+                    };
                     for _ in 0..copies {
                         let m = OutgoingMessage::new(
                             &topic,
