@@ -23,7 +23,7 @@ use idemq::rocketmq::rocketmq_model::common::message::MessageConst;
 use idemq::rocketmq::{
     client_config, client_runtime, PublisherConfig, RocketPublisher, RocketSource, SourceConfig,
 };
-use idemq::{async_trait, OutgoingMessage, Publisher, Source};
+use idemq::{async_trait, KeyStrategy, OutgoingMessage, Publisher, Source};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -267,6 +267,13 @@ impl BrokerBench for RocketBench {
             runtime: tokio::runtime::Handle::current(),
         };
         self.timed(dest, n, count, listener).await
+    }
+
+    /// A key namespace of its own per run: the PostgreSQL store outlives runs and rounds
+    /// (and is shared with other brokers' benchmarks), so the harness's fixed `bench`
+    /// namespace would find every key of a later run completed and run no handler.
+    fn keys(&self) -> anyhow::Result<KeyStrategy> {
+        Ok(KeyStrategy::dedup_header(&fresh_group("keys"))?)
     }
 
     async fn source(&self, dest: &str) -> anyhow::Result<Box<dyn Source>> {
