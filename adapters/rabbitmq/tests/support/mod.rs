@@ -9,16 +9,23 @@ use idemq_rabbitmq::{QueueType, RabbitPublisher, RabbitSource, RabbitSourceConfi
 
 /// `IDEMQ_TEST_AMQP_URL`; `None` skips the test unless `IDEMQ_REQUIRE_SERVERS=1`.
 pub fn amqp_url() -> Option<String> {
-    let url = std::env::var("IDEMQ_TEST_AMQP_URL")
-        .ok()
-        .filter(|u| !u.is_empty());
+    env_url("IDEMQ_TEST_AMQP_URL")
+}
+
+/// `IDEMQ_TEST_RABBITMQ_STREAM_URL`; `None` skips the test unless `IDEMQ_REQUIRE_SERVERS=1`.
+pub fn stream_url() -> Option<String> {
+    env_url("IDEMQ_TEST_RABBITMQ_STREAM_URL")
+}
+
+fn env_url(var: &str) -> Option<String> {
+    let url = std::env::var(var).ok().filter(|u| !u.is_empty());
     if url.is_none() {
         assert_ne!(
             std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref(),
             Ok("1"),
-            "IDEMQ_REQUIRE_SERVERS=1 but IDEMQ_TEST_AMQP_URL is not set (scripts/servers.sh env)"
+            "IDEMQ_REQUIRE_SERVERS=1 but {var} is not set (scripts/servers.sh env)"
         );
-        eprintln!("skipped: IDEMQ_TEST_AMQP_URL is not set");
+        eprintln!("skipped: {var} is not set");
     }
     url
 }
@@ -128,18 +135,3 @@ pub fn double_and_lost(effects: &Effects, expected: &[String]) -> (usize, usize)
     (doubles, lost)
 }
 
-/// `IDEMQ_TEST_RABBITMQ_STREAM_URL`; `None` skips the test unless `IDEMQ_REQUIRE_SERVERS=1`.
-pub fn stream_url() -> Option<String> {
-    let url = std::env::var("IDEMQ_TEST_RABBITMQ_STREAM_URL")
-        .ok()
-        .filter(|u| !u.is_empty());
-    if url.is_none() {
-        assert_ne!(
-            std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref(),
-            Ok("1"),
-            "IDEMQ_REQUIRE_SERVERS=1 but IDEMQ_TEST_RABBITMQ_STREAM_URL is not set (scripts/servers.sh env)"
-        );
-        eprintln!("skipped: IDEMQ_TEST_RABBITMQ_STREAM_URL is not set");
-    }
-    url
-}
