@@ -14,6 +14,8 @@ pub mod broker;
 mod rabbitmq;
 #[cfg(all(feature = "postgres", feature = "rocketmq"))]
 mod rocketmq;
+#[cfg(feature = "postgres")]
+mod unique;
 
 use idemq::broker::MemoryBroker;
 use idemq::sql::{SqlStoreOptions, SqliteStore};
@@ -37,7 +39,9 @@ pub struct BenchArgs {
     /// Interleaved rounds (baseline, then each store); the best time of each is reported.
     #[arg(long, default_value_t = 3)]
     rounds: usize,
-    /// Stores to run the engine over (comma-separated: memory, sqlite).
+    /// Stores to run the engine over (comma-separated: memory, sqlite; with the postgres
+    /// feature also `postgres` (effect + completion in the handler's transaction) and
+    /// `postgres-unique` (the unique-index consumer), compared with each other).
     #[arg(long, default_value = "memory,sqlite", value_delimiter = ',')]
     stores: Vec<String>,
     /// Benchmark these brokers instead (comma-separated: kafka, rabbitmq, rocketmq), each
@@ -170,7 +174,25 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     // Rounds interleave the baseline with each configuration and keep the best time of
     // each: on a shared machine, noise only ever slows a run down.
     let (mut base, mut mem, mut sql) = (Duration::MAX, Duration::MAX, Duration::MAX);
+    let (mut pg_table, mut pg_unique, mut pg_batch) = (Duration::MAX, Duration::MAX, Duration::MAX);
     for _ in 0..rounds {
+        #[cfg(feature = "postgres")]
+        if wants("postgres") || wants("postgres-unique") || wants("postgres-unique-batch") {
+            let url = args.postgres_url.as_deref().ok_or_else(|| {
+                anyhow::anyhow!(
+                    "--stores postgres needs --postgres-url (or IDEMQ_TEST_POSTGRES_URL)"
+                )
+            })?;
+            if wants("postgres") {
+                pg_table = pg_table.min(unique::dedup_table(url, n, args.batch).await?);
+            }
+            if wants("postgres-unique") {
+                pg_unique = pg_unique.min(unique::unique_index(url, n, args.batch).await?);
+            }
+            if wants("postgres-unique-batch") {
+                pg_batch = pg_batch.min(unique::unique_index_batched(url, n, args.batch).await?);
+            }
+        }
         base = base.min(baseline(n, args.batch).await?);
         if wants("memory") {
             mem = mem.min(engine(Arc::new(MemoryStore::new()), n, args.batch).await?);
@@ -199,6 +221,35 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
                 "idempotent consumer, {name}  {:>12.0} msgs/s  {:.2}x of bare",
                 rate(t),
                 base.as_secs_f64() / t.as_secs_f64()
+            );
+        }
+    }
+    for (name, t) in [
+        (
+            "PostgreSQL, dedup table + effect in the handler's transaction",
+            pg_table,
+        ),
+        (
+            "PostgreSQL, unique index (key + effect in the batch transaction)",
+            pg_unique,
+        ),
+        (
+            "PostgreSQL, unique index, batch handler (one effect statement per batch)",
+            pg_batch,
+        ),
+    ] {
+        if t != Duration::MAX {
+            println!("{name}: {:.0} msgs/s", rate(t));
+        }
+    }
+    for (name, t) in [
+        ("unique index", pg_unique),
+        ("unique index, batch handler", pg_batch),
+    ] {
+        if pg_table != Duration::MAX && t != Duration::MAX {
+            println!(
+                "{name} vs dedup table on PostgreSQL: {:.2}x",
+                pg_table.as_secs_f64() / t.as_secs_f64()
             );
         }
     }
