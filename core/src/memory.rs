@@ -12,6 +12,9 @@ use crate::store::{
 };
 use async_trait::async_trait;
 use std::collections::HashMap;
+
+/// Records by key, hashed with a per-process seeded fast hasher.
+type Records = HashMap<DedupKey, DedupRecord, foldhash::fast::RandomState>;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -35,7 +38,7 @@ use std::time::Duration;
 /// ```
 #[derive(Debug, Default)]
 pub struct MemoryStore {
-    records: Mutex<HashMap<DedupKey, DedupRecord>>,
+    records: Mutex<Records>,
     unavailable: AtomicBool,
 }
 
@@ -60,7 +63,7 @@ impl MemoryStore {
         self.len() == 0
     }
 
-    fn lock(&self) -> Result<MutexGuard<'_, HashMap<DedupKey, DedupRecord>>, StoreError> {
+    fn lock(&self) -> Result<MutexGuard<'_, Records>, StoreError> {
         if self.unavailable.load(Ordering::SeqCst) {
             return Err(StoreError::Unavailable(
                 "memory store switched off (simulated outage)".into(),

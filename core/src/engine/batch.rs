@@ -222,7 +222,8 @@ impl<H: Handler> IdempotentConsumer<H> {
     /// into its first delivery.
     async fn stage_keys(&self, batch: Vec<Delivery>) -> Vec<Item> {
         let mut items: Vec<Item> = Vec::with_capacity(batch.len());
-        let mut index: HashMap<DedupKey, usize> = HashMap::with_capacity(batch.len());
+        let mut index: HashMap<DedupKey, usize, foldhash::fast::RandomState> =
+            HashMap::with_capacity_and_hasher(batch.len(), Default::default());
         for d in batch {
             let key = match self.keys.derive(&d.envelope) {
                 Ok(k) => k,
