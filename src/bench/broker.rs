@@ -15,7 +15,7 @@
 //!
 //! Adding a broker is one `impl BrokerBench` in its own module; nothing here knows a broker.
 
-use idemq::sql::{PgStore, SqlStoreOptions};
+use idemq::sql::{PgStore, SqlStoreOptions, TableName};
 use idemq::{
     async_trait, ClaimedMessage, ConsumerConfig, DedupStore, HandlerError, IdempotentConsumer,
     KeyStrategy, MemoryStore, Source,
@@ -63,9 +63,16 @@ pub trait BrokerBench: Send + Sync {
     /// The adapter's [`Source`] on `dest` (a fresh group), for the idempotent consumer.
     async fn source(&self, dest: &str) -> anyhow::Result<Box<dyn Source>>;
 
-    /// The key strategy matching how [`BrokerBench::fill`] stored the key.
+    /// The key strategy matching how [`BrokerBench::fill`] stored the key, under a fresh
+    /// consumer group on every call: every measured run fills with the same keys `m-<i>`,
+    /// and the PostgreSQL store is shared by the rounds (and outlives the run), so under a
+    /// fixed group every run after the first found its keys completed, ran no handler, and
+    /// never reached its count.
     fn keys(&self) -> anyhow::Result<KeyStrategy> {
-        Ok(KeyStrategy::dedup_header("bench")?)
+        Ok(KeyStrategy::dedup_header(&format!(
+            "bench-{:08x}",
+            rand::random::<u32>()
+        ))?)
     }
 
     /// Broker-specific comparisons run after the consumers, in the same command (e.g. the
@@ -234,7 +241,10 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
     let pg = match &run.postgres_url {
         Some(url) => {
             let pool = PgPool::connect(url).await?;
-            let store = PgStore::connect(url, SqlStoreOptions::default()).await?;
+            // A table of its own, dropped at the end: nothing left behind in a shared
+            // database's default table.
+            let table = TableName::new(&format!("bench_dd_{:08x}", rand::random::<u32>()))?;
+            let store = PgStore::connect(url, SqlStoreOptions::with_table(table)).await?;
             Some((EffectSink::create(pool).await?, Arc::new(store)))
         }
         None => None,
@@ -273,8 +283,16 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
             keep_best(&mut f.postgres, t);
         }
     }
-    if let Some((sink, _)) = &pg {
+    if let Some((sink, store)) = &pg {
         sink.drop_table().await?;
+        for t in [
+            store.table().as_str().to_string(),
+            store.keys_table().as_str().to_string(),
+        ] {
+            sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
+                .execute(sink.pool())
+                .await?;
+        }
     }
     print_report(bench.name(), n, run, &f);
     bench.extra(run).await?;

@@ -10,6 +10,8 @@
     any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
 ))]
 pub mod broker;
+#[cfg(all(feature = "postgres", feature = "kafka"))]
+pub mod kafka;
 #[cfg(all(feature = "postgres", feature = "rabbitmq"))]
 mod rabbitmq;
 #[cfg(all(feature = "postgres", feature = "rocketmq"))]
@@ -268,13 +270,14 @@ async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         postgres_url: args.postgres_url.clone(),
     };
     for name in &args.brokers {
-        // Each broker module adds its arm here:
-        // `#[cfg(feature = "kafka")] "kafka" => Some(Box::new(kafka::KafkaBench::from_env()?)),`
+        // Each broker module adds its arm here.
         let bench: Option<Box<dyn broker::BrokerBench>> = match name.as_str() {
             #[cfg(feature = "rabbitmq")]
             "rabbitmq" => Some(Box::new(rabbitmq::RabbitBench::from_env(args.batch)?)),
             #[cfg(feature = "rocketmq")]
             "rocketmq" => Some(Box::new(rocketmq::RocketBench::from_env()?)),
+            #[cfg(feature = "kafka")]
+            "kafka" => Some(Box::new(kafka::KafkaBench::from_env()?)),
             _ => None,
         };
         let Some(bench) = bench else {
@@ -284,6 +287,10 @@ async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
             );
         };
         broker::measure(bench.as_ref(), &run).await?;
+        #[cfg(feature = "kafka")]
+        if name == "kafka" {
+            kafka::producer_comparison(&run).await?;
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

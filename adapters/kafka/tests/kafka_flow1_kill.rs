@@ -1,7 +1,7 @@
 //! Flow 1 (at-least-once + dedup store, the default) with real process kills, on the real
 //! broker and PostgreSQL.
 //!
-//! A producer sends 2 000 payments on a 4-partition topic and resends a quarter of them at
+//! A producer sends 2 000 payments on a 4-partition topic and resends 377 of them at
 //! new offsets (before, between and after the crashes). A consumer **process** (this test
 //! binary re-run as a child) applies each payment as a row of a ledger table **without a
 //! unique constraint**, in the same database transaction as its dedup record

@@ -1,0 +1,329 @@
+//! `idemq bench --brokers kafka`: the Kafka adapter against plain rdkafka consumers, and the
+//! transactional producer against the idempotent one.
+//!
+//! Every consumer's clock starts when its first record is in hand (after the group join and
+//! the first fetch), so a join's few hundred milliseconds do not swamp the per-message cost:
+//! the bare and hand-written consumers start timing at their first record, and
+//! [`KafkaBench::source`] returns a source that already holds its first batch.
+
+use super::broker::{bench_key, bench_payload, BrokerBench, BrokerRun, EffectSink};
+use idemq::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use idemq::kafka::rdkafka::client::DefaultClientContext;
+use idemq::kafka::rdkafka::consumer::{CommitMode, Consumer, StreamConsumer};
+use idemq::kafka::rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use idemq::kafka::rdkafka::message::{Header, OwnedHeaders};
+use idemq::kafka::rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use idemq::kafka::rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
+use idemq::kafka::{KafkaProducerConfig, KafkaPublisher, KafkaSource, KafkaSourceConfig};
+use idemq::{async_trait, Capabilities, Delivery, OutgoingMessage, Publisher, Source, SourceError};
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+
+/// Partitions of every benchmark topic.
+const PARTITIONS: i32 = 4;
+/// The transaction interval of the producer comparison.
+const COMMIT_INTERVAL: Duration = Duration::from_millis(100);
+
+/// Key, payload, partition and offset of a consumed record.
+type Row = (String, String, i32, i64);
+
+fn row<M: Message>(m: &M) -> Row {
+    let text = |b: Option<&[u8]>| b.map(|b| String::from_utf8_lossy(b).into_owned());
+    (
+        text(m.key()).unwrap_or_default(),
+        text(m.payload()).unwrap_or_default(),
+        m.partition(),
+        m.offset(),
+    )
+}
+
+/// The Kafka side of the broker benchmark.
+pub struct KafkaBench {
+    brokers: String,
+    publisher: KafkaPublisher,
+}
+
+impl KafkaBench {
+    /// On `IDEMQ_TEST_KAFKA_BROKERS` (what `scripts/servers.sh env` exports), else
+    /// 127.0.0.1:19092 (the port `scripts/servers.sh` starts Kafka on).
+    pub fn from_env() -> anyhow::Result<Self> {
+        let brokers = std::env::var("IDEMQ_TEST_KAFKA_BROKERS")
+            .ok()
+            .filter(|b| !b.is_empty())
+            .unwrap_or_else(|| "127.0.0.1:19092".to_string());
+        let publisher = KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers))?;
+        Ok(Self { brokers, publisher })
+    }
+
+    fn unique(prefix: &str) -> String {
+        format!("{prefix}-{:08x}", rand::random::<u32>())
+    }
+
+    fn consumer(&self, group: &str, topic: &str) -> anyhow::Result<StreamConsumer> {
+        let c: StreamConsumer = ClientConfig::new()
+            .set("bootstrap.servers", &self.brokers)
+            .set("group.id", group)
+            .set("auto.offset.reset", "earliest")
+            .set("enable.auto.commit", "false")
+            .set("enable.auto.offset.store", "false")
+            .create()?;
+        c.subscribe(&[topic])?;
+        Ok(c)
+    }
+
+    /// Consumes `n` records of `topic` a poll-batch at a time: `on_batch` gets each batch's
+    /// `(key, payload)` rows, then the batch's offsets are committed (async, as a consumer
+    /// committing per poll does). Timed from the first record.
+    async fn consume<F, Fut>(
+        &self,
+        topic: &str,
+        n: usize,
+        batch: usize,
+        mut on_batch: F,
+    ) -> anyhow::Result<Duration>
+    where
+        F: FnMut(Vec<(String, String)>) -> Fut,
+        Fut: std::future::Future<Output = anyhow::Result<()>>,
+    {
+        use futures::FutureExt;
+        let c = self.consumer(&Self::unique("bench-bare"), topic)?;
+        let mut seen = 0;
+        let mut started = None;
+        while seen < n {
+            let first = tokio::time::timeout(Duration::from_secs(60), c.recv())
+                .await
+                .map_err(|_| anyhow::anyhow!("no record within 60 s ({seen} of {n})"))??;
+            started.get_or_insert_with(Instant::now);
+            let mut rows = Vec::with_capacity(batch);
+            let mut next: HashMap<i32, i64> = HashMap::new();
+            let take = |rows: &mut Vec<(String, String)>,
+                        next: &mut HashMap<i32, i64>,
+                        (key, payload, partition, offset): Row| {
+                rows.push((key, payload));
+                next.insert(partition, offset + 1);
+            };
+            take(&mut rows, &mut next, row(&first));
+            drop(first);
+            while rows.len() < batch && seen + rows.len() < n {
+                match c.recv().now_or_never() {
+                    Some(Ok(m)) => take(&mut rows, &mut next, row(&m)),
+                    Some(Err(e)) => return Err(e.into()),
+                    None => break,
+                }
+            }
+            seen += rows.len();
+            on_batch(rows).await?;
+            let mut tpl = TopicPartitionList::new();
+            for (p, o) in next {
+                tpl.add_partition_offset(topic, p, Offset::Offset(o))?;
+            }
+            c.commit(&tpl, CommitMode::Async)?;
+        }
+        Ok(started.map_or(Duration::ZERO, |s| s.elapsed()))
+    }
+}
+
+#[async_trait]
+impl BrokerBench for KafkaBench {
+    fn name(&self) -> &'static str {
+        "kafka"
+    }
+
+    async fn fill(&self, n: usize) -> anyhow::Result<String> {
+        let topic = Self::unique("bench");
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", &self.brokers)
+            .create()?;
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+        for r in admin
+            .create_topics(
+                [&NewTopic::new(
+                    &topic,
+                    PARTITIONS,
+                    TopicReplication::Fixed(1),
+                )],
+                &opts,
+            )
+            .await?
+        {
+            r.map_err(|(t, code)| anyhow::anyhow!("create topic {t}: {code}"))?;
+        }
+        let msgs: Vec<OutgoingMessage> = (0..n)
+            .map(|i| {
+                OutgoingMessage::new(&topic, bench_payload(i))
+                    .with_key(bench_key(i))
+                    .with_dedup_key(bench_key(i))
+            })
+            .collect();
+        for chunk in msgs.chunks(5_000) {
+            for r in self.publisher.publish_batch(chunk.to_vec()).await {
+                r?;
+            }
+        }
+        Ok(topic)
+    }
+
+    async fn bare(&self, dest: &str, n: usize) -> anyhow::Result<Duration> {
+        self.consume(dest, n, 256, |_rows| async { Ok(()) }).await
+    }
+
+    async fn handwritten(
+        &self,
+        dest: &str,
+        n: usize,
+        sink: &EffectSink,
+    ) -> anyhow::Result<Duration> {
+        self.consume(dest, n, 256, |rows| async move {
+            sink.insert_batch(&rows).await
+        })
+        .await
+    }
+
+    async fn source(&self, dest: &str) -> anyhow::Result<Box<dyn Source>> {
+        let cfg = KafkaSourceConfig::new(&self.brokers, &Self::unique("bench-idemq"), &[dest]);
+        let mut inner = KafkaSource::new(cfg)?;
+        // Join the group and fetch before the clock starts, as the plain consumers do.
+        let first = tokio::time::timeout(Duration::from_secs(60), inner.poll(256))
+            .await
+            .map_err(|_| anyhow::anyhow!("no record within 60 s"))??;
+        Ok(Box::new(Primed { first, inner }))
+    }
+}
+
+/// A source that hands out an already-polled batch first.
+struct Primed {
+    first: Option<Vec<Delivery>>,
+    inner: KafkaSource,
+}
+
+#[async_trait]
+impl Source for Primed {
+    async fn poll(&mut self, max: usize) -> Result<Option<Vec<Delivery>>, SourceError> {
+        match self.first.take() {
+            Some(batch) => Ok(Some(batch)),
+            None => self.inner.poll(max).await,
+        }
+    }
+
+    async fn after_batch(&mut self) -> Result<(), SourceError> {
+        self.inner.after_batch().await
+    }
+
+    async fn close(&mut self) -> Result<(), SourceError> {
+        self.inner.close().await
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+}
+
+/// Sends `n` records of about 64 bytes; with `transactional`, one transaction per
+/// [`COMMIT_INTERVAL`] (the last one committed before the clock stops), otherwise every
+/// delivery report is awaited at the end.
+async fn produce_run(brokers: &str, n: usize, transactional: bool) -> anyhow::Result<Duration> {
+    let topic = KafkaBench::unique("bench-produce");
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()?;
+    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+    for r in admin
+        .create_topics(
+            [&NewTopic::new(
+                &topic,
+                PARTITIONS,
+                TopicReplication::Fixed(1),
+            )],
+            &opts,
+        )
+        .await?
+    {
+        r.map_err(|(t, code)| anyhow::anyhow!("create topic {t}: {code}"))?;
+    }
+    let cfg = if transactional {
+        KafkaProducerConfig::transactional(brokers, &KafkaBench::unique("bench-txn"))
+    } else {
+        KafkaProducerConfig::idempotent(brokers)
+    };
+    let producer: FutureProducer = cfg.client_config()?.create()?;
+    let blocking = |p: &FutureProducer, f: fn(&FutureProducer) -> Result<(), KafkaError>| {
+        let p = p.clone();
+        tokio::task::spawn_blocking(move || f(&p))
+    };
+    if transactional {
+        blocking(&producer, |p| p.init_transactions(Duration::from_secs(30))).await??;
+    }
+    let started = Instant::now();
+    if transactional {
+        producer.begin_transaction()?;
+    }
+    let mut txn_started = Instant::now();
+    let mut pending = Vec::with_capacity(n);
+    for i in 0..n {
+        let (key, payload) = (bench_key(i), bench_payload(i));
+        let headers = OwnedHeaders::new().insert(Header {
+            key: idemq::DEDUP_HEADER,
+            value: Some(key.as_bytes()),
+        });
+        let mut record = FutureRecord::to(&topic)
+            .key(key.as_bytes())
+            .payload(payload.as_bytes())
+            .headers(headers);
+        loop {
+            match producer.send_result(record) {
+                Ok(f) => {
+                    pending.push(f);
+                    break;
+                }
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), r)) => {
+                    record = r;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                Err((e, _)) => return Err(e.into()),
+            }
+        }
+        if transactional && txn_started.elapsed() >= COMMIT_INTERVAL {
+            blocking(&producer, |p| p.commit_transaction(Duration::from_secs(30))).await??;
+            producer.begin_transaction()?;
+            txn_started = Instant::now();
+        }
+    }
+    if transactional {
+        blocking(&producer, |p| p.commit_transaction(Duration::from_secs(30))).await??;
+    }
+    for f in pending {
+        f.await?.map_err(|(e, _)| e)?;
+    }
+    let elapsed = started.elapsed();
+    let _ = admin.delete_topics(&[&topic], &opts).await;
+    Ok(elapsed)
+}
+
+/// Transactional (one commit per 100 ms) against idempotent producing, best of
+/// `run.rounds` interleaved rounds; prints the ratio (target ≥ 0.85).
+pub async fn producer_comparison(run: &BrokerRun) -> anyhow::Result<(Duration, Duration)> {
+    let bench = KafkaBench::from_env()?;
+    let n = (run.messages * 2).max(1);
+    let (mut idem, mut txn) = (Duration::MAX, Duration::MAX);
+    for _ in 0..run.rounds.max(1) {
+        idem = idem.min(produce_run(&bench.brokers, n, false).await?);
+        txn = txn.min(produce_run(&bench.brokers, n, true).await?);
+    }
+    let rate = |d: Duration| n as f64 / d.as_secs_f64().max(1e-9);
+    println!(
+        "kafka producer: best of {} interleaved rounds, {n} records of ~64 bytes",
+        run.rounds.max(1)
+    );
+    println!(
+        "  {:<42} {:>10.0} msgs/s  1.00x",
+        "idempotent producer",
+        rate(idem)
+    );
+    println!(
+        "  {:<42} {:>10.0} msgs/s  {:.2}x of idempotent (target >= 0.85)",
+        "transactional producer, commit every 100 ms",
+        rate(txn),
+        idem.as_secs_f64() / txn.as_secs_f64().max(1e-9)
+    );
+    Ok((idem, txn))
+}
