@@ -24,7 +24,7 @@ use idemq::rabbitmq::lapin::publisher_confirm::{Confirmation, PublisherConfirm};
 use idemq::rabbitmq::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use idemq::rabbitmq::lapin::{BasicProperties, Channel, Connection, Consumer};
 use idemq::rabbitmq::{connect, RabbitPublisher, RabbitSource, RabbitSourceConfig};
-use idemq::{async_trait, OutgoingMessage, Publisher, Source, DEDUP_HEADER};
+use idemq::{async_trait, KeyStrategy, OutgoingMessage, Publisher, Source, DEDUP_HEADER};
 use std::time::{Duration, Instant};
 
 /// The longest one measured run may take before the run fails.
@@ -275,6 +275,13 @@ impl BrokerBench for RabbitBench {
         let _ = conn.close(200, "done").await;
         self.delete_queue(dest).await?;
         Ok(elapsed)
+    }
+
+    /// A fresh key namespace per engine run: the PostgreSQL store is shared, and keys
+    /// `m-<i>` completed by an earlier run would otherwise be acked as duplicates.
+    fn keys(&self) -> anyhow::Result<KeyStrategy> {
+        let group = format!("bench-rabbitmq-{:08x}", rand::random::<u32>());
+        Ok(KeyStrategy::dedup_header(&group)?)
     }
 
     async fn source(&self, dest: &str) -> anyhow::Result<Box<dyn Source>> {
