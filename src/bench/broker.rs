@@ -11,11 +11,14 @@
 //!   writes without idemq; at-least-once with idempotent rows);
 //! - **idemq + memory store**: the engine over the adapter's `Source`, against *bare*;
 //! - **idemq + PostgreSQL store**: the engine with a handler that inserts the same effect row,
-//!   against *hand-written*.
+//!   against *hand-written*;
+//! - **idemq unique index + PostgreSQL**: `UniqueIndexConsumer` with a batch handler (the
+//!   batch's keys and effect rows in one transaction), against *hand-written*.
 //!
 //! Adding a broker is one `impl BrokerBench` in its own module; nothing here knows a broker.
 
-use idemq::sql::{PgStore, SqlStoreOptions, TableName};
+use idemq::sql::unique::{UniqueIndexConfig, UniqueIndexConsumer};
+use idemq::sql::{PgStore, SqlResultExt, SqlStoreOptions, TableName};
 use idemq::{
     async_trait, ClaimedMessage, ConsumerConfig, DedupStore, HandlerError, IdempotentConsumer,
     KeyStrategy, MemoryStore, Source,
@@ -206,6 +209,56 @@ pub async fn run_engine(
     Ok(elapsed)
 }
 
+/// Runs the unique-index consumer (batch handler: each batch's effect rows written with
+/// one statement in the transaction of its key inserts) until `n` effects are written.
+pub async fn run_unique(
+    source: &mut (dyn Source + '_),
+    keys: KeyStrategy,
+    store: PgStore,
+    sink: EffectSink,
+    n: usize,
+    batch: usize,
+) -> anyhow::Result<Duration> {
+    let done = Arc::new(AtomicUsize::new(0));
+    let finished = Arc::new(tokio::sync::Notify::new());
+    let (count, notify) = (done.clone(), finished.clone());
+    let insert = format!(
+        "INSERT INTO {} (msg_key, payload) SELECT * FROM UNNEST($1::text[], $2::text[]) \
+         ON CONFLICT (msg_key) DO NOTHING",
+        sink.table
+    );
+    let consumer = UniqueIndexConsumer::from_batch_fn(store, keys, move |msgs, tx| {
+        let (count, notify, insert) = (count.clone(), notify.clone(), insert.clone());
+        let keys: Vec<&str> = msgs.iter().map(|m| m.key.as_str()).collect();
+        let payloads: Vec<String> = msgs
+            .iter()
+            .map(|m| String::from_utf8_lossy(&m.envelope.payload).into_owned())
+            .collect();
+        Box::pin(async move {
+            sqlx::query(&insert)
+                .bind(keys)
+                .bind(payloads)
+                .execute(&mut *tx)
+                .await
+                .classify()?;
+            if count.fetch_add(msgs.len(), Ordering::AcqRel) + msgs.len() >= n {
+                notify.notify_one();
+            }
+            Ok(())
+        })
+    })
+    .with_config(UniqueIndexConfig::default().with_max_batch(batch));
+    let t = Instant::now();
+    consumer.run(source, finished.notified()).await?;
+    let elapsed = t.elapsed();
+    anyhow::ensure!(
+        done.load(Ordering::Acquire) >= n,
+        "the unique-index consumer stopped after {} of {n} messages",
+        done.load(Ordering::Acquire)
+    );
+    Ok(elapsed)
+}
+
 /// Options shared by every broker's run.
 pub struct BrokerRun {
     /// Messages per measured run.
@@ -229,6 +282,9 @@ pub struct BrokerFigures {
     pub handwritten: Option<Duration>,
     /// Engine + PostgreSQL store + effect row per message.
     pub postgres: Option<Duration>,
+    /// Unique-index consumer with a batch handler: keys and effect rows of a batch in one
+    /// PostgreSQL transaction (one key insert, one effect insert, one commit).
+    pub unique: Option<Duration>,
 }
 
 fn keep_best(slot: &mut Option<Duration>, t: Duration) {
@@ -261,7 +317,7 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
             &mut f.memory,
             run_engine(src.as_mut(), bench.keys()?, mem, None, n, run.batch).await?,
         );
-        if let Some((sink, store)) = &pg {
+        if let Some((sink, pg_store)) = &pg {
             sink.clear().await?;
             let dest = bench.fill(n).await?;
             keep_best(&mut f.handwritten, bench.handwritten(&dest, n, sink).await?);
@@ -269,7 +325,7 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
             sink.clear().await?;
             let dest = bench.fill(n).await?;
             let mut src = bench.source(&dest).await?;
-            let store: Arc<dyn DedupStore> = store.clone();
+            let store: Arc<dyn DedupStore> = pg_store.clone();
             let t = run_engine(
                 src.as_mut(),
                 bench.keys()?,
@@ -281,6 +337,23 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
             .await?;
             anyhow::ensure!(sink.count().await? == n as i64, "idemq effects");
             keep_best(&mut f.postgres, t);
+            sink.clear().await?;
+            let dest = bench.fill(n).await?;
+            let mut src = bench.source(&dest).await?;
+            let t = run_unique(
+                src.as_mut(),
+                bench.keys()?,
+                PgStore::clone(pg_store),
+                sink.clone(),
+                n,
+                run.batch,
+            )
+            .await?;
+            anyhow::ensure!(
+                sink.count().await? == n as i64,
+                "idemq unique-index effects"
+            );
+            keep_best(&mut f.unique, t);
         }
     }
     if let Some((sink, store)) = &pg {
@@ -288,6 +361,7 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
         for t in [
             store.table().as_str().to_string(),
             store.keys_table().as_str().to_string(),
+            format!("{}_fence", store.table().as_str()),
         ] {
             sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
                 .execute(sink.pool())
@@ -332,6 +406,14 @@ fn print_report(name: &str, n: usize, run: &BrokerRun, f: &BrokerFigures) {
         format!(
             "{} of hand-written (target >= 0.80)",
             ratio(f.postgres, f.handwritten)
+        ),
+    );
+    line(
+        "idemq unique index (batch handler) + PostgreSQL",
+        f.unique,
+        format!(
+            "{} of hand-written (target >= 0.80)",
+            ratio(f.unique, f.handwritten)
         ),
     );
 }
