@@ -134,4 +134,3 @@ pub fn double_and_lost(effects: &Effects, expected: &[String]) -> (usize, usize)
     let lost = expected.iter().filter(|k| !tally.contains_key(*k)).count();
     (doubles, lost)
 }
-
