@@ -57,6 +57,23 @@ async fn count(store: &PgStore, effects: &str) -> anyhow::Result<i64> {
     Ok(n)
 }
 
+/// Times `run` (a consumer over a broker of `n` messages), checks that it wrote `n` effect
+/// rows, and drops the tables.
+async fn timed_run(
+    store: &PgStore,
+    effects: &str,
+    n: usize,
+    what: &str,
+    run: impl std::future::Future<Output = Result<(), idemq::ConsumerError>>,
+) -> anyhow::Result<Duration> {
+    let t = Instant::now();
+    run.await?;
+    let elapsed = t.elapsed();
+    anyhow::ensure!(count(store, effects).await? == n as i64, "{what} effects");
+    teardown(store, effects).await?;
+    Ok(elapsed)
+}
+
 /// The engine with the dedup-table store; effect + completion in the handler's transaction.
 pub async fn dedup_table(url: &str, n: usize, batch: usize) -> anyhow::Result<Duration> {
     let (store, effects, keys) = setup(url).await?;
@@ -77,15 +94,9 @@ pub async fn dedup_table(url: &str, n: usize, batch: usize) -> anyhow::Result<Du
             ..ConsumerConfig::default()
         },
     );
-    let t = Instant::now();
-    consumer.run_until_idle(&mut broker.subscribe()).await?;
-    let elapsed = t.elapsed();
-    anyhow::ensure!(
-        count(&store, &effects).await? == n as i64,
-        "dedup-table effects"
-    );
-    teardown(&store, &effects).await?;
-    Ok(elapsed)
+    let mut source = broker.subscribe();
+    let run = consumer.run_until_idle(&mut source);
+    timed_run(&store, &effects, n, "dedup-table", run).await
 }
 
 /// The unique-index consumer with a batch handler: one key insert, one multi-row effect
@@ -108,15 +119,9 @@ pub async fn unique_index_batched(url: &str, n: usize, batch: usize) -> anyhow::
         })
     })
     .with_config(UniqueIndexConfig::default().with_max_batch(batch));
-    let t = Instant::now();
-    consumer.run_until_idle(&mut broker.subscribe()).await?;
-    let elapsed = t.elapsed();
-    anyhow::ensure!(
-        count(&store, &effects).await? == n as i64,
-        "unique-index batched effects"
-    );
-    teardown(&store, &effects).await?;
-    Ok(elapsed)
+    let mut source = broker.subscribe();
+    let run = consumer.run_until_idle(&mut source);
+    timed_run(&store, &effects, n, "unique-index batched", run).await
 }
 
 /// The unique-index consumer: key inserts and effect rows in one transaction per batch.
@@ -136,13 +141,7 @@ pub async fn unique_index(url: &str, n: usize, batch: usize) -> anyhow::Result<D
         })
     })
     .with_config(UniqueIndexConfig::default().with_max_batch(batch));
-    let t = Instant::now();
-    consumer.run_until_idle(&mut broker.subscribe()).await?;
-    let elapsed = t.elapsed();
-    anyhow::ensure!(
-        count(&store, &effects).await? == n as i64,
-        "unique-index effects"
-    );
-    teardown(&store, &effects).await?;
-    Ok(elapsed)
+    let mut source = broker.subscribe();
+    let run = consumer.run_until_idle(&mut source);
+    timed_run(&store, &effects, n, "unique-index", run).await
 }

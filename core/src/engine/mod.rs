@@ -226,15 +226,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         let running = lease::RunningLoop::start();
         let result = self.poll_loop(source, shutdown).await;
         drop(running);
-        let closed = source.close().await;
-        match (result, closed) {
-            (Err(e), _) => Err(e),
-            (Ok(()), Err(e)) => {
-                tracing::warn!(error = %e, "closing the source failed; its unsettled messages will be redelivered");
-                Err(e.into())
-            }
-            (Ok(()), Ok(())) => Ok(()),
-        }
+        close_after_run(source, result).await
     }
 
     async fn poll_loop<S: Source + ?Sized>(
@@ -258,6 +250,24 @@ impl<H: Handler> IdempotentConsumer<H> {
         source: &mut S,
     ) -> Result<(), ConsumerError> {
         self.run(source, std::future::pending()).await
+    }
+}
+
+/// Closes `source` after a poll loop ended with `result` (a consumer mode's `run` calls it
+/// once [`drive_source`] returns): the loop's error wins; a failed close is logged and
+/// returned.
+pub async fn close_after_run<S: Source + ?Sized>(
+    source: &mut S,
+    result: Result<(), ConsumerError>,
+) -> Result<(), ConsumerError> {
+    let closed = source.close().await;
+    match (result, closed) {
+        (Err(e), _) => Err(e),
+        (Ok(()), Err(e)) => {
+            tracing::warn!(error = %e, "closing the source failed; its unsettled messages will be redelivered");
+            Err(e.into())
+        }
+        (Ok(()), Ok(())) => Ok(()),
     }
 }
 

@@ -57,7 +57,7 @@
 use crate::backend::{error_class, Dialect, ErrorClass, Kind, SqlBackend, Val};
 use crate::store::SqlStore;
 use async_trait::async_trait;
-use idemq_core::engine::{drive_source, Backoff};
+use idemq_core::engine::{close_after_run, drive_source, Backoff};
 use idemq_core::metrics::{self as m, outcome};
 use idemq_core::{
     ConsumerError, DedupKey, Delivery, Envelope, HandlerError, KeyStrategy, RetryPolicy, Source,
@@ -370,9 +370,7 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
             self.process_batch(batch)
         })
         .await;
-        let closed = source.close().await;
-        result?;
-        closed.map_err(ConsumerError::from)
+        close_after_run(source, result).await
     }
 
     /// Runs until the source ends.
