@@ -130,24 +130,7 @@ impl BrokerBench for KafkaBench {
     }
 
     async fn fill(&self, n: usize) -> anyhow::Result<String> {
-        let topic = Self::unique("bench");
-        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", &self.brokers)
-            .create()?;
-        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
-        for r in admin
-            .create_topics(
-                [&NewTopic::new(
-                    &topic,
-                    PARTITIONS,
-                    TopicReplication::Fixed(1),
-                )],
-                &opts,
-            )
-            .await?
-        {
-            r.map_err(|(t, code)| anyhow::anyhow!("create topic {t}: {code}"))?;
-        }
+        let topic = create_topic(&self.brokers, "bench").await?;
         let msgs: Vec<OutgoingMessage> = (0..n)
             .map(|i| {
                 OutgoingMessage::new(&topic, bench_payload(i))
@@ -218,28 +201,36 @@ impl Source for Primed {
     }
 }
 
-/// Sends `n` records of about 64 bytes; with `transactional`, one transaction per
-/// [`COMMIT_INTERVAL`] (the last one committed before the clock stops), otherwise every
-/// delivery report is awaited at the end.
-async fn produce_run(brokers: &str, n: usize, transactional: bool) -> anyhow::Result<Duration> {
-    let topic = KafkaBench::unique("bench-produce");
+/// Creates a fresh topic (`<prefix>-<random>`, [`PARTITIONS`] partitions) and returns its name.
+async fn create_topic(brokers: &str, prefix: &str) -> anyhow::Result<String> {
+    let topic = KafkaBench::unique(prefix);
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", brokers)
         .create()?;
     let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
-    for r in admin
-        .create_topics(
-            [&NewTopic::new(
-                &topic,
-                PARTITIONS,
-                TopicReplication::Fixed(1),
-            )],
-            &opts,
-        )
-        .await?
-    {
+    let new = NewTopic::new(&topic, PARTITIONS, TopicReplication::Fixed(1));
+    for r in admin.create_topics([&new], &opts).await? {
         r.map_err(|(t, code)| anyhow::anyhow!("create topic {t}: {code}"))?;
     }
+    Ok(topic)
+}
+
+/// Deletes a benchmark topic, best effort (a leftover topic only costs disk).
+async fn delete_topic(brokers: &str, topic: &str) {
+    let admin: Result<AdminClient<DefaultClientContext>, _> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create();
+    if let Ok(admin) = admin {
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(30)));
+        let _ = admin.delete_topics(&[topic], &opts).await;
+    }
+}
+
+/// Sends `n` records of about 64 bytes; with `transactional`, one transaction per
+/// [`COMMIT_INTERVAL`] (the last one committed before the clock stops), otherwise every
+/// delivery report is awaited at the end.
+async fn produce_run(brokers: &str, n: usize, transactional: bool) -> anyhow::Result<Duration> {
+    let topic = create_topic(brokers, "bench-produce").await?;
     let cfg = if transactional {
         KafkaProducerConfig::transactional(brokers, &KafkaBench::unique("bench-txn"))
     } else {
@@ -295,7 +286,7 @@ async fn produce_run(brokers: &str, n: usize, transactional: bool) -> anyhow::Re
         f.await?.map_err(|(e, _)| e)?;
     }
     let elapsed = started.elapsed();
-    let _ = admin.delete_topics(&[&topic], &opts).await;
+    delete_topic(brokers, &topic).await;
     Ok(elapsed)
 }
 
