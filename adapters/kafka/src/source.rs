@@ -5,9 +5,11 @@ use crate::envelope::to_envelope;
 use crate::publisher::{produce, KafkaPublisher};
 use crate::KafkaSourceError;
 use async_trait::async_trait;
-use idemq_core::adapter::{DelayedRedelivery, Epoch, OffsetTracker, PartitionId};
+use idemq_core::adapter::{
+    DelayedRedelivery, Epoch, HeldSettle, LocallyHeld, OffsetTracker, PartitionId, SharedState,
+};
 use idemq_core::envelope::{props, Headers};
-use idemq_core::source::{Capabilities, Delivery, Settle, Source, SourceError};
+use idemq_core::source::{Capabilities, Delivery, Source, SourceError};
 use idemq_core::Envelope;
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::RebalanceProtocol;
@@ -18,10 +20,9 @@ use rdkafka::types::{RDKafkaErrorCode, RDKafkaRespErr};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// Header naming why a record was dead-lettered.
@@ -177,18 +178,17 @@ struct State {
     fatal: Option<String>,
 }
 
+/// What the source, its polling thread and its deliveries share.
 #[derive(Debug)]
 struct Shared {
-    state: Mutex<State>,
-    wake: Notify,
+    sync: SharedState<State>,
     stop: AtomicBool,
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock leaves consistent-enough state (all updates are
-        // single steps); keep going rather than poison every settle.
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+impl std::ops::Deref for Shared {
+    type Target = SharedState<State>;
+    fn deref(&self) -> &SharedState<State> {
+        &self.sync
     }
 }
 
@@ -396,8 +396,7 @@ impl KafkaSource {
                 },
             );
         let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
-            wake: Notify::new(),
+            sync: SharedState::new(State::default()),
             stop: AtomicBool::new(false),
         });
         let consumer: Consumer_ = client
@@ -494,11 +493,11 @@ impl KafkaSource {
         let envelope = rec.envelope.clone();
         Delivery::new(
             envelope,
-            Box::new(KafkaSettle {
+            Box::new(HeldSettle(KafkaSettle {
                 shared: self.shared.clone(),
                 dlq: self.dlq.clone(),
                 record: Some(rec),
-            }),
+            })),
         )
     }
 }
@@ -561,7 +560,7 @@ fn poll_thread(consumer: Arc<Consumer_>, shared: Arc<Shared>, cfg: KafkaSourceCo
                         }
                     }
                     drop(st);
-                    shared.wake.notify_one();
+                    shared.wake_one();
                 } else {
                     tracing::debug!(topic = %part.0, partition = part.1, "record of an unassigned partition dropped");
                 }
@@ -570,7 +569,7 @@ fn poll_thread(consumer: Arc<Consumer_>, shared: Arc<Shared>, cfg: KafkaSourceCo
                 tracing::warn!(error = %e, "kafka consumer error");
                 if let rdkafka::error::KafkaError::MessageConsumptionFatal(code) = e {
                     shared.lock().fatal = Some(format!("fatal consumer error: {code}"));
-                    shared.wake.notify_one();
+                    shared.wake_one();
                     break;
                 }
             }
@@ -607,7 +606,7 @@ impl Source for KafkaSource {
             // Nothing has left the shared state yet: dropping this future loses nothing.
             let far = Instant::now() + Duration::from_secs(3600);
             tokio::select! {
-                _ = self.shared.wake.notified() => {}
+                _ = self.shared.woken() => {}
                 _ = tokio::time::sleep_until(next_due.unwrap_or(far)) => {}
             }
         }
@@ -642,7 +641,7 @@ impl Source for KafkaSource {
         st.closed = true;
         st.parts.clear();
         drop(st);
-        self.shared.wake.notify_one();
+        self.shared.wake_one();
         result
     }
 
@@ -691,7 +690,14 @@ impl KafkaSettle {
             .filter(|r| !st.closed && st.tracker.is_current(&r.part, r.epoch))
     }
 
-    fn settle_done(&mut self) {
+    fn current_of(&self, st: &State, r: &Record) -> bool {
+        !st.closed && st.tracker.is_current(&r.part, r.epoch)
+    }
+}
+
+#[async_trait]
+impl LocallyHeld for KafkaSettle {
+    fn settled(&mut self) {
         if let Some(r) = self.record.take() {
             let mut st = self.shared.lock();
             st.tracker.settled(&r.part, r.epoch, r.offset);
@@ -709,28 +715,11 @@ impl KafkaSettle {
             r.held_until = Instant::now() + delay;
             hold_in_offset_order(&mut st.delayed, r);
             drop(st);
-            self.shared.wake.notify_one();
+            self.shared.wake_one();
         }
     }
 
-    fn current_of(&self, st: &State, r: &Record) -> bool {
-        !st.closed && st.tracker.is_current(&r.part, r.epoch)
-    }
-}
-
-#[async_trait]
-impl Settle for KafkaSettle {
-    async fn ack(&mut self) -> Result<(), SourceError> {
-        self.settle_done();
-        Ok(())
-    }
-
-    async fn nack(&mut self, redeliver_after: Duration) -> Result<(), SourceError> {
-        self.hold(redeliver_after);
-        Ok(())
-    }
-
-    async fn reject(&mut self, reason: &str) -> Result<(), SourceError> {
+    async fn dead_letter(&mut self, reason: &str) -> Result<(), SourceError> {
         let env = {
             let st = self.shared.lock();
             match self.current(&st) {
@@ -765,12 +754,7 @@ impl Settle for KafkaSettle {
         .await
         .map_err(|e| SourceError::Broker(format!("dead-letter produce to {topic} failed: {e}")))?;
         metrics::counter!(crate::metrics::DEAD_LETTERS, "topic" => topic).increment(1);
-        self.settle_done();
         Ok(())
-    }
-
-    fn abandon(&mut self) {
-        self.hold(Duration::ZERO);
     }
 
     fn is_stale(&self) -> bool {

@@ -8,11 +8,17 @@
 //!   partition do nothing.
 //! - [`DelayedRedelivery`]: a time-ordered buffer of nacked messages, redelivered locally after
 //!   their delay by brokers that cannot delay natively (Kafka), keeping order per lane.
+//! - [`SharedState`]: a source's state shared with its deliveries (a lock that does not
+//!   poison, and a wake-up for `poll`), and [`HeldSettle`], the one mapping of ack / nack /
+//!   reject onto sources that keep their own offsets and hold nacked messages locally
+//!   ([`LocallyHeld`]).
 
 mod channel;
 mod delayed;
 mod offsets;
+mod shared;
 
 pub use channel::{channel_source, ChannelSender, ChannelSource, SettleRecorder, Settlement};
 pub use delayed::DelayedRedelivery;
 pub use offsets::{Epoch, OffsetTracker, PartitionId};
+pub use shared::{HeldSettle, LocallyHeld, SharedState};

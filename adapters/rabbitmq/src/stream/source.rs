@@ -8,17 +8,18 @@ use super::{
 use crate::{RabbitError, DLQ_QUEUE, DLQ_REASON};
 use async_trait::async_trait;
 use futures::{FutureExt, StreamExt};
-use idemq_core::adapter::{DelayedRedelivery, Epoch, OffsetTracker, PartitionId};
+use idemq_core::adapter::{
+    DelayedRedelivery, Epoch, HeldSettle, LocallyHeld, OffsetTracker, PartitionId, SharedState,
+};
 use idemq_core::envelope::props;
 use idemq_core::publish::OutgoingMessage;
-use idemq_core::source::{Capabilities, Delivery, Settle, Source, SourceError};
+use idemq_core::source::{Capabilities, Delivery, Source, SourceError};
 use idemq_core::Envelope;
 use rabbitmq_stream_client::error::ClientError;
 use rabbitmq_stream_client::types::{OffsetSpecification, ResponseCode};
 use rabbitmq_stream_client::{Consumer, Environment, NoDedup, Producer};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::Notify;
 use tokio::time::Instant;
 
 /// Header of a dead-lettered stream message: the offset it had in its stream.
@@ -102,14 +103,14 @@ struct State {
 /// What the source and its deliveries share.
 struct Shared {
     part: PartitionId,
-    state: Mutex<State>,
-    wake: Notify,
+    sync: SharedState<State>,
     dlq: DeadLetters,
 }
 
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+impl std::ops::Deref for Shared {
+    type Target = SharedState<State>;
+    fn deref(&self) -> &SharedState<State> {
+        &self.sync
     }
 }
 
@@ -194,8 +195,7 @@ impl StreamSource {
         }
         let shared = Arc::new(Shared {
             part: (cfg.stream.clone(), 0),
-            state: Mutex::new(State::default()),
-            wake: Notify::new(),
+            sync: SharedState::new(State::default()),
             dlq: DeadLetters {
                 env: env.clone(),
                 stream: dlq,
@@ -268,13 +268,13 @@ impl StreamSource {
     fn delivery(&self, epoch: Epoch, offset: u64, envelope: Envelope) -> Delivery {
         Delivery::new(
             envelope.clone(),
-            Box::new(StreamSettle {
+            Box::new(HeldSettle(StreamSettle {
                 shared: self.shared.clone(),
                 epoch,
                 offset,
                 stream: self.cfg.stream.clone(),
                 envelope: Some(envelope),
-            }),
+            })),
         )
     }
 
@@ -353,7 +353,7 @@ impl Source for StreamSource {
                 // Something is held: nothing newer goes out before it (stream order).
                 tokio::select! {
                     _ = tokio::time::sleep_until(at) => {}
-                    _ = self.shared.wake.notified() => {}
+                    _ = self.shared.woken() => {}
                 }
                 continue;
             }
@@ -368,7 +368,7 @@ impl Source for StreamSource {
             // nothing below awaits.
             let first = tokio::select! {
                 next = consumer.next() => next,
-                _ = self.shared.wake.notified() => continue,
+                _ = self.shared.woken() => continue,
             };
             let mut got = Vec::new();
             let mut failed = None;
@@ -428,7 +428,7 @@ impl Source for StreamSource {
             st.tracker.revoke(&self.shared.part);
             st.held = DelayedRedelivery::new();
         }
-        self.shared.wake.notify_waiters();
+        self.shared.wake_all();
         if let Some(c) = self.consumer.take() {
             let _ = c.handle().close().await;
         }
@@ -482,7 +482,10 @@ impl StreamSettle {
             && !st.closed
             && st.tracker.is_current(&self.shared.part, self.epoch)
     }
+}
 
+#[async_trait]
+impl LocallyHeld for StreamSettle {
     fn settled(&mut self) {
         let mut st = self.shared.lock();
         if self.current(&st) {
@@ -492,7 +495,6 @@ impl StreamSettle {
         self.envelope = None;
     }
 
-    /// Held locally (the offset stays outstanding, so nothing past it is stored).
     fn hold(&mut self, delay: Duration) {
         let mut st = self.shared.lock();
         let current = self.current(&st);
@@ -506,25 +508,12 @@ impl StreamSettle {
             };
             st.held.push((), held, Instant::now() + delay);
             drop(st);
-            self.shared.wake.notify_waiters();
+            self.shared.wake_all();
         }
         self.envelope = None;
     }
-}
 
-#[async_trait]
-impl Settle for StreamSettle {
-    async fn ack(&mut self) -> Result<(), SourceError> {
-        self.settled();
-        Ok(())
-    }
-
-    async fn nack(&mut self, redeliver_after: Duration) -> Result<(), SourceError> {
-        self.hold(redeliver_after);
-        Ok(())
-    }
-
-    async fn reject(&mut self, reason: &str) -> Result<(), SourceError> {
+    async fn dead_letter(&mut self, reason: &str) -> Result<(), SourceError> {
         let env = {
             let st = self.shared.lock();
             match (self.current(&st), &self.envelope) {
@@ -553,12 +542,7 @@ impl Settle for StreamSettle {
         self.shared.dlq.publish(&copy).await?;
         metrics::counter!(crate::metrics::DEAD_LETTERS, "queue" => self.stream.clone())
             .increment(1);
-        self.settled();
         Ok(())
-    }
-
-    fn abandon(&mut self) {
-        self.hold(Duration::ZERO);
     }
 
     fn is_stale(&self) -> bool {
