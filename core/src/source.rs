@@ -165,8 +165,13 @@ pub trait Source: Send {
     /// may be lost by that (keep received messages buffered in the source, not the future).
     async fn poll(&mut self, max: usize) -> Result<Option<Vec<Delivery>>, SourceError>;
 
-    /// Every delivery of the last polled batch has been settled: commit what can be
-    /// committed (Kafka offsets or a transaction). The default does nothing.
+    /// Every delivery of a polled batch has been settled: commit what can be committed
+    /// (Kafka offsets, a stream's stored offset). The default does nothing.
+    ///
+    /// A pipelined consumer ([`drive_source_pipelined`](crate::engine::drive_source_pipelined))
+    /// calls it when any one of its batches is done while later ones are still in progress,
+    /// so commit only what is settled (the contiguous settled prefix), never "everything
+    /// polled so far".
     async fn after_batch(&mut self) -> Result<(), SourceError> {
         Ok(())
     }

@@ -596,3 +596,147 @@ impl DedupStore for Faulty {
         self.inner.forget(k).await
     }
 }
+
+/// The memory broker's subscription, but waiting when it is empty (as a broker's consumer
+/// does) instead of ending, and counting commits ([`Source::after_batch`]).
+struct WaitingSource {
+    inner: idemq_core::broker::MemorySource,
+    commits: Arc<AtomicU32>,
+}
+
+#[async_trait]
+impl idemq_core::Source for WaitingSource {
+    async fn poll(
+        &mut self,
+        max: usize,
+    ) -> Result<Option<Vec<idemq_core::Delivery>>, idemq_core::SourceError> {
+        match self.inner.poll(max).await? {
+            Some(batch) if !batch.is_empty() => Ok(Some(batch)),
+            _ => std::future::pending().await,
+        }
+    }
+    async fn after_batch(&mut self) -> Result<(), idemq_core::SourceError> {
+        self.commits.fetch_add(1, Ordering::SeqCst);
+        self.inner.after_batch().await
+    }
+}
+
+fn waiting_source(messages: usize) -> (MemoryBroker, WaitingSource, Arc<AtomicU32>) {
+    let broker = MemoryBroker::new();
+    for i in 0..messages {
+        broker.publish(Envelope::new(BrokerKind::Memory, "t", format!("m{i}")));
+    }
+    let commits = Arc::new(AtomicU32::new(0));
+    let source = WaitingSource {
+        inner: broker.subscribe(),
+        commits: commits.clone(),
+    };
+    (broker, source, commits)
+}
+
+const NO_BACKOFF: idemq_core::engine::Backoff = idemq_core::engine::Backoff {
+    initial: Duration::from_millis(1),
+    max: Duration::from_millis(1),
+};
+
+#[tokio::test]
+async fn a_pipelined_loop_runs_two_batches_at_once_and_commits_each() {
+    use idemq_core::engine::drive_source_pipelined;
+    let (_broker, mut source, commits) = waiting_source(4);
+    // Each batch waits until both are in progress: one batch at a time would never finish.
+    let both_started = Arc::new(tokio::sync::Barrier::new(2));
+    let acked = Arc::new(AtomicU32::new(0));
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let run = drive_source_pipelined(&mut source, 2, 2, NO_BACKOFF, stop.notified(), |batch| {
+        let (both_started, acked, stop) = (both_started.clone(), acked.clone(), stop.clone());
+        async move {
+            both_started.wait().await;
+            for d in batch {
+                d.ack().await.expect("ack");
+                if acked.fetch_add(1, Ordering::SeqCst) + 1 == 4 {
+                    stop.notify_one();
+                }
+            }
+            false
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .expect("two batches ran at once")
+        .expect("loop");
+    assert_eq!(acked.load(Ordering::SeqCst), 4);
+    assert_eq!(
+        commits.load(Ordering::SeqCst),
+        2,
+        "one commit per finished batch"
+    );
+}
+
+#[tokio::test]
+async fn a_finished_batch_is_committed_while_the_poll_waits_for_more() {
+    use idemq_core::engine::drive_source_pipelined;
+    let (_broker, mut source, commits) = waiting_source(3);
+    let watched = commits.clone();
+    // Shut down only once the commit happened: the source has nothing more, so a loop that
+    // commits only after its next poll would never get there.
+    let committed = async move {
+        while watched.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    };
+    let run = drive_source_pipelined(&mut source, 10, 4, NO_BACKOFF, committed, |batch| async {
+        for d in batch {
+            d.ack().await.expect("ack");
+        }
+        false
+    });
+    tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .expect("committed without a new message")
+        .expect("loop");
+    assert_eq!(commits.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn shutdown_finishes_and_commits_the_batches_in_progress() {
+    use idemq_core::engine::drive_source_pipelined;
+    let (_broker, mut source, commits) = waiting_source(6);
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let started = Arc::new(AtomicU32::new(0));
+    let acked = Arc::new(AtomicU32::new(0));
+    let (g, s) = (gate.clone(), started.clone());
+    // Shutdown comes while two batches are held at the gate; the gate opens after it.
+    let shutdown = async move {
+        while s.load(Ordering::SeqCst) < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        g.add_permits(2);
+    };
+    let run = drive_source_pipelined(&mut source, 3, 2, NO_BACKOFF, shutdown, |batch| {
+        let (gate, started, acked) = (gate.clone(), started.clone(), acked.clone());
+        async move {
+            started.fetch_add(1, Ordering::SeqCst);
+            let _permit = gate.acquire().await.expect("gate");
+            for d in batch {
+                d.ack().await.expect("ack");
+                acked.fetch_add(1, Ordering::SeqCst);
+            }
+            false
+        }
+    });
+    tokio::time::timeout(Duration::from_secs(10), run)
+        .await
+        .expect("shutdown returned")
+        .expect("loop");
+    assert_eq!(
+        started.load(Ordering::SeqCst),
+        2,
+        "no batch started after shutdown"
+    );
+    assert_eq!(
+        acked.load(Ordering::SeqCst),
+        6,
+        "both batches finished, none abandoned"
+    );
+    assert_eq!(commits.load(Ordering::SeqCst), 2);
+}

@@ -289,10 +289,38 @@ pub struct Backoff {
 /// errors are logged and retried after the back-off. The caller closes the source.
 ///
 /// [`IdempotentConsumer`] runs on it, and so do other consumer modes built outside the core
-/// (the SQL store's unique-index consumer), so they poll, commit and back off alike.
+/// (the SQL store's unique-index consumer), so they poll, commit and back off alike. Batches
+/// run one after another; [`drive_source_pipelined`] overlaps them.
 pub async fn drive_source<S, F, Fut>(
     source: &mut S,
     max_batch: usize,
+    backoff: Backoff,
+    shutdown: impl Future<Output = ()>,
+    process: F,
+) -> Result<(), ConsumerError>
+where
+    S: Source + ?Sized,
+    F: FnMut(Vec<crate::source::Delivery>) -> Fut,
+    Fut: Future<Output = bool>,
+{
+    drive_source_pipelined(source, max_batch, 1, backoff, shutdown, process).await
+}
+
+/// [`drive_source`] with up to `depth` batches in progress at once: while one batch waits
+/// on its store (a transaction's commit, an fsync), the next is polled and started, so the
+/// broker's and the database's latencies overlap instead of adding up.
+///
+/// Batches may then finish out of order, so messages of one partition or key are no longer
+/// processed strictly one after another across batches; a mode that promises order must
+/// pass `depth` 1. Each finished batch is followed by [`Source::after_batch`], which commits
+/// only what is settled (sources track settled offsets, never "the last batch"). A pending
+/// poll is dropped (sources' `poll` is cancel-safe) when a batch finishes, so the commit is
+/// not held back until the next message arrives. On shutdown the batches in progress are
+/// finished and committed; none is abandoned.
+pub async fn drive_source_pipelined<S, F, Fut>(
+    source: &mut S,
+    max_batch: usize,
+    depth: usize,
     backoff: Backoff,
     shutdown: impl Future<Output = ()>,
     mut process: F,
@@ -302,17 +330,55 @@ where
     F: FnMut(Vec<crate::source::Delivery>) -> Fut,
     Fut: Future<Output = bool>,
 {
+    use futures::stream::{FuturesUnordered, StreamExt};
+
+    /// What woke the loop.
+    enum Event {
+        Shutdown,
+        Finished(bool),
+        Polled(Result<Option<Vec<crate::source::Delivery>>, SourceError>),
+        Rested,
+    }
+
+    let depth = depth.max(1);
+    let max_batch = max_batch.max(1);
     tokio::pin!(shutdown);
+    let mut in_progress = FuturesUnordered::new();
     let mut wait = backoff.initial;
+    // After an outage, no polling until this instant (batches in progress still run).
+    let mut resting_until: Option<tokio::time::Instant> = None;
+    let mut stopping = false;
     loop {
-        let polled = tokio::select! {
-            biased;
-            _ = &mut shutdown => return Ok(()),
-            p = source.poll(max_batch.max(1)) => p,
+        let may_poll = !stopping && resting_until.is_none() && in_progress.len() < depth;
+        if !may_poll && in_progress.is_empty() && stopping {
+            return Ok(());
+        }
+        let event = {
+            let rest = async {
+                match resting_until {
+                    Some(t) => tokio::time::sleep_until(t).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let poll = async {
+                if may_poll {
+                    source.poll(max_batch).await
+                } else {
+                    std::future::pending().await
+                }
+            };
+            tokio::select! {
+                biased;
+                _ = &mut shutdown, if !stopping => Event::Shutdown,
+                Some(outage) = in_progress.next(), if !in_progress.is_empty() => Event::Finished(outage),
+                _ = rest => Event::Rested,
+                p = poll => Event::Polled(p),
+            }
         };
-        let trouble = match polled {
-            Ok(Some(batch)) => {
-                let outage = process(batch).await;
+        match event {
+            Event::Shutdown => stopping = true,
+            Event::Rested => resting_until = None,
+            Event::Finished(outage) => {
                 let committed = source.after_batch().await;
                 if let Err(e) = &committed {
                     tracing::warn!(error = %e, "source could not commit after a batch; it will redeliver");
@@ -320,24 +386,27 @@ where
                 if let Err(SourceError::Config(e)) = committed {
                     return Err(SourceError::Config(e).into());
                 }
-                outage
+                if outage {
+                    // Give the store or broker time before polling again.
+                    resting_until = Some(tokio::time::Instant::now() + wait);
+                    wait = (wait * 2).min(backoff.max);
+                } else {
+                    wait = backoff.initial;
+                }
             }
-            Ok(None) => return Ok(()),
-            Err(SourceError::Config(e)) => return Err(SourceError::Config(e).into()),
-            Err(e) => {
+            Event::Polled(Ok(Some(batch))) => in_progress.push(process(batch)),
+            Event::Polled(Ok(None)) => stopping = true,
+            Event::Polled(Err(SourceError::Config(e))) => {
+                // Finish what is in progress (its settlements are already decided) first.
+                while let Some(_outage) = in_progress.next().await {}
+                let _ = source.after_batch().await;
+                return Err(SourceError::Config(e).into());
+            }
+            Event::Polled(Err(e)) => {
                 tracing::warn!(error = %e, "poll failed; backing off");
-                true
+                resting_until = Some(tokio::time::Instant::now() + wait);
+                wait = (wait * 2).min(backoff.max);
             }
-        };
-        if trouble {
-            // Give the store or broker time before polling again.
-            tokio::select! {
-                _ = &mut shutdown => return Ok(()),
-                _ = tokio::time::sleep(wait) => {}
-            }
-            wait = (wait * 2).min(backoff.max);
-        } else {
-            wait = backoff.initial;
         }
     }
 }

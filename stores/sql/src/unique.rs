@@ -57,7 +57,7 @@
 use crate::backend::{error_class, Dialect, ErrorClass, Kind, SqlBackend, Val};
 use crate::store::SqlStore;
 use async_trait::async_trait;
-use idemq_core::engine::{close_after_run, drive_source, Backoff};
+use idemq_core::engine::{close_after_run, drive_source_pipelined, Backoff};
 use idemq_core::metrics::{self as m, outcome};
 use idemq_core::{
     ConsumerError, DedupKey, Delivery, Envelope, HandlerError, KeyStrategy, RetryPolicy, Source,
@@ -198,6 +198,13 @@ pub struct UniqueIndexConfig {
     /// How often a batch transaction is retried at once after a deadlock or serialization
     /// failure before its messages are nacked (default 3).
     pub deadlock_retries: u32,
+    /// Batches in progress at once (default 2): the next batch is polled and its
+    /// transaction started while the previous one commits, so the broker's and the
+    /// database's waits overlap (two commits in flight also share PostgreSQL's WAL flush).
+    /// Batches may then commit out of order: set 1 when messages of one partition must
+    /// take effect strictly in order. The same key in two batches at once is still applied
+    /// once: the second insert waits on the first's index entry.
+    pub pipeline_depth: usize,
 }
 
 impl Default for UniqueIndexConfig {
@@ -209,6 +216,7 @@ impl Default for UniqueIndexConfig {
             store_backoff_max: Duration::from_secs(5),
             outage_redelivery: Duration::from_secs(1),
             deadlock_retries: 3,
+            pipeline_depth: 2,
         }
     }
 }
@@ -222,6 +230,11 @@ impl UniqueIndexConfig {
     /// With this retry policy.
     pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
         self.retry = retry;
+        self
+    }
+    /// With up to `n` batches in progress at once (1: strictly one after another).
+    pub fn with_pipeline_depth(mut self, n: usize) -> Self {
+        self.pipeline_depth = n.max(1);
         self
     }
 }
@@ -356,7 +369,7 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
     }
 
     /// Polls and processes until `shutdown` resolves or the source ends, then closes the
-    /// source. A batch in progress is finished first.
+    /// source. Batches in progress are finished first.
     pub async fn run<S: Source + ?Sized>(
         &self,
         source: &mut S,
@@ -366,9 +379,14 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
             initial: self.cfg.store_backoff,
             max: self.cfg.store_backoff_max,
         };
-        let result = drive_source(source, self.cfg.max_batch, backoff, shutdown, |batch| {
-            self.process_batch(batch)
-        })
+        let result = drive_source_pipelined(
+            source,
+            self.cfg.max_batch,
+            self.cfg.pipeline_depth,
+            backoff,
+            shutdown,
+            |batch| self.process_batch(batch),
+        )
         .await;
         close_after_run(source, result).await
     }
