@@ -368,3 +368,75 @@ where
         (self.f)(self.state.clone(), msg, payload).await
     }
 }
+
+/// A bridge handler, made by [`forward`]: each message is published to another broker (or
+/// another destination) with its business key carried on as the dedup key.
+pub struct Forward {
+    publisher: std::sync::Arc<dyn crate::publish::Publisher>,
+    route: Box<dyn Fn(&Envelope) -> String + Send + Sync>,
+}
+
+impl std::fmt::Debug for Forward {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Forward").finish_non_exhaustive()
+    }
+}
+
+/// A handler that forwards every message to `publisher`, at the destination `route` picks,
+/// with the same payload, key, ordering key and headers, and the consumed message's business
+/// key ([`DedupKey::business_key`]) as the outgoing dedup key: a migration from one broker to
+/// another (RabbitMQ to Kafka, say) without double effects downstream.
+///
+/// The handler succeeds only on the target's confirm, so a message is acked on the source
+/// after its copy is durable on the target. A consumer that dies between the two republishes
+/// on redelivery: the target may then hold two copies with the same dedup key, which the
+/// consumers on that side drop (that is the point of carrying the key). A retryable publish
+/// failure (unreachable, outcome unknown) is retried; a refused or unroutable message is
+/// dead-lettered with the reason.
+///
+/// ```
+/// use idemq_core::handler::forward;
+/// use idemq_core::Publisher;
+/// use std::sync::Arc;
+///
+/// fn bridge(kafka: Arc<dyn Publisher>) -> impl idemq_core::Handler {
+///     // Every queue's messages go to the Kafka topic of the same name.
+///     forward(kafka, |envelope| envelope.source.name.clone())
+/// }
+/// ```
+pub fn forward(
+    publisher: std::sync::Arc<dyn crate::publish::Publisher>,
+    route: impl Fn(&Envelope) -> String + Send + Sync + 'static,
+) -> Forward {
+    Forward {
+        publisher,
+        route: Box::new(route),
+    }
+}
+
+impl Forward {
+    /// The message `msg` becomes on the target.
+    pub fn outgoing(&self, msg: &ClaimedMessage) -> crate::publish::OutgoingMessage {
+        let env = &msg.envelope;
+        let mut out = crate::publish::OutgoingMessage::new((self.route)(env), env.payload.clone())
+            .with_dedup_key(msg.key.business_key());
+        out.key = env.key.clone();
+        out.ordering_key = env.ordering_key.clone();
+        // `wire_headers` drops the envelope's `idemq.` properties and re-adds the dedup
+        // header from the dedup key.
+        out.headers = env.headers.clone();
+        out
+    }
+}
+
+#[async_trait]
+impl Handler for Forward {
+    async fn handle(&self, msg: ClaimedMessage) -> HandlerResult {
+        let out = self.outgoing(&msg);
+        match self.publisher.publish(out).await {
+            Ok(_) => Ok(None),
+            Err(e) if e.is_retryable() => Err(HandlerError::retryable(e)),
+            Err(e) => Err(HandlerError::permanent(e)),
+        }
+    }
+}

@@ -149,6 +149,18 @@ impl DedupKey {
     pub fn group(&self) -> &str {
         self.0.split_once(':').map_or("", |(g, _)| g)
     }
+    /// The business key part (after `<group>:`; the `#sha256:` form for an oversize key).
+    /// This is what a bridge carries on as the dedup key of a forwarded message, so the
+    /// consumers on the other side dedup on the same business key.
+    ///
+    /// ```
+    /// use idemq_core::{ConsumerGroup, DedupKey};
+    /// let key = DedupKey::new(&ConsumerGroup::new("billing").unwrap(), "pay-1").unwrap();
+    /// assert_eq!(key.business_key(), "pay-1");
+    /// ```
+    pub fn business_key(&self) -> &str {
+        self.0.split_once(':').map_or(&self.0, |(_, k)| k)
+    }
 }
 
 impl fmt::Display for DedupKey {

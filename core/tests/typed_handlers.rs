@@ -88,3 +88,64 @@ async fn a_stateful_closure_gets_its_state_per_message() {
         .expect("run");
     assert_eq!(seen.lock().expect("lock").len(), 10);
 }
+
+#[tokio::test]
+async fn a_bridge_carries_the_business_key_so_the_other_side_applies_each_payment_once() {
+    use idemq_core::broker::Faults;
+    use idemq_core::handler::forward;
+    use idemq_core::{ClaimedMessage, HandlerError, DEDUP_HEADER};
+
+    // The old broker: producer resends and lost acks, so payments arrive more than once.
+    let old = MemoryBroker::with_seed(7);
+    old.set_faults(Faults {
+        duplicate_publish_rate: 0.3,
+        lost_ack_rate: 0.2,
+        ..Faults::default()
+    });
+    for i in 0..50 {
+        old.publish(payment(i).with_header("x-payment-id", format!("pay-{i}")));
+    }
+    let new = Arc::new(MemoryBroker::new());
+    let bridge = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        KeyStrategy::header("bridge", "x-payment-id").expect("strategy"),
+        forward(new.clone(), |_| "payments-v2".to_string()),
+    );
+    bridge
+        .run_until_idle(&mut old.subscribe())
+        .await
+        .expect("bridge");
+    assert!(bridge.stats().duplicates > 0, "{:?}", bridge.stats());
+
+    // The other side dedups on the carried key, under its own group.
+    let applied: Arc<Mutex<Vec<String>>> = Arc::default();
+    let ledger = applied.clone();
+    let billing = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        KeyStrategy::dedup_header("billing").expect("strategy"),
+        move |m: ClaimedMessage| {
+            let ledger = ledger.clone();
+            async move {
+                let carried = m.envelope.headers.get_str(DEDUP_HEADER).map(str::to_owned);
+                assert_eq!(carried.as_deref(), Some(m.key.business_key()));
+                ledger
+                    .lock()
+                    .expect("ledger")
+                    .push(m.key.business_key().to_owned());
+                Ok::<_, HandlerError>(None)
+            }
+        },
+    );
+    billing
+        .run_until_idle(&mut new.subscribe())
+        .await
+        .expect("billing");
+    let mut applied = applied.lock().expect("ledger").clone();
+    applied.sort();
+    let mut expected: Vec<String> = (0..50).map(|i| format!("pay-{i}")).collect();
+    expected.sort();
+    assert_eq!(
+        applied, expected,
+        "each payment applied once on the new broker"
+    );
+}

@@ -244,6 +244,102 @@ impl<H: Handler> IdempotentConsumer<H> {
         .await
     }
 
+    /// Runs this engine over several sources at once (Kafka topics, RabbitMQ queues,
+    /// RocketMQ topics, in any mix): one poll loop per source, one handler, one store, one
+    /// set of counters, one shutdown. A message is processed once whichever broker brought
+    /// it, because the dedup key is the business key, not a broker's message id.
+    ///
+    /// Returns when `shutdown` resolves or every source has ended; each source is closed.
+    /// When one loop fails (a source's configuration error), the others are shut down too
+    /// and that first error is returned. For settings of its own per source, see
+    /// [`IdempotentConsumer::run_each`].
+    ///
+    /// ```
+    /// use idemq_core::broker::MemoryBroker;
+    /// use idemq_core::{BrokerKind, ClaimedMessage, Envelope, HandlerError, IdempotentConsumer,
+    ///     KeyStrategy, MemoryStore, Source};
+    /// use std::sync::{Arc, atomic::{AtomicU32, Ordering}};
+    ///
+    /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+    /// // The same payment callback arrives through two brokers.
+    /// let (a, b) = (MemoryBroker::new(), MemoryBroker::new());
+    /// let callback = Envelope::new(BrokerKind::Memory, "payments", "{}")
+    ///     .with_header("x-idempotency-key", "pay-1");
+    /// a.publish(callback.clone());
+    /// b.publish(callback);
+    ///
+    /// let effects = Arc::new(AtomicU32::new(0));
+    /// let seen = effects.clone();
+    /// let consumer = IdempotentConsumer::new(
+    ///     Arc::new(MemoryStore::new()),
+    ///     KeyStrategy::header("payments", "x-idempotency-key").unwrap(),
+    ///     move |_m: ClaimedMessage| {
+    ///         let seen = seen.clone();
+    ///         async move { seen.fetch_add(1, Ordering::SeqCst); Ok::<_, HandlerError>(None) }
+    ///     },
+    /// );
+    /// let sources: Vec<Box<dyn Source>> = vec![Box::new(a.subscribe()), Box::new(b.subscribe())];
+    /// consumer.run_all(sources, std::future::pending()).await.unwrap();
+    /// assert_eq!(effects.load(Ordering::SeqCst), 1);
+    /// assert_eq!(consumer.stats().duplicates, 1);
+    /// # });
+    /// ```
+    pub async fn run_all(
+        &self,
+        sources: Vec<Box<dyn Source>>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ConsumerError> {
+        let runs = sources.into_iter().map(|s| (self.clone(), s)).collect();
+        Self::run_each(runs, shutdown).await
+    }
+
+    /// [`IdempotentConsumer::run_all`] with an engine per source: pass clones of one engine
+    /// with settings of their own (`engine.clone().with_config(…)`: a clone shares the
+    /// handler, the store and the counters), e.g. per-partition order for a Kafka topic and
+    /// a larger batch for a RabbitMQ queue.
+    pub async fn run_each(
+        runs: Vec<(IdempotentConsumer<H>, Box<dyn Source>)>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(), ConsumerError> {
+        use futures::stream::{FuturesUnordered, StreamExt};
+        // Every loop stops on the caller's shutdown, or when another loop failed.
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let mut loops: FuturesUnordered<_> = runs
+            .into_iter()
+            .enumerate()
+            .map(|(i, (engine, mut source))| {
+                let mut stopped = stopped.clone();
+                async move {
+                    let shutdown = async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    };
+                    (i, engine.run(source.as_mut(), shutdown).await)
+                }
+            })
+            .collect();
+        tokio::pin!(shutdown);
+        let mut first_error = None;
+        let mut asked = false;
+        loop {
+            tokio::select! {
+                _ = &mut shutdown, if !asked => {
+                    asked = true;
+                    let _ = stop.send(true);
+                }
+                done = loops.next() => match done {
+                    None => break,
+                    Some((i, Err(e))) => {
+                        tracing::error!(source = i, error = %e, "a source's loop failed; stopping the others");
+                        let _ = stop.send(true);
+                        first_error.get_or_insert(e);
+                    }
+                    Some((_, Ok(()))) => {}
+                },
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
     /// Runs until the source ends (for sources that end, such as a closed memory broker).
     pub async fn run_until_idle<S: Source + ?Sized>(
         &self,
