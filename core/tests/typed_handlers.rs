@@ -100,7 +100,6 @@ async fn a_bridge_carries_the_business_key_so_the_other_side_applies_each_paymen
     old.set_faults(Faults {
         duplicate_publish_rate: 0.3,
         lost_ack_rate: 0.2,
-        ..Faults::default()
     });
     for i in 0..50 {
         old.publish(payment(i).with_header("x-payment-id", format!("pay-{i}")));
