@@ -209,8 +209,18 @@ pub async fn run_engine(
     Ok(elapsed)
 }
 
-/// Runs the unique-index consumer (batch handler: each batch's effect rows written with
-/// one statement in the transaction of its key inserts) until `n` effects are written.
+/// How the unique-index consumer of the benchmark writes its keys.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UniqueMode {
+    /// Batch handler: the batch's keys into the store's keys table, then its effect rows,
+    /// in one transaction (two writes per message).
+    KeysTable,
+    /// The effect table's unique column is the dedup: one `INSERT … ON CONFLICT DO NOTHING
+    /// RETURNING msg_key` per batch (one write per message, as the hand-written consumer).
+    KeyedEffects,
+}
+
+/// Runs the unique-index consumer in `mode` until `n` effects are written.
 pub async fn run_unique(
     source: &mut (dyn Source + '_),
     keys: KeyStrategy,
@@ -218,42 +228,76 @@ pub async fn run_unique(
     sink: EffectSink,
     n: usize,
     batch: usize,
+    mode: UniqueMode,
 ) -> anyhow::Result<Duration> {
     let done = Arc::new(AtomicUsize::new(0));
     let finished = Arc::new(tokio::sync::Notify::new());
     let (count, notify) = (done.clone(), finished.clone());
+    let counted = move |written: usize| {
+        if count.fetch_add(written, Ordering::AcqRel) + written >= n {
+            notify.notify_one();
+        }
+    };
+    let rows = |msgs: &[&idemq::sql::unique::UniqueMessage]| {
+        let keys: Vec<String> = msgs.iter().map(|m| m.key.as_str().to_owned()).collect();
+        let payloads: Vec<String> = msgs
+            .iter()
+            .map(|m| String::from_utf8_lossy(&m.envelope.payload).into_owned())
+            .collect();
+        (keys, payloads)
+    };
     let insert = format!(
         "INSERT INTO {} (msg_key, payload) SELECT * FROM UNNEST($1::text[], $2::text[]) \
          ON CONFLICT (msg_key) DO NOTHING",
         sink.table
     );
-    let consumer = UniqueIndexConsumer::from_batch_fn(store, keys, move |msgs, tx| {
-        let (count, notify, insert) = (count.clone(), notify.clone(), insert.clone());
-        let keys: Vec<&str> = msgs.iter().map(|m| m.key.as_str()).collect();
-        let payloads: Vec<String> = msgs
-            .iter()
-            .map(|m| String::from_utf8_lossy(&m.envelope.payload).into_owned())
-            .collect();
-        Box::pin(async move {
-            sqlx::query(&insert)
-                .bind(keys)
-                .bind(payloads)
-                .execute(&mut *tx)
-                .await
-                .classify()?;
-            if count.fetch_add(msgs.len(), Ordering::AcqRel) + msgs.len() >= n {
-                notify.notify_one();
-            }
-            Ok(())
-        })
-    })
-    .with_config(UniqueIndexConfig::default().with_max_batch(batch));
+    let cfg = UniqueIndexConfig::default().with_max_batch(batch);
     let t = Instant::now();
-    consumer.run(source, finished.notified()).await?;
+    match mode {
+        UniqueMode::KeysTable => {
+            let consumer = UniqueIndexConsumer::from_batch_fn(store, keys, move |msgs, tx| {
+                let (counted, insert) = (counted.clone(), insert.clone());
+                let (keys, payloads) = rows(msgs);
+                let written = msgs.len();
+                Box::pin(async move {
+                    sqlx::query(&insert)
+                        .bind(keys)
+                        .bind(payloads)
+                        .execute(&mut *tx)
+                        .await
+                        .classify()?;
+                    counted(written);
+                    Ok(())
+                })
+            })
+            .with_config(cfg);
+            consumer.run(source, finished.notified()).await?;
+        }
+        UniqueMode::KeyedEffects => {
+            let insert = format!("{insert} RETURNING msg_key");
+            let consumer =
+                UniqueIndexConsumer::from_keyed_batch_fn(store, keys, move |msgs, tx| {
+                    let (counted, insert) = (counted.clone(), insert.clone());
+                    let (keys, payloads) = rows(msgs);
+                    Box::pin(async move {
+                        let written: Vec<(String,)> = sqlx::query_as(&insert)
+                            .bind(keys)
+                            .bind(payloads)
+                            .fetch_all(&mut *tx)
+                            .await
+                            .classify()?;
+                        counted(written.len());
+                        Ok(written.into_iter().map(|(k,)| k).collect())
+                    })
+                })
+                .with_config(cfg);
+            consumer.run(source, finished.notified()).await?;
+        }
+    }
     let elapsed = t.elapsed();
     anyhow::ensure!(
         done.load(Ordering::Acquire) >= n,
-        "the unique-index consumer stopped after {} of {n} messages",
+        "the unique-index consumer ({mode:?}) stopped after {} of {n} messages",
         done.load(Ordering::Acquire)
     );
     Ok(elapsed)
@@ -285,6 +329,8 @@ pub struct BrokerFigures {
     /// Unique-index consumer with a batch handler: keys and effect rows of a batch in one
     /// PostgreSQL transaction (one key insert, one effect insert, one commit).
     pub unique: Option<Duration>,
+    /// Unique-index consumer whose effect rows carry the keys: one insert, one commit.
+    pub unique_keyed: Option<Duration>,
 }
 
 fn keep_best(slot: &mut Option<Duration>, t: Duration) {
@@ -337,23 +383,29 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
             .await?;
             anyhow::ensure!(sink.count().await? == n as i64, "idemq effects");
             keep_best(&mut f.postgres, t);
-            sink.clear().await?;
-            let dest = bench.fill(n).await?;
-            let mut src = bench.source(&dest).await?;
-            let t = run_unique(
-                src.as_mut(),
-                bench.keys()?,
-                PgStore::clone(pg_store),
-                sink.clone(),
-                n,
-                run.batch,
-            )
-            .await?;
-            anyhow::ensure!(
-                sink.count().await? == n as i64,
-                "idemq unique-index effects"
-            );
-            keep_best(&mut f.unique, t);
+            for (mode, slot) in [
+                (UniqueMode::KeysTable, &mut f.unique),
+                (UniqueMode::KeyedEffects, &mut f.unique_keyed),
+            ] {
+                sink.clear().await?;
+                let dest = bench.fill(n).await?;
+                let mut src = bench.source(&dest).await?;
+                let t = run_unique(
+                    src.as_mut(),
+                    bench.keys()?,
+                    PgStore::clone(pg_store),
+                    sink.clone(),
+                    n,
+                    run.batch,
+                    mode,
+                )
+                .await?;
+                anyhow::ensure!(
+                    sink.count().await? == n as i64,
+                    "idemq unique-index effects ({mode:?})"
+                );
+                keep_best(slot, t);
+            }
         }
     }
     if let Some((sink, store)) = &pg {
@@ -409,11 +461,19 @@ fn print_report(name: &str, n: usize, run: &BrokerRun, f: &BrokerFigures) {
         ),
     );
     line(
-        "idemq unique index (batch handler) + PostgreSQL",
+        "idemq unique index, keys table + effects",
         f.unique,
         format!(
             "{} of hand-written (target >= 0.80)",
             ratio(f.unique, f.handwritten)
+        ),
+    );
+    line(
+        "idemq unique index, keyed effect rows",
+        f.unique_keyed,
+        format!(
+            "{} of hand-written (target >= 0.80)",
+            ratio(f.unique_keyed, f.handwritten)
         ),
     );
 }

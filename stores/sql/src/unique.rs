@@ -110,6 +110,58 @@ pub trait TxHandler<DB: SqlBackend>: Send + Sync + 'static {
         }
         Ok(())
     }
+
+    /// For handlers whose effect rows carry the dedup key in a unique column (made by
+    /// [`UniqueIndexConsumer::from_keyed_batch_fn`]): writes the effects of `msgs`, skipping
+    /// the keys already there, and answers the keys written; the consumer then writes no key
+    /// of its own. `None` (the default): the consumer inserts the keys into the store's keys
+    /// table first and calls [`TxHandler::handle_batch`] with the new messages.
+    async fn insert_keyed_effects(
+        &self,
+        _msgs: &[&UniqueMessage],
+        _tx: &mut DB::Connection,
+    ) -> Option<Result<HashSet<String>, HandlerError>> {
+        None
+    }
+}
+
+/// The future a [`UniqueIndexConsumer::from_keyed_batch_fn`] closure returns: the keys
+/// (`msg.key.as_str()`) of the effect rows it wrote.
+pub type KeyedTxFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<Vec<String>, HandlerError>> + Send + 'a>>;
+
+/// A [`TxHandler`] whose effect insert is the dedup; made by
+/// [`UniqueIndexConsumer::from_keyed_batch_fn`].
+pub struct KeyedBatchTxFn<DB, F>(F, std::marker::PhantomData<fn() -> DB>);
+
+#[async_trait]
+impl<DB, F> TxHandler<DB> for KeyedBatchTxFn<DB, F>
+where
+    DB: SqlBackend,
+    F: for<'a> Fn(&'a [&'a UniqueMessage], &'a mut DB::Connection) -> KeyedTxFuture<'a>
+        + Send
+        + Sync
+        + 'static,
+{
+    async fn handle(
+        &self,
+        msg: &UniqueMessage,
+        tx: &mut DB::Connection,
+    ) -> Result<(), HandlerError> {
+        (self.0)(&[msg], tx).await.map(drop)
+    }
+
+    async fn insert_keyed_effects(
+        &self,
+        msgs: &[&UniqueMessage],
+        tx: &mut DB::Connection,
+    ) -> Option<Result<HashSet<String>, HandlerError>> {
+        Some(
+            (self.0)(msgs, tx)
+                .await
+                .map(|keys| keys.into_iter().collect()),
+        )
+    }
 }
 
 /// The future a [`UniqueIndexConsumer::from_batch_fn`] closure returns.
@@ -198,7 +250,7 @@ pub struct UniqueIndexConfig {
     /// How often a batch transaction is retried at once after a deadlock or serialization
     /// failure before its messages are nacked (default 3).
     pub deadlock_retries: u32,
-    /// Batches in progress at once (default 2): the next batch is polled and its
+    /// Batches in progress at once (default 4): the next batch is polled and its
     /// transaction started while the previous one commits, so the broker's and the
     /// database's waits overlap (two commits in flight also share PostgreSQL's WAL flush).
     /// Batches may then commit out of order: set 1 when messages of one partition must
@@ -216,7 +268,7 @@ impl Default for UniqueIndexConfig {
             store_backoff_max: Duration::from_secs(5),
             outage_redelivery: Duration::from_secs(1),
             deadlock_retries: 3,
-            pipeline_depth: 2,
+            pipeline_depth: 4,
         }
     }
 }
@@ -331,6 +383,27 @@ where
     }
 }
 
+impl<DB: SqlBackend, F> UniqueIndexConsumer<DB, KeyedBatchTxFn<DB, F>>
+where
+    F: for<'a> Fn(&'a [&'a UniqueMessage], &'a mut DB::Connection) -> KeyedTxFuture<'a>
+        + Send
+        + Sync
+        + 'static,
+{
+    /// A consumer whose effect table *is* the dedup: the closure writes the batch's effect
+    /// rows with the dedup key (`msg.key.as_str()`) in a unique column, skipping keys already
+    /// there (`INSERT … ON CONFLICT (key) DO NOTHING RETURNING key` on PostgreSQL and SQLite,
+    /// `INSERT IGNORE … RETURNING key` on MariaDB), and returns the keys it wrote. A batch
+    /// is then one statement and one commit, one write per message (what a hand-written
+    /// consumer does), with the engine's key derivation, retries, dead-letters and
+    /// never-ack-before-commit around it. Messages whose key was not returned are acked as
+    /// duplicates. Only for effects that are one row per message; otherwise use
+    /// [`UniqueIndexConsumer::from_batch_fn`] (a key row in the store's keys table).
+    pub fn from_keyed_batch_fn(store: SqlStore<DB>, keys: KeyStrategy, f: F) -> Self {
+        Self::new(store, keys, KeyedBatchTxFn(f, std::marker::PhantomData))
+    }
+}
+
 impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
     /// A consumer writing keys to `store`'s keys table (created by its migrations).
     pub fn new(store: SqlStore<DB>, keys: KeyStrategy, handler: H) -> Self {
@@ -404,7 +477,7 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
         // Keys: the first delivery of a key runs, later copies share its fate.
         let mut firsts: BTreeMap<String, (UniqueMessage, Delivery)> = BTreeMap::new();
         let mut copies: Vec<(String, Delivery)> = Vec::new();
-        for d in batch {
+        for mut d in batch {
             if d.is_stale() {
                 continue; // the source gave it up; dropping it abandons nothing of ours
             }
@@ -423,9 +496,16 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
                 continue;
             }
             let attempt = self.attempt(&k, &d.envelope);
+            // The envelope moves to the message (no copy) and back before the delivery is
+            // settled.
+            let broker = d.envelope.broker;
+            let envelope = std::mem::replace(
+                &mut d.envelope,
+                Envelope::new(broker, String::new(), idemq_core::Bytes::new()),
+            );
             let msg = UniqueMessage {
                 key,
-                envelope: d.envelope.clone(),
+                envelope,
                 attempt,
             };
             firsts.insert(k, (msg, d));
@@ -437,8 +517,9 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
         let items: Vec<(UniqueMessage, Delivery)> = firsts.into_values().collect();
         let (fates, outage) = self.transact(&items).await;
         let mut by_key: HashMap<String, Settlement> = HashMap::with_capacity(items.len());
-        for ((msg, d), fate) in items.into_iter().zip(fates) {
+        for ((msg, mut d), fate) in items.into_iter().zip(fates) {
             let s = self.settlement(&msg, fate);
+            d.envelope = msg.envelope;
             by_key.insert(msg.key.as_str().to_owned(), s.clone());
             self.settle(d, &s).await;
         }
@@ -522,7 +603,20 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
         which: &[usize],
     ) -> Result<Vec<Fate>, TxFailure> {
         let mut tx = self.store.pool().begin().await.map_err(TxFailure::Store)?;
-        let keys: Vec<&str> = which.iter().map(|&i| items[i].0.key.as_str()).collect();
+        let batch: Vec<&UniqueMessage> = which.iter().map(|&i| &items[i].0).collect();
+        if let Some(written) = self.handler.insert_keyed_effects(&batch, &mut *tx).await {
+            // The effect rows carry the keys: what they wrote is what was new.
+            let inserted = written.map_err(TxFailure::Handler)?;
+            tx.commit().await.map_err(TxFailure::Store)?;
+            return Ok(batch
+                .iter()
+                .map(|m| match inserted.contains(m.key.as_str()) {
+                    true => Fate::Committed,
+                    false => Fate::Duplicate,
+                })
+                .collect());
+        }
+        let keys: Vec<&str> = batch.iter().map(|m| m.key.as_str()).collect();
         let inserted = self
             .insert_sql
             .insert::<DB>(&mut *tx, &keys)
@@ -549,21 +643,32 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
         Ok(fates)
     }
 
+    /// This delivery's attempt: one more than the failures this consumer recorded for the
+    /// key (at least the broker's delivery count). Only failures are recorded, so the common
+    /// path takes no allocation and writes nothing.
     fn attempt(&self, key: &str, env: &Envelope) -> u32 {
+        let failed = {
+            let seen = self.attempts.lock().unwrap_or_else(|p| p.into_inner());
+            seen.get(key).copied().unwrap_or(0)
+        };
+        (failed + 1).max(env.delivery_count.unwrap_or(1))
+    }
+
+    /// Records a failed attempt of `key` (bounded: the map is cleared past 100 000 keys,
+    /// then the broker's delivery count is what remains).
+    fn record_failure(&self, key: &str, attempt: u32) {
         let mut seen = self.attempts.lock().unwrap_or_else(|p| p.into_inner());
         if seen.len() > 100_000 {
             seen.clear();
         }
-        let here = seen.entry(key.to_owned()).or_insert(0);
-        *here += 1;
-        (*here).max(env.delivery_count.unwrap_or(1))
+        seen.insert(key.to_owned(), attempt);
     }
 
     fn forget_attempts(&self, key: &str) {
-        self.attempts
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(key);
+        let mut seen = self.attempts.lock().unwrap_or_else(|p| p.into_inner());
+        if !seen.is_empty() {
+            seen.remove(key);
+        }
     }
 
     fn settlement(&self, msg: &UniqueMessage, fate: Option<Fate>) -> Settlement {
@@ -605,6 +710,7 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
                 } else {
                     tracing::warn!(key = %msg.key, attempt = msg.attempt, error = %e, "handler failed; rolled back, will retry");
                     self.counters.retried.fetch_add(1, Ordering::Relaxed);
+                    self.record_failure(msg.key.as_str(), msg.attempt);
                     Settlement::Nack(delay)
                 }
             }

@@ -85,11 +85,29 @@ impl<DB: SqlBackend, H: idemq_sql::unique::TxHandler<DB>> Storm for UniqueIndexC
     }
 }
 
-async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str, batched: bool) {
+/// How the storm's handler writes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// One effect row per message (`from_fn`), keys in the store's keys table.
+    PerMessage,
+    /// One multi-row insert per batch (`from_batch_fn`), keys in the store's keys table.
+    Batched,
+    /// The effect table's unique column is the dedup (`from_keyed_batch_fn`); the rows it
+    /// wrote are copied to the unconstrained ledger, so a failed dedup would show there.
+    KeyedEffects,
+}
+
+async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str, shape: Shape) {
     let ledger = support::unique("uq_ledger");
     exec(
         &store,
         &format!("CREATE TABLE {ledger} (payment_id VARCHAR(64) NOT NULL)"),
+    )
+    .await;
+    let keyed = format!("{ledger}_k");
+    exec(
+        &store,
+        &format!("CREATE TABLE {keyed} (dedup_key VARCHAR(200) NOT NULL PRIMARY KEY)"),
     )
     .await;
 
@@ -113,7 +131,49 @@ async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str, batched: bool) 
     let cfg = UniqueIndexConfig::default()
         .with_max_batch(64)
         .with_retry(RetryPolicy::fixed(Duration::from_millis(5)).with_max_attempts(4));
-    let consumer: Arc<dyn Storm> = if batched {
+    let consumer: Arc<dyn Storm> = if shape == Shape::KeyedEffects {
+        let (ledger, keyed) = (ledger.clone(), keyed.clone());
+        Arc::new(
+            UniqueIndexConsumer::from_keyed_batch_fn(store.clone(), keys, move |msgs, tx| {
+                let rows = vec!["(?)"; msgs.len()].join(", ");
+                let write = DB::DIALECT.placeholders(match DB::DIALECT {
+                    idemq_sql::Dialect::MySql => format!(
+                        "INSERT IGNORE INTO {keyed} (dedup_key) VALUES {rows} RETURNING dedup_key"
+                    ),
+                    _ => format!(
+                        "INSERT INTO {keyed} (dedup_key) VALUES {rows} \
+                         ON CONFLICT (dedup_key) DO NOTHING RETURNING dedup_key"
+                    ),
+                });
+                let copy = DB::DIALECT
+                    .placeholders(format!("INSERT INTO {ledger} (payment_id) VALUES (?)"));
+                Box::pin(async move {
+                    let keys = msgs
+                        .iter()
+                        .map(|m| Val::Text(Some(m.key.as_str().to_owned())))
+                        .collect();
+                    let written = DB::fetch(tx, &write, keys, &[Kind::Text])
+                        .await
+                        .map_err(HandlerError::retryable)?;
+                    let written: Vec<String> = written
+                        .iter()
+                        .filter_map(|r| r.text(0).ok().map(str::to_owned))
+                        .collect();
+                    for m in msgs
+                        .iter()
+                        .filter(|m| written.iter().any(|k| k == m.key.as_str()))
+                    {
+                        DB::execute(tx, &copy, vec![Val::Text(Some(payment_id(m)))])
+                            .await
+                            .map_err(HandlerError::retryable)?;
+                    }
+                    msgs.iter().try_for_each(|m| injected_failure(m))?;
+                    Ok(written)
+                })
+            })
+            .with_config(cfg),
+        )
+    } else if shape == Shape::Batched {
         // All new messages of a batch written with one multi-row insert.
         let ledger = ledger.clone();
         Arc::new(
@@ -227,14 +287,16 @@ async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str, batched: bool) 
         "[{label}] duplicates were met: {stats:?}"
     );
     exec(&store, &format!("DROP TABLE {ledger}")).await;
+    exec(&store, &format!("DROP TABLE {keyed}")).await;
 }
 
 #[cfg(feature = "sqlite")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn unique_index_storm_sqlite() {
     let (_guard, store) = support::sqlite_store().await.expect("sqlite");
-    storm(store.clone(), "sqlite", false).await;
-    storm(store, "sqlite batched", true).await;
+    storm(store.clone(), "sqlite", Shape::PerMessage).await;
+    storm(store.clone(), "sqlite batched", Shape::Batched).await;
+    storm(store, "sqlite keyed effects", Shape::KeyedEffects).await;
 }
 
 #[cfg(feature = "postgres")]
@@ -243,8 +305,9 @@ async fn unique_index_storm_postgres() {
     let Some((_guard, store)) = support::postgres_store().await else {
         return;
     };
-    storm(store.clone(), "postgres", false).await;
-    storm(store, "postgres batched", true).await;
+    storm(store.clone(), "postgres", Shape::PerMessage).await;
+    storm(store.clone(), "postgres batched", Shape::Batched).await;
+    storm(store, "postgres keyed effects", Shape::KeyedEffects).await;
 }
 
 #[cfg(feature = "mysql")]
@@ -253,8 +316,9 @@ async fn unique_index_storm_mariadb() {
     let Some((_guard, store)) = support::mysql_store().await else {
         return;
     };
-    storm(store.clone(), "mariadb", false).await;
-    storm(store, "mariadb batched", true).await;
+    storm(store.clone(), "mariadb", Shape::PerMessage).await;
+    storm(store.clone(), "mariadb batched", Shape::Batched).await;
+    storm(store, "mariadb keyed effects", Shape::KeyedEffects).await;
 }
 
 /// A message without a usable key is dead-lettered with the reason; the rest commit.
