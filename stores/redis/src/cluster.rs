@@ -1,0 +1,311 @@
+//! Redis Cluster support: the `redis+cluster://` URL, the connection, the master nodes and
+//! the slots they serve.
+
+use crate::store::map_redis_error;
+use idemq_core::StoreError;
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+use redis::Value;
+use std::time::Duration;
+
+/// The URL scheme of a Redis Cluster: `redis+cluster://host:port,host:port/`.
+pub const CLUSTER_SCHEME: &str = "redis+cluster";
+
+/// The number of hash slots of a Redis Cluster.
+pub(crate) const SLOTS: u16 = 16384;
+
+/// The slot Redis Cluster stores `key` in (CRC16 of the key, or of its `{hash tag}`).
+pub fn key_slot(key: &[u8]) -> u16 {
+    redis::cluster_routing::get_slot(key)
+}
+
+/// Whether `url` names a Redis Cluster (`redis+cluster://`).
+pub(crate) fn is_cluster_url(url: &str) -> bool {
+    url.split_once("://")
+        .is_some_and(|(s, _)| s.eq_ignore_ascii_case(CLUSTER_SCHEME))
+}
+
+/// The seed node URLs (`redis://[user:password@]host:port/`) of a cluster URL:
+/// `redis+cluster://[user:password@]host:port[,host:port...][/]`, or with `plain_ok`, a
+/// `redis://` URL whose host part may list several `host:port`.
+pub(crate) fn seed_urls(url: &str, plain_ok: bool) -> Result<Vec<String>, StoreError> {
+    let bad = |why: &str| {
+        StoreError::Config(format!(
+            "invalid Redis Cluster URL {url:?}: {why} (expected \
+             redis+cluster://[user:password@]host:port,host:port/)"
+        ))
+    };
+    let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("no scheme"))?;
+    let tls = if scheme.eq_ignore_ascii_case(CLUSTER_SCHEME) {
+        false
+    } else if plain_ok && scheme.eq_ignore_ascii_case("redis") {
+        false
+    } else if plain_ok && scheme.eq_ignore_ascii_case("rediss") {
+        true
+    } else {
+        return Err(bad("the scheme must be redis+cluster://"));
+    };
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    if !(path.is_empty() || path == "0") {
+        return Err(bad(
+            "a cluster has only database 0: leave the path empty or `/0`",
+        ));
+    }
+    let (auth, hosts) = match authority.rsplit_once('@') {
+        Some((a, h)) => (Some(a), h),
+        None => (None, authority),
+    };
+    let mut out = Vec::new();
+    for node in hosts.split(',') {
+        let (host, port) = node
+            .rsplit_once(':')
+            .ok_or_else(|| bad(&format!("node {node:?} has no port")))?;
+        if host.is_empty() || host.contains(['/', '@', '?', '#', ' ']) {
+            return Err(bad(&format!("node {node:?} has no valid host")));
+        }
+        let port: u16 = port
+            .parse()
+            .ok()
+            .filter(|p| *p > 0)
+            .ok_or_else(|| bad(&format!("node {node:?} has no valid port")))?;
+        let scheme = if tls { "rediss" } else { "redis" };
+        let auth = auth.map(|a| format!("{a}@")).unwrap_or_default();
+        out.push(format!("{scheme}://{auth}{host}:{port}/"));
+    }
+    Ok(out)
+}
+
+/// Refuses a seed node that is a standalone server: the cluster client's own error
+/// (`CLUSTER SLOTS` refused) does not say what to fix.
+async fn require_cluster_mode(
+    seed: &str,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+) -> Result<(), StoreError> {
+    let client = crate::errors::open_client(seed)?;
+    crate::errors::probe(&client, seed, connect_timeout, response_timeout).await?;
+    let cfg = redis::AsyncConnectionConfig::new()
+        .set_connection_timeout(connect_timeout)
+        .set_response_timeout(response_timeout);
+    let mut con = client
+        .get_multiplexed_async_connection_with_config(&cfg)
+        .await
+        .map_err(|e| map_redis_error(&e))?;
+    let info: String = redis::cmd("INFO")
+        .arg("cluster")
+        .query_async(&mut con)
+        .await
+        .map_err(|e| map_redis_error(&e))?;
+    if info.lines().any(|l| l.trim() == "cluster_enabled:1") {
+        Ok(())
+    } else {
+        Err(StoreError::Config(format!(
+            "{seed} is a standalone Redis (cluster_enabled:0), not a Redis Cluster node: use \
+             redis://host:port/ for a standalone server, or point redis+cluster:// at the \
+             cluster's nodes"
+        )))
+    }
+}
+
+/// Connects to the cluster through the first seed that answers as a cluster node.
+pub(crate) async fn connect(
+    seeds: &[String],
+    connect_timeout: Duration,
+    response_timeout: Duration,
+    retries: u32,
+) -> Result<ClusterConnection, StoreError> {
+    let mut last = None;
+    for seed in seeds {
+        match require_cluster_mode(seed, connect_timeout, response_timeout).await {
+            Ok(()) => {
+                last = None;
+                break;
+            }
+            // A standalone server is a configuration error whatever the other seeds are.
+            Err(e @ StoreError::Config(_)) if e.to_string().contains("cluster_enabled:0") => {
+                return Err(e)
+            }
+            Err(e) => last = Some(e),
+        }
+    }
+    if let Some(e) = last {
+        return Err(e);
+    }
+    let client = ClusterClientBuilder::new(seeds.to_vec())
+        .connection_timeout(connect_timeout)
+        .response_timeout(response_timeout)
+        .retries(retries)
+        .min_retry_wait(50)
+        .max_retry_wait(500)
+        .build()
+        .map_err(|e| StoreError::Config(format!("invalid Redis Cluster settings: {e}")))?;
+    client
+        .get_async_connection()
+        .await
+        .map_err(|e| map_redis_error(&e))
+}
+
+/// One master node: its address and the slot ranges it serves.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Master {
+    pub host: String,
+    pub port: u16,
+    pub ranges: Vec<(u16, u16)>,
+}
+
+impl Master {
+    /// A route to this node for commands without keys (`SCAN`, `INFO`).
+    pub fn routing(&self) -> RoutingInfo {
+        RoutingInfo::SingleNode(SingleNodeRoutingInfo::ByAddress {
+            host: self.host.clone(),
+            port: self.port,
+        })
+    }
+}
+
+impl std::fmt::Display for Master {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.host, self.port)
+    }
+}
+
+/// The masters and their slots, from `CLUSTER SLOTS`, ordered by their first slot.
+pub(crate) async fn masters(con: &mut ClusterConnection) -> Result<Vec<Master>, StoreError> {
+    let v: Value = con
+        .route_command(
+            &redis::cmd("CLUSTER").arg("SLOTS").clone(),
+            RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
+        )
+        .await
+        .map_err(|e| map_redis_error(&e))?;
+    parse_slots(&v)
+}
+
+fn parse_slots(v: &Value) -> Result<Vec<Master>, StoreError> {
+    let bad = || StoreError::Backend(format!("unexpected CLUSTER SLOTS reply {v:?}"));
+    let Value::Array(ranges) = v else {
+        return Err(bad());
+    };
+    let mut out: Vec<Master> = Vec::new();
+    for r in ranges {
+        let Value::Array(r) = r else {
+            return Err(bad());
+        };
+        let (Some(Value::Int(start)), Some(Value::Int(end)), Some(Value::Array(node))) =
+            (r.first(), r.get(1), r.get(2))
+        else {
+            return Err(bad());
+        };
+        let (Some(host), Some(Value::Int(port))) = (node.first(), node.get(1)) else {
+            return Err(bad());
+        };
+        let host = match host {
+            Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+            Value::SimpleString(s) => s.clone(),
+            _ => return Err(bad()),
+        };
+        let (Ok(start), Ok(end), Ok(port)) = (
+            u16::try_from(*start),
+            u16::try_from(*end),
+            u16::try_from(*port),
+        ) else {
+            return Err(bad());
+        };
+        match out.iter_mut().find(|m| m.host == host && m.port == port) {
+            Some(m) => m.ranges.push((start, end)),
+            None => out.push(Master {
+                host,
+                port,
+                ranges: vec![(start, end)],
+            }),
+        }
+    }
+    for m in &mut out {
+        m.ranges.sort_unstable();
+    }
+    out.sort_by_key(|m| m.ranges.first().map_or(SLOTS, |r| r.0));
+    Ok(out)
+}
+
+/// A hash tag whose keys land in `slot`: `<prefix>.incarnation{<tag>}` then lives on the
+/// node serving that slot. Found by trying short tags (16384 slots: a few thousand CRCs).
+pub(crate) fn tag_for_slot(slot: u16) -> String {
+    (0u64..)
+        .map(|i| format!("{i:x}"))
+        .find(|t| key_slot(t.as_bytes()) == slot)
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cluster_urls_become_seed_urls() {
+        assert_eq!(
+            seed_urls("redis+cluster://u:p@h1:7000,10.0.0.2:7001/", false).unwrap(),
+            vec!["redis://u:p@h1:7000/", "redis://u:p@10.0.0.2:7001/"]
+        );
+        assert_eq!(
+            seed_urls("redis+cluster://h:1", false).unwrap(),
+            vec!["redis://h:1/"]
+        );
+        assert_eq!(
+            seed_urls("redis://a:1,b:2/", true).unwrap(),
+            vec!["redis://a:1/", "redis://b:2/"]
+        );
+    }
+
+    #[test]
+    fn malformed_cluster_urls_are_config_errors() {
+        for bad in [
+            "redis+cluster://",
+            "redis+cluster://h",
+            "redis+cluster://h:x",
+            "redis+cluster://h:0",
+            "redis+cluster://h:1,/",
+            "redis+cluster://:1/",
+            "redis+cluster://h:1/3",
+            "redis+cluster//h:1",
+            "redis://h:1/",
+        ] {
+            match seed_urls(bad, false) {
+                Err(StoreError::Config(m)) => assert!(m.contains("redis+cluster://"), "{m}"),
+                other => panic!("{bad:?}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn tags_land_in_their_slot() {
+        for slot in [0, 1, 5460, 5461, 10922, 16383] {
+            let tag = tag_for_slot(slot);
+            assert_eq!(key_slot(format!("p.incarnation{{{tag}}}").as_bytes()), slot);
+        }
+    }
+
+    #[test]
+    fn slots_are_grouped_per_master() {
+        let node = |p: i64| {
+            Value::Array(vec![
+                Value::BulkString(b"127.0.0.1".to_vec()),
+                Value::Int(p),
+                Value::BulkString(b"id".to_vec()),
+            ])
+        };
+        let v = Value::Array(vec![
+            Value::Array(vec![Value::Int(5461), Value::Int(10922), node(2)]),
+            Value::Array(vec![Value::Int(0), Value::Int(5460), node(1)]),
+            Value::Array(vec![Value::Int(10923), Value::Int(16383), node(1)]),
+        ]);
+        let m = parse_slots(&v).unwrap();
+        assert_eq!(m.len(), 2);
+        assert_eq!(
+            (m[0].port, m[0].ranges.clone()),
+            (1, vec![(0, 5460), (10923, 16383)])
+        );
+        assert_eq!(m[1].port, 2);
+        assert!(parse_slots(&Value::Nil).is_err());
+    }
+}
