@@ -146,6 +146,144 @@ pub(crate) async fn connect(
         .map_err(|e| map_redis_error(&e))
 }
 
+/// The cluster connection of a store, replaced by a fresh one when it stops answering.
+///
+/// The `redis` 0.27 cluster client was seen to hang every request for good after a master
+/// was killed (`MOVED` to the dead node, then no answer even once the node was back): each
+/// request here is bounded by `connect_timeout + response_timeout`, and a timeout or a
+/// connection error has a new connection built from the seeds (at most once a second) in
+/// the background. The failed request itself answers [`StoreError::Unavailable`]: no ack,
+/// back off, retry.
+pub(crate) struct ClusterHandle {
+    conn: std::sync::RwLock<ClusterConnection>,
+    seeds: Vec<String>,
+    connect_timeout: Duration,
+    response_timeout: Duration,
+    retries: u32,
+    /// When the last rebuild started (none yet: `None`).
+    rebuilt: std::sync::Mutex<Option<std::time::Instant>>,
+}
+
+impl ClusterHandle {
+    /// Connects (see [`connect`]).
+    pub async fn open(
+        seeds: Vec<String>,
+        connect_timeout: Duration,
+        response_timeout: Duration,
+        retries: u32,
+    ) -> Result<Self, StoreError> {
+        let conn = connect(&seeds, connect_timeout, response_timeout, retries).await?;
+        Ok(Self::wrap(
+            conn,
+            seeds,
+            connect_timeout,
+            response_timeout,
+            retries,
+        ))
+    }
+
+    /// An existing connection; without seeds it is never rebuilt.
+    pub fn wrap(
+        conn: ClusterConnection,
+        seeds: Vec<String>,
+        connect_timeout: Duration,
+        response_timeout: Duration,
+        retries: u32,
+    ) -> Self {
+        Self {
+            conn: std::sync::RwLock::new(conn),
+            seeds,
+            connect_timeout,
+            response_timeout,
+            retries,
+            rebuilt: std::sync::Mutex::new(None),
+        }
+    }
+
+    /// The current connection (cheap to clone).
+    pub fn get(&self) -> ClusterConnection {
+        self.conn
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Runs `request` on the current connection within the time bound; rebuilds the
+    /// connection after a timeout or a connection-level error.
+    pub async fn call<T, F>(
+        self: &std::sync::Arc<Self>,
+        request: impl FnOnce(ClusterConnection) -> F,
+    ) -> redis::RedisResult<T>
+    where
+        F: std::future::Future<Output = redis::RedisResult<T>>,
+    {
+        let bound = self.connect_timeout + self.response_timeout;
+        match tokio::time::timeout(bound, request(self.get())).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => {
+                if e.is_io_error()
+                    || e.is_connection_dropped()
+                    || e.is_connection_refusal()
+                    || matches!(
+                        e.kind(),
+                        redis::ErrorKind::Moved | redis::ErrorKind::ClusterConnectionNotFound
+                    )
+                {
+                    self.rebuild();
+                }
+                Err(e)
+            }
+            Err(_) => {
+                self.rebuild();
+                Err(redis::RedisError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("redis cluster: no answer within {bound:?}"),
+                )))
+            }
+        }
+    }
+
+    /// Builds a new connection in the background (at most once a second) and swaps it in.
+    fn rebuild(self: &std::sync::Arc<Self>) {
+        if self.seeds.is_empty() {
+            return;
+        }
+        {
+            let mut last = self
+                .rebuilt
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if last.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+                return;
+            }
+            *last = Some(std::time::Instant::now());
+        }
+        let this = std::sync::Arc::clone(self);
+        tokio::spawn(async move {
+            let fresh = connect(
+                &this.seeds,
+                this.connect_timeout,
+                this.response_timeout,
+                this.retries,
+            );
+            match tokio::time::timeout(this.connect_timeout * 4, fresh).await {
+                Ok(Ok(conn)) => {
+                    *this
+                        .conn
+                        .write()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner) = conn;
+                    metrics::counter!("idemq_redis_cluster_reconnects_total").increment(1);
+                    tracing::info!("redis cluster connection rebuilt");
+                }
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, "cannot rebuild the redis cluster connection")
+                }
+                Err(_) => tracing::warn!("rebuilding the redis cluster connection timed out"),
+            }
+        });
+    }
+}
+
 /// One master node: its address and the slot ranges it serves.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Master {
@@ -171,12 +309,15 @@ impl std::fmt::Display for Master {
 }
 
 /// The masters and their slots, from `CLUSTER SLOTS`, ordered by their first slot.
-pub(crate) async fn masters(con: &mut ClusterConnection) -> Result<Vec<Master>, StoreError> {
-    let v: Value = con
-        .route_command(
-            &redis::cmd("CLUSTER").arg("SLOTS").clone(),
-            RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random),
-        )
+pub(crate) async fn masters(
+    handle: &std::sync::Arc<ClusterHandle>,
+) -> Result<Vec<Master>, StoreError> {
+    let cmd = redis::cmd("CLUSTER").arg("SLOTS").clone();
+    let v: Value = handle
+        .call(|mut c| async move {
+            c.route_command(&cmd, RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random))
+                .await
+        })
         .await
         .map_err(|e| map_redis_error(&e))?;
     parse_slots(&v)

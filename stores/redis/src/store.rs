@@ -1,6 +1,6 @@
 //! [`RedisStore`]: the claim contract as Lua scripts over one Redis string per key.
 
-use crate::cluster::{self, Master};
+use crate::cluster::{self, ClusterHandle, Master};
 use crate::codec::{claim_identity, decode_record, result_field, write_identity};
 use crate::lua::{self, Lua};
 use async_trait::async_trait;
@@ -85,6 +85,10 @@ pub fn map_redis_error(e: &RedisError) -> StoreError {
                 | K::MasterDown
                 | K::ReadOnly
                 | K::ClusterConnectionNotFound
+                // A slot moving (resharding) or a failover in progress: the client has
+                // followed the redirections it could; later the map is settled.
+                | K::Moved
+                | K::Ask
         )
         // MISCONF: persistence failing, writes refused until it recovers; NOREPLICAS:
         // min-replicas-to-write not met.
@@ -344,14 +348,19 @@ impl RedisStoreBuilder {
         if self.opts.cluster || cluster::is_cluster_url(&self.url) {
             let seeds = cluster::seed_urls(&self.url, self.opts.cluster)?;
             let retries = u32::try_from(self.opts.reconnect_retries).unwrap_or(u32::MAX);
-            let conn = cluster::connect(
-                &seeds,
+            let conn = ClusterHandle::open(
+                seeds,
                 self.opts.connect_timeout,
                 self.opts.response_timeout,
                 retries,
             )
             .await?;
-            return RedisStore::from_parts(StoreConn::Cluster(conn), settings, &self.opts).await;
+            return RedisStore::from_parts(
+                StoreConn::Cluster(Arc::new(conn)),
+                settings,
+                &self.opts,
+            )
+            .await;
         }
         let client = crate::errors::open_client(&self.url)?;
         crate::errors::probe(
@@ -387,7 +396,16 @@ impl RedisStoreBuilder {
         conn: ClusterConnection,
     ) -> Result<RedisStore, StoreError> {
         let settings = self.settings()?;
-        RedisStore::from_parts(StoreConn::Cluster(conn), settings, &self.opts).await
+        let retries = u32::try_from(self.opts.reconnect_retries).unwrap_or(u32::MAX);
+        // Without seeds: this connection is never replaced, only bounded in time.
+        let handle = ClusterHandle::wrap(
+            conn,
+            Vec::new(),
+            self.opts.connect_timeout,
+            self.opts.response_timeout,
+            retries,
+        );
+        RedisStore::from_parts(StoreConn::Cluster(Arc::new(handle)), settings, &self.opts).await
     }
 }
 
@@ -396,14 +414,17 @@ impl RedisStoreBuilder {
 #[derive(Clone)]
 pub(crate) enum StoreConn {
     Single(ConnectionManager),
-    Cluster(ClusterConnection),
+    Cluster(Arc<ClusterHandle>),
 }
 
 impl ConnectionLike for StoreConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             Self::Single(c) => c.req_packed_command(cmd),
-            Self::Cluster(c) => c.req_packed_command(cmd),
+            Self::Cluster(h) => Box::pin(async move {
+                h.call(|mut c| async move { c.req_packed_command(cmd).await })
+                    .await
+            }),
         }
     }
 
@@ -415,14 +436,17 @@ impl ConnectionLike for StoreConn {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             Self::Single(c) => c.req_packed_commands(cmd, offset, count),
-            Self::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Cluster(h) => Box::pin(async move {
+                h.call(|mut c| async move { c.req_packed_commands(cmd, offset, count).await })
+                    .await
+            }),
         }
     }
 
     fn get_db(&self) -> i64 {
         match self {
             Self::Single(c) => c.get_db(),
-            Self::Cluster(c) => c.get_db(),
+            Self::Cluster(_) => 0,
         }
     }
 }
@@ -433,10 +457,12 @@ impl StoreConn {
     async fn query_one<T: redis::FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
         let v = match self {
             Self::Single(c) => c.clone().req_packed_command(cmd).await,
-            Self::Cluster(c) => {
-                c.clone()
-                    .route_command(cmd, RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random))
-                    .await
+            Self::Cluster(h) => {
+                h.call(|mut c| async move {
+                    c.route_command(cmd, RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random))
+                        .await
+                })
+                .await
             }
         }
         .map_err(store_err)?;
@@ -490,7 +516,16 @@ fn wait_shortfall(acked: Option<Value>, replicas: u32, timeout_ms: i64) -> Optio
 fn same_failure(e: &StoreError) -> StoreError {
     match e {
         StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),
-        other => StoreError::Backend(other.to_string()),
+        StoreError::Backend(m) => StoreError::Backend(m.clone()),
+        StoreError::Config(m) => StoreError::Config(m.clone()),
+        StoreError::Corrupt { key, reason } => StoreError::Corrupt {
+            key: key.clone(),
+            reason: reason.clone(),
+        },
+        StoreError::KeyTooLong { len, max } => StoreError::KeyTooLong {
+            len: *len,
+            max: *max,
+        },
     }
 }
 
@@ -705,7 +740,7 @@ impl RedisStore {
         let marker = format!("{}.incarnation", cfg.prefix);
         let marker_keys = match &conn {
             StoreConn::Single(_) => vec![marker],
-            StoreConn::Cluster(c) => cluster::masters(&mut c.clone())
+            StoreConn::Cluster(h) => cluster::masters(h)
                 .await?
                 .iter()
                 .filter_map(|m| m.ranges.first())
@@ -880,7 +915,7 @@ impl RedisStore {
     /// The Redis Cluster connection (cheap to clone), or `None` on a standalone server.
     pub fn cluster_connection(&self) -> Option<ClusterConnection> {
         match &self.conn {
-            StoreConn::Cluster(c) => Some(c.clone()),
+            StoreConn::Cluster(h) => Some(h.get()),
             StoreConn::Single(_) => None,
         }
     }
@@ -931,12 +966,13 @@ impl RedisStore {
         let v = match &self.conn {
             StoreConn::Single(c) => c.clone().req_packed_command(&cmd).await,
             // Every master: replicas get it when promoted, from the NOSCRIPT fallback.
-            StoreConn::Cluster(c) => {
+            StoreConn::Cluster(h) => {
                 let all = RoutingInfo::MultiNode((
                     MultipleNodeRoutingInfo::AllMasters,
                     Some(ResponsePolicy::AllSucceeded),
                 ));
-                c.clone().route_command(&cmd, all).await
+                h.call(|mut c| async move { c.route_command(&cmd, all).await })
+                    .await
             }
         }
         .map_err(store_err)?;
@@ -1056,9 +1092,11 @@ impl RedisStore {
                 let total = n + usize::from(wait.is_some());
                 let sent = match &mut con {
                     StoreConn::Single(c) => c.req_packed_commands(&pipe, 0, total).await,
-                    StoreConn::Cluster(c) => {
-                        let to = Route::new(slot, SlotAddr::Master);
-                        c.route_pipeline(&pipe, 0, total, SingleNodeRoutingInfo::SpecificNode(to))
+                    StoreConn::Cluster(h) => {
+                        let to =
+                            SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
+                        let pipe = &pipe;
+                        h.call(|mut c| async move { c.route_pipeline(pipe, 0, total, to).await })
                             .await
                     }
                 };
@@ -1177,8 +1215,9 @@ impl RedisStore {
             .arg("COUNT")
             .arg(self.cfg.scan_count);
         let v = match (&self.conn, node) {
-            (StoreConn::Cluster(c), Some(node)) => {
-                c.clone().route_command(&cmd, node.routing()).await
+            (StoreConn::Cluster(h), Some(node)) => {
+                h.call(|mut c| async move { c.route_command(&cmd, node.routing()).await })
+                    .await
             }
             (conn, _) => conn.clone().req_packed_command(&cmd).await,
         }
@@ -1191,11 +1230,7 @@ impl RedisStore {
     async fn scan_nodes(&self) -> Result<Vec<Option<Master>>, StoreError> {
         match &self.conn {
             StoreConn::Single(_) => Ok(vec![None]),
-            StoreConn::Cluster(c) => Ok(cluster::masters(&mut c.clone())
-                .await?
-                .into_iter()
-                .map(Some)
-                .collect()),
+            StoreConn::Cluster(h) => Ok(cluster::masters(h).await?.into_iter().map(Some).collect()),
         }
     }
 
