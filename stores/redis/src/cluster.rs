@@ -3,10 +3,13 @@
 
 use crate::store::map_redis_error;
 use idemq_core::StoreError;
+use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
 use redis::Value;
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The URL scheme of a Redis Cluster: `redis+cluster://host:port,host:port/`.
@@ -154,6 +157,12 @@ pub(crate) async fn connect(
 /// connection error has a new connection built from the seeds (at most once a second) in
 /// the background. The failed request itself answers [`StoreError::Unavailable`]: no ack,
 /// back off, retry.
+///
+/// Batches do not go through the cluster client's per-slot pipelines (one request per
+/// slot: a batch of 64 keys without hash tags was 64 requests) but through a connection of
+/// our own to each master, one pipeline per master, keyed by a slot map of our own; a key
+/// answered `MOVED`/`ASK`/`TRYAGAIN`/`CLUSTERDOWN` there (not run) is sent again through
+/// the cluster client, which follows redirections, and the map is refreshed.
 pub(crate) struct ClusterHandle {
     conn: std::sync::RwLock<ClusterConnection>,
     seeds: Vec<String>,
@@ -162,6 +171,48 @@ pub(crate) struct ClusterHandle {
     retries: u32,
     /// When the last rebuild started (none yet: `None`).
     rebuilt: std::sync::Mutex<Option<std::time::Instant>>,
+    /// The master of each slot as last read (`None`: unknown, use the cluster client).
+    slot_map: std::sync::RwLock<Option<Arc<SlotMap>>>,
+    /// When the slot map was last asked for.
+    map_asked: std::sync::Mutex<Option<std::time::Instant>>,
+    /// Our own connection to each master, by `host:port`.
+    nodes: std::sync::Mutex<HashMap<String, MultiplexedConnection>>,
+}
+
+/// The master (`host:port`) of every slot.
+pub(crate) struct SlotMap {
+    masters: Vec<String>,
+    of_slot: Vec<u16>,
+}
+
+impl SlotMap {
+    fn new(masters: &[Master]) -> Self {
+        let mut of_slot = vec![u16::MAX; usize::from(SLOTS)];
+        for (i, m) in masters.iter().enumerate() {
+            for &(a, b) in &m.ranges {
+                for slot in a..=b.min(SLOTS - 1) {
+                    of_slot[usize::from(slot)] = u16::try_from(i).unwrap_or(u16::MAX);
+                }
+            }
+        }
+        Self {
+            masters: masters.iter().map(|m| m.to_string()).collect(),
+            of_slot,
+        }
+    }
+
+    /// The master serving `slot` (`None`: no master known for it).
+    pub fn master_of(&self, slot: u16) -> Option<&str> {
+        let i = *self.of_slot.get(usize::from(slot))?;
+        self.masters.get(usize::from(i)).map(String::as_str)
+    }
+}
+
+/// Whether a reply says the command was not run because of the cluster's topology: safe
+/// to send again (through the cluster client, which follows the redirection).
+pub(crate) fn is_redirect(v: &Value) -> bool {
+    matches!(v, Value::ServerError(e)
+        if matches!(e.code(), "MOVED" | "ASK" | "TRYAGAIN" | "CLUSTERDOWN"))
 }
 
 impl ClusterHandle {
@@ -197,7 +248,121 @@ impl ClusterHandle {
             response_timeout,
             retries,
             rebuilt: std::sync::Mutex::new(None),
+            slot_map: std::sync::RwLock::new(None),
+            map_asked: std::sync::Mutex::new(None),
+            nodes: std::sync::Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The slot map, if known and if this handle may open connections of its own (it has
+    /// seeds to take the credentials from).
+    pub fn slot_map(&self) -> Option<Arc<SlotMap>> {
+        if self.seeds.is_empty() {
+            return None;
+        }
+        self.slot_map
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Reads the slot map now.
+    pub async fn load_slot_map(self: &Arc<Self>) -> Result<(), StoreError> {
+        let masters = masters(self).await?;
+        *self
+            .slot_map
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            Some(Arc::new(SlotMap::new(&masters)));
+        Ok(())
+    }
+
+    /// Reads the slot map again in the background (at most every 100 ms): a redirection
+    /// or a lost node says it changed.
+    pub fn refresh_slot_map(self: &Arc<Self>) {
+        {
+            let mut last = self
+                .map_asked
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if last.is_some_and(|t| t.elapsed() < Duration::from_millis(100)) {
+                return;
+            }
+            *last = Some(std::time::Instant::now());
+        }
+        let this = Arc::clone(self);
+        tokio::spawn(async move {
+            if let Err(e) = this.load_slot_map().await {
+                tracing::debug!(error = %e, "cannot refresh the redis cluster slot map");
+            }
+        });
+    }
+
+    /// The URL of node `addr` (`host:port`) with the seeds' scheme and credentials.
+    fn node_url(&self, addr: &str) -> Option<String> {
+        let seed = self.seeds.first()?;
+        let (scheme, rest) = seed.split_once("://")?;
+        let auth = rest.rsplit_once('@').map_or("", |(a, _)| a);
+        let at = if auth.is_empty() { "" } else { "@" };
+        Some(format!("{scheme}://{auth}{at}{addr}/"))
+    }
+
+    /// Sends `pipe` (`count` commands) to the master `addr` on our own connection to it,
+    /// within the time bound. A failed connection is dropped (the next call opens a new
+    /// one) and the slot map is refreshed.
+    pub async fn node_pipeline(
+        self: &Arc<Self>,
+        addr: &str,
+        pipe: &redis::Pipeline,
+        count: usize,
+    ) -> redis::RedisResult<Vec<Value>> {
+        let bound = self.connect_timeout + self.response_timeout;
+        let attempt = async {
+            let cached = self
+                .nodes
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .get(addr)
+                .cloned();
+            let mut con = match cached {
+                Some(c) => c,
+                None => {
+                    let url = self.node_url(addr).ok_or_else(|| {
+                        redis::RedisError::from((
+                            redis::ErrorKind::ClientError,
+                            "no seed URL to connect to a cluster node with",
+                        ))
+                    })?;
+                    let cfg = redis::AsyncConnectionConfig::new()
+                        .set_connection_timeout(self.connect_timeout)
+                        .set_response_timeout(self.response_timeout);
+                    let c = redis::Client::open(url)?
+                        .get_multiplexed_async_connection_with_config(&cfg)
+                        .await?;
+                    self.nodes
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .insert(addr.to_owned(), c.clone());
+                    c
+                }
+            };
+            con.req_packed_commands(pipe, 0, count).await
+        };
+        let res = match tokio::time::timeout(bound, attempt).await {
+            Ok(r) => r,
+            Err(_) => Err(redis::RedisError::from(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!("redis cluster node {addr}: no answer within {bound:?}"),
+            ))),
+        };
+        if res.is_err() {
+            self.nodes
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(addr);
+            self.refresh_slot_map();
+        }
+        res
     }
 
     /// The current connection (cheap to clone).
@@ -211,7 +376,7 @@ impl ClusterHandle {
     /// Runs `request` on the current connection within the time bound; rebuilds the
     /// connection after a timeout or a connection-level error.
     pub async fn call<T, F>(
-        self: &std::sync::Arc<Self>,
+        self: &Arc<Self>,
         request: impl FnOnce(ClusterConnection) -> F,
     ) -> redis::RedisResult<T>
     where
@@ -244,7 +409,7 @@ impl ClusterHandle {
     }
 
     /// Builds a new connection in the background (at most once a second) and swaps it in.
-    fn rebuild(self: &std::sync::Arc<Self>) {
+    fn rebuild(self: &Arc<Self>) {
         if self.seeds.is_empty() {
             return;
         }
@@ -258,7 +423,7 @@ impl ClusterHandle {
             }
             *last = Some(std::time::Instant::now());
         }
-        let this = std::sync::Arc::clone(self);
+        let this = Arc::clone(self);
         tokio::spawn(async move {
             let fresh = connect(
                 &this.seeds,
@@ -309,9 +474,7 @@ impl std::fmt::Display for Master {
 }
 
 /// The masters and their slots, from `CLUSTER SLOTS`, ordered by their first slot.
-pub(crate) async fn masters(
-    handle: &std::sync::Arc<ClusterHandle>,
-) -> Result<Vec<Master>, StoreError> {
+pub(crate) async fn masters(handle: &Arc<ClusterHandle>) -> Result<Vec<Master>, StoreError> {
     let cmd = redis::cmd("CLUSTER").arg("SLOTS").clone();
     let v: Value = handle
         .call(|mut c| async move {

@@ -470,6 +470,24 @@ impl StoreConn {
     }
 }
 
+/// Where a pipeline goes.
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum Target {
+    /// The standalone server.
+    Server,
+    /// The master of a slot, through the cluster client.
+    Slot(u16),
+    /// A master (`host:port`), on the store's own connection to it.
+    Node(String),
+}
+
+/// Commands for one [`Target`], with the slot of each.
+struct Batch {
+    target: Target,
+    pipe: Pipeline,
+    slots: Vec<u16>,
+}
+
 /// One command's answer in [`RedisStore::send`].
 enum Reply {
     Value(Value),
@@ -490,6 +508,7 @@ fn reply_of(v: Value) -> Reply {
 fn wait_shortfall(acked: Option<Value>, replicas: u32, timeout_ms: i64) -> Option<StoreError> {
     let got = match acked {
         Some(Value::Int(n)) => n,
+        Some(Value::ServerError(e)) => return Some(store_err(e.into())),
         other => {
             return Some(StoreError::Backend(format!(
                 "unexpected WAIT reply {other:?}"
@@ -740,12 +759,15 @@ impl RedisStore {
         let marker = format!("{}.incarnation", cfg.prefix);
         let marker_keys = match &conn {
             StoreConn::Single(_) => vec![marker],
-            StoreConn::Cluster(h) => cluster::masters(h)
-                .await?
-                .iter()
-                .filter_map(|m| m.ranges.first())
-                .map(|r| format!("{marker}{{{}}}", cluster::tag_for_slot(r.0)))
-                .collect(),
+            StoreConn::Cluster(h) => {
+                h.load_slot_map().await?;
+                let masters = cluster::masters(h).await?;
+                masters
+                    .iter()
+                    .filter_map(|m| m.ranges.first())
+                    .map(|r| format!("{marker}{{{}}}", cluster::tag_for_slot(r.0)))
+                    .collect()
+            }
         };
         let mut markers = Vec::with_capacity(marker_keys.len());
         for key in marker_keys {
@@ -1036,103 +1058,196 @@ impl RedisStore {
             .collect()
     }
 
-    /// The commands `which` (positions in `cmds`) as pipelines: one per slot on a cluster,
-    /// one in all on a standalone server. Also answers the positions in the order the
-    /// pipelines send them (the order of [`RedisStore::send`]'s replies).
-    fn groups(
-        &self,
-        cmds: &[Cmd],
-        slots: &[u16],
-        which: &[usize],
-    ) -> (Vec<(u16, Pipeline)>, Vec<usize>) {
-        let mut members: Vec<(u16, Vec<usize>)> = Vec::new();
-        let mut at: std::collections::HashMap<u16, usize> = std::collections::HashMap::new();
+    /// The commands `which` (positions in `cmds`) as pipelines: one in all on a standalone
+    /// server; on a cluster one per master (by the slot map) or, while the map is unknown,
+    /// one per slot. Also answers the positions in the order the pipelines send them (the
+    /// order of [`RedisStore::send`]'s replies).
+    fn groups(&self, cmds: &[Cmd], slots: &[u16], which: &[usize]) -> (Vec<Batch>, Vec<usize>) {
+        let map = match &self.conn {
+            StoreConn::Cluster(h) => h.slot_map(),
+            StoreConn::Single(_) => None,
+        };
+        let target = |slot: u16| match (&self.conn, &map) {
+            (StoreConn::Single(_), _) => Target::Server,
+            (StoreConn::Cluster(_), Some(m)) => m
+                .master_of(slot)
+                .map_or(Target::Slot(slot), |a| Target::Node(a.to_owned())),
+            (StoreConn::Cluster(_), None) => Target::Slot(slot),
+        };
+        let mut members: Vec<(Target, Vec<usize>)> = Vec::new();
+        let mut at: std::collections::HashMap<Target, usize> = std::collections::HashMap::new();
         for &i in which {
-            let slot = if self.is_cluster() { slots[i] } else { 0 };
-            let g = *at.entry(slot).or_insert_with(|| {
-                members.push((slot, Vec::new()));
-                members.len() - 1
-            });
+            let t = target(slots[i]);
+            let g = match at.get(&t) {
+                Some(&g) => g,
+                None => {
+                    at.insert(t.clone(), members.len());
+                    members.push((t, Vec::new()));
+                    members.len() - 1
+                }
+            };
             members[g].1.push(i);
         }
         let mut order = Vec::with_capacity(which.len());
-        let pipes = members
+        let batches = members
             .into_iter()
-            .map(|(slot, idx)| {
-                let mut p = redis::pipe();
+            .map(|(target, idx)| {
+                let mut pipe = redis::pipe();
                 for &i in &idx {
-                    p.add_command(cmds[i].clone());
+                    pipe.add_command(cmds[i].clone());
                 }
+                let batch = Batch {
+                    target,
+                    pipe,
+                    slots: idx.iter().map(|&i| slots[i]).collect(),
+                };
                 order.extend(idx);
-                (slot, p)
+                batch
             })
             .collect();
-        (pipes, order)
+        (batches, order)
     }
 
-    /// Sends each pipeline (on a cluster to the master of its slot; all of them at once)
-    /// and answers one [`Reply`] per command, pipeline after pipeline. With `durable` and
-    /// `wait_replicas`, each pipeline ends with `WAIT n timeout`, on the same connection as
-    /// its writes; a pipeline whose writes fewer replicas acknowledged answers
-    /// [`StoreError::Unavailable`] for each of its commands.
-    async fn send(&self, groups: &[(u16, Pipeline)], durable: bool) -> Vec<Reply> {
+    /// Sends each batch (all at once) and answers one [`Reply`] per command, batch after
+    /// batch. With `durable` and `wait_replicas`, each pipeline ends with `WAIT n timeout`,
+    /// on the same connection as its writes; a pipeline whose writes fewer replicas
+    /// acknowledged answers [`StoreError::Unavailable`] for each of its commands.
+    async fn send(&self, batches: &[Batch], durable: bool) -> Vec<Reply> {
         let wait = if durable {
             self.cfg.wait_replicas
         } else {
             None
         };
-        let one = |slot: u16, pipe: &Pipeline| {
-            let mut con = self.conn.clone();
-            let n = pipe.cmd_iter().count();
-            let mut pipe = pipe.clone();
-            if let Some((replicas, timeout)) = wait {
-                pipe.cmd("WAIT").arg(replicas).arg(timeout);
-            }
-            async move {
-                let total = n + usize::from(wait.is_some());
-                let sent = match &mut con {
-                    StoreConn::Single(c) => c.req_packed_commands(&pipe, 0, total).await,
-                    StoreConn::Cluster(h) => {
-                        let to =
-                            SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
-                        let pipe = &pipe;
-                        h.call(|mut c| async move { c.route_pipeline(pipe, 0, total, to).await })
-                            .await
-                    }
-                };
-                let mut vals = match sent {
-                    Ok(v) if v.len() == total => v,
-                    Ok(v) => {
-                        let e = StoreError::Backend(format!(
-                            "redis answered {} replies to {total} commands",
-                            v.len()
-                        ));
-                        return (0..n).map(|_| Reply::Failed(same_failure(&e))).collect();
-                    }
-                    // On a cluster one error reply fails the whole pipeline: a script
-                    // missing there is missing for every call in it.
-                    Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
-                        return (0..n).map(|_| Reply::NoScript).collect()
-                    }
-                    Err(e) => {
-                        let e = store_err(e);
-                        return (0..n).map(|_| Reply::Failed(same_failure(&e))).collect();
-                    }
-                };
-                if let Some((replicas, timeout)) = wait {
-                    let acked = vals.pop();
-                    if let Some(e) = wait_shortfall(acked, replicas, timeout) {
-                        return (0..n).map(|_| Reply::Failed(same_failure(&e))).collect();
-                    }
-                }
-                vals.into_iter().map(reply_of).collect::<Vec<Reply>>()
-            }
-        };
-        futures::future::join_all(groups.iter().map(|(slot, p)| one(*slot, p)))
+        futures::future::join_all(batches.iter().map(|b| self.send_batch(b, wait)))
             .await
             .into_iter()
             .flatten()
             .collect()
+    }
+
+    /// One batch; on a master's own connection, the commands answered with a redirection
+    /// (not run) go again through the cluster client, one pipeline per slot.
+    async fn send_batch(&self, b: &Batch, wait: Option<(u32, i64)>) -> Vec<Reply> {
+        let n = b.slots.len();
+        let (vals, shortfall) = match self.send_pipeline(&b.target, &b.pipe, n, wait).await {
+            Ok(sent) => sent,
+            Err(failed) => return failed,
+        };
+        let redirected: Vec<usize> = match b.target {
+            Target::Node(_) => (0..n).filter(|&i| cluster::is_redirect(&vals[i])).collect(),
+            _ => Vec::new(),
+        };
+        let mut out: Vec<Reply> = vals
+            .into_iter()
+            .map(|v| match &shortfall {
+                Some(e) => Reply::Failed(same_failure(e)),
+                None => reply_of(v),
+            })
+            .collect();
+        if redirected.is_empty() {
+            return out;
+        }
+        if let StoreConn::Cluster(h) = &self.conn {
+            h.refresh_slot_map();
+        }
+        let cmds: Vec<&Cmd> = b.pipe.cmd_iter().collect();
+        let mut by_slot: Vec<(u16, Pipeline, Vec<usize>)> = Vec::new();
+        for i in redirected {
+            let slot = b.slots[i];
+            let g = match by_slot.iter().position(|g| g.0 == slot) {
+                Some(g) => g,
+                None => {
+                    by_slot.push((slot, redis::pipe(), Vec::new()));
+                    by_slot.len() - 1
+                }
+            };
+            by_slot[g].1.add_command(cmds[i].clone());
+            by_slot[g].2.push(i);
+        }
+        let again = by_slot.iter().map(|(slot, pipe, idx)| async move {
+            let sent = self
+                .send_pipeline(&Target::Slot(*slot), pipe, idx.len(), wait)
+                .await;
+            (idx, sent)
+        });
+        for (idx, sent) in futures::future::join_all(again).await {
+            match sent {
+                Ok((vals, shortfall)) => {
+                    for (&i, v) in idx.iter().zip(vals) {
+                        out[i] = match &shortfall {
+                            Some(e) => Reply::Failed(same_failure(e)),
+                            None => reply_of(v),
+                        };
+                    }
+                }
+                Err(failed) => {
+                    for (&i, r) in idx.iter().zip(failed) {
+                        out[i] = r;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Sends one pipeline of `n` commands (then `WAIT` when `wait`) to `target`: its `n`
+    /// replies and the `WAIT` shortfall, or the replies of a pipeline that failed whole.
+    async fn send_pipeline(
+        &self,
+        target: &Target,
+        pipe: &Pipeline,
+        n: usize,
+        wait: Option<(u32, i64)>,
+    ) -> Result<(Vec<Value>, Option<StoreError>), Vec<Reply>> {
+        let with_wait: Pipeline;
+        let pipe = match wait {
+            Some((replicas, timeout)) => {
+                let mut p = pipe.clone();
+                p.cmd("WAIT").arg(replicas).arg(timeout);
+                with_wait = p;
+                &with_wait
+            }
+            None => pipe,
+        };
+        let total = n + usize::from(wait.is_some());
+        let sent = match (&self.conn, target) {
+            (StoreConn::Single(c), _) => c.clone().req_packed_commands(pipe, 0, total).await,
+            (StoreConn::Cluster(h), Target::Node(addr)) => h.node_pipeline(addr, pipe, total).await,
+            (StoreConn::Cluster(h), t) => {
+                let slot = match t {
+                    Target::Slot(slot) => *slot,
+                    _ => 0,
+                };
+                let to = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
+                h.call(|mut c| async move { c.route_pipeline(pipe, 0, total, to).await })
+                    .await
+            }
+        };
+        let all = |r: &dyn Fn() -> Reply| (0..n).map(|_| r()).collect::<Vec<Reply>>();
+        let mut vals = match sent {
+            Ok(v) if v.len() == total => v,
+            Ok(v) => {
+                let e = StoreError::Backend(format!(
+                    "redis answered {} replies to {total} commands",
+                    v.len()
+                ));
+                return Err(all(&|| Reply::Failed(same_failure(&e))));
+            }
+            // Through the cluster client one error reply fails the whole pipeline: a script
+            // missing there is missing for every call in it.
+            Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
+                return Err(all(&|| Reply::NoScript))
+            }
+            Err(e) => {
+                let e = store_err(e);
+                return Err(all(&|| Reply::Failed(same_failure(&e))));
+            }
+        };
+        let shortfall = match wait {
+            Some((replicas, timeout)) => wait_shortfall(vals.pop(), replicas, timeout),
+            None => None,
+        };
+        Ok((vals, shortfall))
     }
 
     /// The cluster slot of a Redis key (0 on a standalone server).
