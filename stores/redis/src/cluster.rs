@@ -40,9 +40,9 @@ pub(crate) fn seed_urls(url: &str, plain_ok: bool) -> Result<Vec<String>, StoreE
         ))
     };
     let (scheme, rest) = url.split_once("://").ok_or_else(|| bad("no scheme"))?;
-    let tls = if scheme.eq_ignore_ascii_case(CLUSTER_SCHEME) {
-        false
-    } else if plain_ok && scheme.eq_ignore_ascii_case("redis") {
+    let tls = if scheme.eq_ignore_ascii_case(CLUSTER_SCHEME)
+        || (plain_ok && scheme.eq_ignore_ascii_case("redis"))
+    {
         false
     } else if plain_ok && scheme.eq_ignore_ascii_case("rediss") {
         true

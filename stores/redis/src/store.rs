@@ -411,6 +411,9 @@ impl RedisStoreBuilder {
 
 /// The store's connection: one server (reconnecting) or a Redis Cluster (routing each
 /// command by its key's slot, following `MOVED`/`ASK`, refreshing the slot map).
+// Not boxed: the connection is cloned for every request, and a boxed manager would be an
+// allocation per clone; one store holds one of these.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone)]
 pub(crate) enum StoreConn {
     Single(ConnectionManager),
@@ -498,8 +501,12 @@ enum Reply {
 
 fn reply_of(v: Value) -> Reply {
     match v {
-        Value::ServerError(e) if e.code() == "NOSCRIPT" => Reply::NoScript,
-        Value::ServerError(e) => Reply::Failed(store_err(e.into())),
+        Value::ServerError(e) => match e.code() {
+            "NOSCRIPT" => Reply::NoScript,
+            // A key of another type: the caller names the key (`Corrupt`).
+            "WRONGTYPE" => Reply::Value(Value::ServerError(e)),
+            _ => Reply::Failed(store_err(e.into())),
+        },
         v => Reply::Value(v),
     }
 }
