@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Local PostgreSQL 15, MariaDB 10.11, Redis 7, Apache Kafka 4.4, RabbitMQ 3.10 and RocketMQ
-# (rocketmq-rust 1.0) for idemq's integration tests.
+# Local PostgreSQL 15, MariaDB 10.11, Redis 7 (standalone and a 3+3 Cluster), Apache Kafka
+# 4.4, RabbitMQ 3.10 and RocketMQ (rocketmq-rust 1.0) for idemq's integration tests.
 #
 #   scripts/servers.sh start [SERVER...]  install what is missing, start what is not running
 #   scripts/servers.sh stop [SERVER...]   stop them (by pid file / the server's own command)

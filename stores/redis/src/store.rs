@@ -330,6 +330,10 @@ impl RedisStoreBuilder {
     /// Validates the configuration, connects (a [`ConnectionManager`] of its own, which
     /// reconnects after a Redis restart) and loads the scripts.
     ///
+    /// `redis+cluster://host:port,host:port/` (or [`RedisStoreBuilder::cluster`]) connects
+    /// to a Redis Cluster instead: a seed that is a standalone server, or a malformed list
+    /// of nodes, is a [`StoreError::Config`].
+    ///
     /// Startup fails at once with a [`StoreError::Config`] naming what to fix on a scheme
     /// other than `redis://`, `rediss://`, `redis+unix://`, `unix://`; on `rediss://` when
     /// the `redis` crate was built without TLS (the message names the cargo feature); on a
