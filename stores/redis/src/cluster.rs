@@ -161,8 +161,9 @@ pub(crate) async fn connect(
 /// Batches do not go through the cluster client's per-slot pipelines (one request per
 /// slot: a batch of 64 keys without hash tags was 64 requests) but through a connection of
 /// our own to each master, one pipeline per master, keyed by a slot map of our own; a key
-/// answered `MOVED`/`ASK`/`TRYAGAIN`/`CLUSTERDOWN` there (not run) is sent again through
-/// the cluster client, which follows redirections, and the map is refreshed.
+/// answered `MOVED`/`ASK` there (not run) is sent again to the node named (after `ASKING`
+/// for `ASK`), and the map is read again. (The cluster client was seen to hang on a
+/// pipeline answered `MOVED` too, so it is not asked to follow them.)
 pub(crate) struct ClusterHandle {
     conn: std::sync::RwLock<ClusterConnection>,
     seeds: Vec<String>,
@@ -208,11 +209,34 @@ impl SlotMap {
     }
 }
 
-/// Whether a reply says the command was not run because of the cluster's topology: safe
-/// to send again (through the cluster client, which follows the redirection).
-pub(crate) fn is_redirect(v: &Value) -> bool {
-    matches!(v, Value::ServerError(e)
-        if matches!(e.code(), "MOVED" | "ASK" | "TRYAGAIN" | "CLUSTERDOWN"))
+/// A reply saying the command was not run because of the cluster's topology (so it is
+/// safe to send again).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub(crate) enum Redirect {
+    /// `MOVED <slot> <host:port>`: the slot lives there now.
+    Moved(String),
+    /// `ASK <slot> <host:port>`: this key is being migrated there; ask it after `ASKING`.
+    Ask(String),
+    /// `TRYAGAIN`, `CLUSTERDOWN`, or a redirection without an address: later.
+    Later,
+}
+
+/// The redirection a reply is, if it is one.
+pub(crate) fn redirect(v: &Value) -> Option<Redirect> {
+    let Value::ServerError(e) = v else {
+        return None;
+    };
+    let to = || {
+        e.details()
+            .and_then(|d| d.split_whitespace().nth(1))
+            .map(str::to_owned)
+    };
+    match e.code() {
+        "MOVED" => Some(to().map_or(Redirect::Later, Redirect::Moved)),
+        "ASK" => Some(to().map_or(Redirect::Later, Redirect::Ask)),
+        "TRYAGAIN" | "CLUSTERDOWN" => Some(Redirect::Later),
+        _ => None,
+    }
 }
 
 impl ClusterHandle {
@@ -280,6 +304,9 @@ impl ClusterHandle {
     /// Reads the slot map again in the background (at most every 100 ms): a redirection
     /// or a lost node says it changed.
     pub fn refresh_slot_map(self: &Arc<Self>) {
+        if self.seeds.is_empty() {
+            return;
+        }
         {
             let mut last = self
                 .map_asked

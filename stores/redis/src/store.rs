@@ -1137,15 +1137,19 @@ impl RedisStore {
     }
 
     /// One batch; on a master's own connection, the commands answered with a redirection
-    /// (not run) go again through the cluster client, one pipeline per slot.
+    /// (not run) go once more to the node it names, one pipeline per node.
     async fn send_batch(&self, b: &Batch, wait: Option<(u32, i64)>) -> Vec<Reply> {
         let n = b.slots.len();
         let (vals, shortfall) = match self.send_pipeline(&b.target, &b.pipe, n, wait).await {
             Ok(sent) => sent,
             Err(failed) => return failed,
         };
-        let redirected: Vec<usize> = match b.target {
-            Target::Node(_) => (0..n).filter(|&i| cluster::is_redirect(&vals[i])).collect(),
+        let redirected: Vec<(usize, cluster::Redirect)> = match b.target {
+            Target::Node(_) => vals
+                .iter()
+                .enumerate()
+                .filter_map(|(i, v)| cluster::redirect(v).map(|r| (i, r)))
+                .collect(),
             _ => Vec::new(),
         };
         let mut out: Vec<Reply> = vals
@@ -1161,33 +1165,69 @@ impl RedisStore {
         if let StoreConn::Cluster(h) = &self.conn {
             h.refresh_slot_map();
         }
+        // Not run where they went: once more to the node named, one pipeline per node
+        // (`ASKING` before each command of an `ASK`).
         let cmds: Vec<&Cmd> = b.pipe.cmd_iter().collect();
-        let mut by_slot: Vec<(u16, Pipeline, Vec<usize>)> = Vec::new();
-        for i in redirected {
-            let slot = b.slots[i];
-            let g = match by_slot.iter().position(|g| g.0 == slot) {
+        let mut by_node: Vec<(cluster::Redirect, Pipeline, Vec<usize>)> = Vec::new();
+        for (i, r) in redirected {
+            if r == cluster::Redirect::Later {
+                out[i] = Reply::Failed(StoreError::Unavailable(
+                    "redis cluster: slot not served right now (TRYAGAIN/CLUSTERDOWN)".into(),
+                ));
+                continue;
+            }
+            let g = match by_node.iter().position(|g| g.0 == r) {
                 Some(g) => g,
                 None => {
-                    by_slot.push((slot, redis::pipe(), Vec::new()));
-                    by_slot.len() - 1
+                    by_node.push((r, redis::pipe(), Vec::new()));
+                    by_node.len() - 1
                 }
             };
-            by_slot[g].1.add_command(cmds[i].clone());
-            by_slot[g].2.push(i);
+            if let cluster::Redirect::Ask(_) = by_node[g].0 {
+                by_node[g].1.cmd("ASKING");
+            }
+            by_node[g].1.add_command(cmds[i].clone());
+            by_node[g].2.push(i);
         }
-        let again = by_slot.iter().map(|(slot, pipe, idx)| async move {
+        let again = by_node.iter().map(|(to, pipe, idx)| async move {
+            let (addr, asking) = match to {
+                cluster::Redirect::Moved(a) => (a.clone(), false),
+                cluster::Redirect::Ask(a) => (a.clone(), true),
+                cluster::Redirect::Later => (String::new(), false),
+            };
+            let n = pipe.cmd_iter().count();
             let sent = self
-                .send_pipeline(&Target::Slot(*slot), pipe, idx.len(), wait)
-                .await;
+                .send_pipeline(&Target::Node(addr), pipe, n, wait)
+                .await
+                .map(|(vals, shortfall)| {
+                    // Drop the `ASKING` replies: every other one.
+                    let vals: Vec<Value> = if asking {
+                        vals.into_iter().skip(1).step_by(2).collect()
+                    } else {
+                        vals
+                    };
+                    (vals, shortfall)
+                })
+                .map_err(|failed| {
+                    if asking {
+                        failed.into_iter().skip(1).step_by(2).collect()
+                    } else {
+                        failed
+                    }
+                });
             (idx, sent)
         });
         for (idx, sent) in futures::future::join_all(again).await {
             match sent {
                 Ok((vals, shortfall)) => {
                     for (&i, v) in idx.iter().zip(vals) {
-                        out[i] = match &shortfall {
-                            Some(e) => Reply::Failed(same_failure(e)),
-                            None => reply_of(v),
+                        out[i] = match (&shortfall, cluster::redirect(&v)) {
+                            (Some(e), _) => Reply::Failed(same_failure(e)),
+                            // Moved again: the map is being read; the caller retries later.
+                            (None, Some(_)) => Reply::Failed(StoreError::Unavailable(
+                                "redis cluster: slot moving (redirected twice)".into(),
+                            )),
+                            (None, None) => reply_of(v),
                         };
                     }
                 }
