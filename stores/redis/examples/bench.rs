@@ -223,12 +223,7 @@ async fn bench_raw_cluster(
     let of_slot = Arc::new(of_slot);
     let per = keys / clients;
     let ttl = (LEASE + GRACE).as_millis() as u64;
-    let seeds: Vec<String> = url
-        .trim_start_matches("redis+cluster://")
-        .trim_end_matches('/')
-        .split(',')
-        .map(|n| format!("redis://{n}/"))
-        .collect();
+    let seeds = idemq_redis::cluster_seed_urls(url)?;
     let mut tasks = Vec::new();
     let barrier = Arc::new(tokio::sync::Barrier::new(clients + 1));
     for c in 0..clients {

@@ -29,6 +29,19 @@ pub(crate) fn is_cluster_url(url: &str) -> bool {
         .is_some_and(|(s, _)| s.eq_ignore_ascii_case(CLUSTER_SCHEME))
 }
 
+/// The seed node URLs (`redis://[user:password@]host:port/`, one per node) of a
+/// `redis+cluster://[user:password@]host:port[,host:port...][/]` URL; a
+/// [`StoreError::Config`] naming the expected form when it is malformed.
+///
+/// ```
+/// let seeds = idemq_redis::cluster_seed_urls("redis+cluster://a:7000,b:7001/").unwrap();
+/// assert_eq!(seeds, ["redis://a:7000/", "redis://b:7001/"]);
+/// assert!(idemq_redis::cluster_seed_urls("redis+cluster://a/").is_err());
+/// ```
+pub fn cluster_seed_urls(url: &str) -> Result<Vec<String>, StoreError> {
+    seed_urls(url, false)
+}
+
 /// The seed node URLs (`redis://[user:password@]host:port/`) of a cluster URL:
 /// `redis+cluster://[user:password@]host:port[,host:port...][/]`, or with `plain_ok`, a
 /// `redis://` URL whose host part may list several `host:port`.

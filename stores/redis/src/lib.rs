@@ -40,7 +40,7 @@ mod store;
 
 #[cfg(feature = "bloom")]
 pub use bloom::{redisbloom_loaded, RedisBloomFilter};
-pub use cluster::{key_slot, CLUSTER_SCHEME};
+pub use cluster::{cluster_seed_urls, key_slot, CLUSTER_SCHEME};
 pub use errors::{handler_error, is_retryable_redis_error, RedisResultExt, REDIS_SCHEMES};
 pub use store::{
     map_redis_error, validate_prefix, RedisStore, RedisStoreBuilder, RedisStoreOptions,

@@ -4,8 +4,8 @@
 mod support;
 
 use idemq_core::{
-    ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, ConsumerGroup, DedupKey, DedupStore,
-    FencingToken, StoreError,
+    ClaimOutcome, ClaimRequest, CompleteOutcome, ConsumerGroup, DedupKey, DedupStore, FencingToken,
+    StoreError,
 };
 use idemq_redis::{key_slot, RedisStore};
 use std::collections::HashSet;
@@ -220,19 +220,7 @@ async fn batches_over_every_master_and_keys_with_braces_keep_the_contract() {
             .map(|k| ClaimRequest::new(k.clone(), LONG))
             .collect();
         let got = store.claim_batch(&reqs).await.expect("claims");
-        let done: Vec<Completion> = keys
-            .iter()
-            .zip(&got)
-            .map(|(k, o)| match o {
-                ClaimOutcome::Acquired(l) => Completion {
-                    key: k.clone(),
-                    token: l.token,
-                    result: None,
-                    retention: LONG,
-                },
-                other => panic!("{k}: expected Acquired, got {other:?}"),
-            })
-            .collect();
+        let done = completions_of(&reqs, &got, LONG);
         let outcomes = store.complete_batch(&done).await.expect("completes");
         assert!(outcomes.iter().all(|o| *o == CompleteOutcome::Completed));
         let again = store.claim_batch(&reqs).await.expect("claims again");
@@ -279,19 +267,7 @@ async fn list_stuck_and_purge_visit_every_master() {
     assert_eq!(nodes.len(), 3, "stuck records come from every master");
     // Complete them with a retention already over: purge then deletes every one of them,
     // a bounded number per call.
-    let done: Vec<Completion> = keys
-        .iter()
-        .zip(&got)
-        .filter_map(|(k, o)| match o {
-            ClaimOutcome::Acquired(l) => Some(Completion {
-                key: k.clone(),
-                token: l.token,
-                result: None,
-                retention: Duration::from_millis(1),
-            }),
-            _ => None,
-        })
-        .collect();
+    let done = completions_of(&reqs, &got, Duration::from_millis(1));
     store.complete_batch(&done).await.expect("completes");
     tokio::time::sleep(Duration::from_millis(50)).await;
     let first = store.purge_expired(100).await.expect("purge");
@@ -369,4 +345,34 @@ async fn every_master_carries_an_incarnation_marker() {
         .expect("DEL");
     assert!(store.check_incarnation().await.is_err());
     assert!(store.incarnation_lost());
+}
+
+/// A store over a cluster connection the application made (no seeds, so no connections of
+/// its own: batches go through the cluster client, one pipeline per slot).
+#[tokio::test]
+async fn a_store_over_an_existing_cluster_connection_keeps_the_contract() {
+    let Some(url) = cluster_url() else { return };
+    let conn = redis::cluster::ClusterClient::new(cluster_seeds(&url))
+        .expect("client")
+        .get_async_connection()
+        .await
+        .expect("cluster connection");
+    let store = RedisStore::builder("ignored")
+        .prefix(unique_prefix("own-conn"))
+        .fast_claims(true)
+        .wait_replicas(1, Duration::from_secs(2))
+        .with_cluster_connection(conn)
+        .await
+        .expect("store");
+    let g = ConsumerGroup::new("own").unwrap();
+    let reqs: Vec<ClaimRequest> = (0..100)
+        .map(|i| ClaimRequest::new(DedupKey::new(&g, &format!("k{i}")).unwrap(), LONG))
+        .collect();
+    let got = store.claim_batch(&reqs).await.expect("claims");
+    let done = completions_of(&reqs, &got, LONG);
+    let outcomes = store.complete_batch(&done).await.expect("completes");
+    assert!(outcomes.iter().all(|o| *o == CompleteOutcome::Completed));
+    for o in store.claim_batch(&reqs).await.expect("claims again") {
+        assert!(matches!(o, ClaimOutcome::Duplicate(_)), "{o:?}");
+    }
 }

@@ -287,24 +287,10 @@ async fn a_stale_slot_map_is_followed_through_moved() {
             })
             .collect()
     };
-    let complete_all = |reqs: &[idemq_core::ClaimRequest], got: &[idemq_core::ClaimOutcome]| {
-        reqs.iter()
-            .zip(got)
-            .map(|(r, o)| match o {
-                idemq_core::ClaimOutcome::Acquired(l) => idemq_core::Completion {
-                    key: r.key.clone(),
-                    token: l.token,
-                    result: None,
-                    retention: Duration::from_secs(600),
-                },
-                other => panic!("{}: expected Acquired, got {other:?}", r.key),
-            })
-            .collect::<Vec<_>>()
-    };
     let before = batch(0);
     let got = store.claim_batch(&before).await.expect("claims");
     store
-        .complete_batch(&complete_all(&before, &got))
+        .complete_batch(&completions_of(&before, &got, Duration::from_secs(600)))
         .await
         .expect("completes");
 
@@ -343,7 +329,7 @@ async fn a_stale_slot_map_is_followed_through_moved() {
         .await
         .expect("claims after the failover");
     let outcomes = store
-        .complete_batch(&complete_all(&after, &got))
+        .complete_batch(&completions_of(&after, &got, Duration::from_secs(600)))
         .await
         .expect("completes after the failover");
     assert!(outcomes

@@ -5,7 +5,9 @@
 //! (CI), which turns the missing server into a failure.
 #![allow(dead_code)]
 
-use idemq_core::{ConsumerGroup, DedupKey, DedupStore, FencingToken};
+use idemq_core::{
+    ClaimOutcome, ClaimRequest, Completion, ConsumerGroup, DedupKey, DedupStore, FencingToken,
+};
 use idemq_redis::{RedisStore, RedisStoreBuilder};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -158,4 +160,30 @@ pub fn with_db(url: &str, db: u8) -> String {
         _ => base,
     };
     format!("{base}/{db}")
+}
+
+/// Completions of every request of a batch, each with the token its claim acquired
+/// (panics naming the key when one was not acquired).
+pub fn completions_of(
+    reqs: &[ClaimRequest],
+    got: &[ClaimOutcome],
+    retention: std::time::Duration,
+) -> Vec<Completion> {
+    reqs.iter()
+        .zip(got)
+        .map(|(r, o)| match o {
+            ClaimOutcome::Acquired(l) => Completion {
+                key: r.key.clone(),
+                token: l.token,
+                result: None,
+                retention,
+            },
+            other => panic!("{}: expected Acquired, got {other:?}", r.key),
+        })
+        .collect()
+}
+
+/// The seed node URLs of a `redis+cluster://h:p,h:p/` URL (`redis://h:p/` each).
+pub fn cluster_seeds(url: &str) -> Vec<String> {
+    idemq_redis::cluster_seed_urls(url).expect("a valid cluster URL")
 }
