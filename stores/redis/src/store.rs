@@ -501,6 +501,9 @@ enum Reply {
     /// `NOSCRIPT`: the script was not run.
     NoScript,
     Failed(StoreError),
+    /// Run on the master, but `WAIT` saw too few replicas acknowledge it: the call must
+    /// fail (the error), and what it acquired may be given back (the value says what).
+    Unreplicated(Value, StoreError),
 }
 
 fn reply_of(v: Value) -> Reply {
@@ -1040,7 +1043,7 @@ impl RedisStore {
             match r {
                 Reply::Value(v) => out[i] = Some(v),
                 Reply::NoScript => noscript.push(i),
-                Reply::Failed(e) => return Err(e),
+                Reply::Failed(e) | Reply::Unreplicated(_, e) => return Err(e),
             }
         }
         if !noscript.is_empty() {
@@ -1060,7 +1063,7 @@ impl RedisStore {
                             s.name
                         )))
                     }
-                    Reply::Failed(e) => return Err(e),
+                    Reply::Failed(e) | Reply::Unreplicated(_, e) => return Err(e),
                 }
             }
         }
@@ -1155,7 +1158,7 @@ impl RedisStore {
         let mut out: Vec<Reply> = vals
             .into_iter()
             .map(|v| match &shortfall {
-                Some(e) => Reply::Failed(same_failure(e)),
+                Some(e) => Reply::Unreplicated(v, same_failure(e)),
                 None => reply_of(v),
             })
             .collect();
@@ -1222,7 +1225,8 @@ impl RedisStore {
                 Ok((vals, shortfall)) => {
                     for (&i, v) in idx.iter().zip(vals) {
                         out[i] = match (&shortfall, cluster::redirect(&v)) {
-                            (Some(e), _) => Reply::Failed(same_failure(e)),
+                            (Some(e), None) => Reply::Unreplicated(v, same_failure(e)),
+                            (Some(e), Some(_)) => Reply::Failed(same_failure(e)),
                             // Moved again: the map is being read; the caller retries later.
                             (None, Some(_)) => Reply::Failed(StoreError::Unavailable(
                                 "redis cluster: slot moving (redirected twice)".into(),
@@ -1495,10 +1499,17 @@ impl RedisStore {
             )));
         }
         let mut scripted = Vec::new();
+        let mut unreplicated = None;
         for (i, reply) in order.into_iter().zip(replies) {
             let r = &reqs[i];
             let v = match reply {
                 Reply::Value(v) => v,
+                Reply::Unreplicated(v, e) => {
+                    // Decoded like the others, so the batch's failure gives back what it
+                    // acquired at once instead of leaving it to its lease end.
+                    unreplicated = Some(e);
+                    v
+                }
                 Reply::NoScript => {
                     answers[i] = Some(Err(StoreError::Backend("SET answered NOSCRIPT".into())));
                     continue;
@@ -1535,7 +1546,10 @@ impl RedisStore {
                 )))),
             };
         }
-        Ok(scripted)
+        match unreplicated {
+            Some(e) => Err(e),
+            None => Ok(scripted),
+        }
     }
 
     /// The claim script over the keys `idx`: the whole decision and write, atomically.

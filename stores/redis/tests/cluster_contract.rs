@@ -197,7 +197,9 @@ async fn batches_over_every_master_and_keys_with_braces_keep_the_contract() {
             return;
         };
         let node_of = master_of_slot(&store).await;
-        let groups: Vec<ConsumerGroup> = (0..8)
+        // 24 random groups: with hash tags each is one slot, and all 24 on two masters of
+        // three has a probability of 3 * (2/3)^24, about 2e-5.
+        let groups: Vec<ConsumerGroup> = (0..24)
             .map(|g| ConsumerGroup::new(&format!("g{g}-{:x}", FencingToken::random().0)).unwrap())
             .collect();
         let keys: Vec<DedupKey> = (0..600)
@@ -309,6 +311,19 @@ async fn too_few_replicas_fail_durable_writes_retryably() {
         "{err:?}"
     );
     assert!(err.is_retryable());
+    // What the failed call acquired on the master was given back: the key is claimable at
+    // once (not in flight until its lease ends).
+    let plain = RedisStore::builder(&url)
+        .prefix(store.prefix())
+        .connect()
+        .await
+        .expect("connect");
+    let again = plain
+        .claim(&ClaimRequest::new(key.clone(), LONG))
+        .await
+        .expect("claim without WAIT");
+    // (A released key's next claim counts as its second attempt.)
+    assert!(matches!(again, ClaimOutcome::Acquired(_)), "{again:?}");
     // Through the claim script too.
     let scripted = RedisStore::builder(&url)
         .prefix(store.prefix())
