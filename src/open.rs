@@ -12,6 +12,7 @@ pub const SUPPORTED_SCHEMES: &[(&str, &str)] = &[
     ("mysql", "mysql"),
     ("mariadb", "mysql"),
     ("redis", "redis"),
+    ("redis+cluster", "redis"),
 ];
 
 /// Why a store URL could not be opened.
@@ -130,7 +131,7 @@ pub async fn open_store(url: &str) -> Result<Arc<dyn DedupStore>, OpenStoreError
             #[cfg(not(feature = "mysql"))]
             Err(disabled("mysql"))
         }
-        "redis" | "rediss" => {
+        "redis" | "rediss" | "redis+cluster" => {
             #[cfg(feature = "redis")]
             {
                 let s = idemq_redis::RedisStore::connect(url, Default::default()).await?;

@@ -13,7 +13,14 @@
 //!    single-script mode (`fast_claims(false)`: one `EVALSHA` over the batch);
 //! 2. local-layer duplicate checks/s on one thread (`LayeredStore` cache hits): the bare
 //!    `is_cached_duplicate`, `check_local` (with the record), and the full async `claim`,
-//!    for a hot set of 1000 keys and for 100 000 keys cycling (memory-bound).
+//!    for a hot set of 1000 keys and for 100 000 keys cycling (memory-bound);
+//! 3. when `IDEMQ_REDIS_CLUSTER_URL` is set (`redis+cluster://...`, `servers.sh env`), the
+//!    same on the Redis Cluster, in one run: `RedisStore::claim_batch` (fast claims) vs raw
+//!    pipelined `SET NX PX` with the keys of each batch grouped per master, one pipeline per
+//!    master on a connection of its own, all masters at once (what a hand-written client
+//!    does); vs raw per-slot pipelines through the `redis` crate's cluster client (what it
+//!    allows); and the store with `wait_replicas(1, ..)` (`WAIT 1` after each pipeline)
+//!    as a ratio of the store without it.
 
 use idemq_core::{
     ClaimOutcome, ClaimRequest, ConsumerGroup, DedupKey, DedupStore, FencingToken, MemoryStore,
@@ -98,7 +105,8 @@ async fn bench_raw(url: &str, run: &str, keys: usize, depth: usize, clients: usi
     Ok(total as f64 / secs)
 }
 
-/// `RedisStore::claim_batch` of `depth` fresh keys per call: claims/s.
+/// `RedisStore::claim_batch` of `depth` fresh keys per call: claims/s. `wait`: the
+/// store's `wait_replicas`.
 async fn bench_store(
     url: &str,
     run: &str,
@@ -106,19 +114,22 @@ async fn bench_store(
     depth: usize,
     clients: usize,
     fast: bool,
+    wait: Option<(u32, Duration)>,
 ) -> Res<f64> {
     let per = keys / clients;
     let group = ConsumerGroup::new("g")?;
     let mut tasks = Vec::new();
     let start_barrier = Arc::new(tokio::sync::Barrier::new(clients + 1));
     for c in 0..clients {
-        let store = RedisStore::builder(url)
+        let mut builder = RedisStore::builder(url)
             .prefix(format!("bench-store-{run}"))
             .in_progress_grace(GRACE)
             .max_keys_per_script(depth.max(1))
-            .fast_claims(fast)
-            .connect()
-            .await?;
+            .fast_claims(fast);
+        if let Some((n, timeout)) = wait {
+            builder = builder.wait_replicas(n, timeout);
+        }
+        let store = builder.connect().await?;
         let group = group.clone();
         let barrier = start_barrier.clone();
         tasks.push(tokio::spawn(async move {
@@ -151,6 +162,206 @@ async fn bench_store(
     let secs = start.elapsed().as_secs_f64();
     assert_eq!(total, per * clients, "every fresh key acquired");
     Ok(total as f64 / secs)
+}
+
+/// The masters of a cluster (`host:port`) and the master of each slot, from `CLUSTER
+/// SLOTS` asked of the first seed of `url` (`redis+cluster://h:p,h:p/`).
+async fn cluster_map(url: &str) -> Res<(Vec<String>, Vec<usize>)> {
+    let first = url
+        .trim_start_matches("redis+cluster://")
+        .trim_end_matches('/')
+        .split(',')
+        .next()
+        .ok_or("a cluster URL names its nodes")?
+        .to_owned();
+    let mut con = raw_client(&format!("redis://{first}/")).await?;
+    let rows: Vec<redis::Value> = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut con)
+        .await?;
+    let mut masters: Vec<String> = Vec::new();
+    let mut of_slot = vec![0usize; 16384];
+    for row in rows {
+        let redis::Value::Array(f) = row else {
+            return Err("unexpected CLUSTER SLOTS row".into());
+        };
+        let (start, end): (usize, usize) = (
+            redis::from_redis_value(&f[0])?,
+            redis::from_redis_value(&f[1])?,
+        );
+        let node: Vec<redis::Value> = redis::from_redis_value(&f[2])?;
+        let (host, port): (String, u16) = (
+            redis::from_redis_value(&node[0])?,
+            redis::from_redis_value(&node[1])?,
+        );
+        let addr = format!("{host}:{port}");
+        let m = match masters.iter().position(|a| *a == addr) {
+            Some(m) => m,
+            None => {
+                masters.push(addr);
+                masters.len() - 1
+            }
+        };
+        of_slot[start..=end].fill(m);
+    }
+    Ok((masters, of_slot))
+}
+
+/// Raw `SET NX PX` on a cluster, batches of `depth` keys: with `per_node`, each batch's
+/// keys grouped per master, one pipeline per master on a connection of its own; else one
+/// pipeline per slot through the `redis` crate's cluster client. All pipelines of a batch
+/// at once. Keys/s.
+async fn bench_raw_cluster(
+    url: &str,
+    run: &str,
+    keys: usize,
+    depth: usize,
+    clients: usize,
+    per_node: bool,
+) -> Res<f64> {
+    let (masters, of_slot) = cluster_map(url).await?;
+    let of_slot = Arc::new(of_slot);
+    let per = keys / clients;
+    let ttl = (LEASE + GRACE).as_millis() as u64;
+    let seeds = idemq_redis::cluster_seed_urls(url)?;
+    let mut tasks = Vec::new();
+    let barrier = Arc::new(tokio::sync::Barrier::new(clients + 1));
+    for c in 0..clients {
+        let mut nodes = Vec::new();
+        for m in &masters {
+            nodes.push(raw_client(&format!("redis://{m}/")).await?);
+        }
+        let cluster = redis::cluster::ClusterClient::new(seeds.clone())?
+            .get_async_connection()
+            .await?;
+        let (run, of_slot, barrier) = (run.to_string(), of_slot.clone(), barrier.clone());
+        tasks.push(tokio::spawn(async move {
+            let keys: Vec<String> = (0..per)
+                .map(|i| format!("bench-raw-{run}:g:{c}-{i}"))
+                .collect();
+            barrier.wait().await;
+            let mut acquired = 0usize;
+            for chunk in keys.chunks(depth) {
+                // Group: per master, or per slot.
+                let mut groups: Vec<(usize, u16, redis::Pipeline)> = Vec::new();
+                for k in chunk {
+                    let slot = idemq_redis::key_slot(k.as_bytes());
+                    let id = if per_node {
+                        of_slot[usize::from(slot)]
+                    } else {
+                        usize::from(slot)
+                    };
+                    let at = match groups.iter().position(|g| g.0 == id) {
+                        Some(at) => at,
+                        None => {
+                            groups.push((id, slot, redis::pipe()));
+                            groups.len() - 1
+                        }
+                    };
+                    groups[at]
+                        .2
+                        .cmd("SET")
+                        .arg(k)
+                        .arg(FencingToken::random().0)
+                        .arg("NX")
+                        .arg("PX")
+                        .arg(ttl);
+                }
+                let sends = groups.iter().map(|(id, slot, pipe)| {
+                    let (mut node, mut cluster) = (
+                        nodes[if per_node { *id } else { 0 }].clone(),
+                        cluster.clone(),
+                    );
+                    let route = redis::cluster_routing::SingleNodeRoutingInfo::SpecificNode(
+                        redis::cluster_routing::Route::new(
+                            *slot,
+                            redis::cluster_routing::SlotAddr::Master,
+                        ),
+                    );
+                    async move {
+                        let n = pipe.cmd_iter().count();
+                        if per_node {
+                            use redis::aio::ConnectionLike;
+                            node.req_packed_commands(pipe, 0, n).await
+                        } else {
+                            cluster.route_pipeline(pipe, 0, n, route).await
+                        }
+                    }
+                });
+                for replies in futures::future::join_all(sends).await {
+                    acquired += replies?.iter().filter(|v| **v != redis::Value::Nil).count();
+                }
+            }
+            Ok::<usize, redis::RedisError>(acquired)
+        }));
+    }
+    barrier.wait().await;
+    let start = Instant::now();
+    let mut total = 0;
+    for t in tasks {
+        total += t.await??;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    assert_eq!(total, per * clients, "every raw SET NX acquired");
+    Ok(total as f64 / secs)
+}
+
+/// The cluster section: store vs raw per-node and per-slot pipelines, and the cost of
+/// `WAIT 1`, alternating, best of three rounds each.
+async fn bench_cluster(url: &str, run: &str, keys: usize, depth: usize, clients: usize) -> Res<()> {
+    let wait = Some((1, Duration::from_secs(2)));
+    // Warm up every path.
+    bench_raw_cluster(url, &format!("{run}cw"), 20_000, depth, clients, true).await?;
+    bench_raw_cluster(url, &format!("{run}cv"), 20_000, depth, clients, false).await?;
+    bench_store(url, &format!("{run}cw"), 20_000, depth, clients, true, None).await?;
+    bench_store(url, &format!("{run}cx"), 20_000, depth, clients, true, wait).await?;
+    let (mut node, mut slot, mut store, mut waited) = (0f64, 0f64, 0f64, 0f64);
+    for r in 0..3 {
+        node = node
+            .max(bench_raw_cluster(url, &format!("{run}cn{r}"), keys, depth, clients, true).await?);
+        slot = slot.max(
+            bench_raw_cluster(url, &format!("{run}cs{r}"), keys, depth, clients, false).await?,
+        );
+        store = store.max(
+            bench_store(
+                url,
+                &format!("{run}cst{r}"),
+                keys,
+                depth,
+                clients,
+                true,
+                None,
+            )
+            .await?,
+        );
+        waited = waited.max(
+            bench_store(
+                url,
+                &format!("{run}cwt{r}"),
+                keys,
+                depth,
+                clients,
+                true,
+                wait,
+            )
+            .await?,
+        );
+    }
+    println!("cluster {url}");
+    println!("  raw SET NX PX, pipeline per master : {node:>12.0} keys/s");
+    println!(
+        "  raw SET NX PX, pipeline per slot   : {slot:>12.0} keys/s (redis crate cluster client)"
+    );
+    println!(
+        "  RedisStore::claim_batch            : {store:>12.0} claims/s = {:.1} % of per-master raw (target >= 70 %), {:.1} % of per-slot raw",
+        100.0 * store / node,
+        100.0 * store / slot
+    );
+    println!(
+        "  with wait_replicas(1, 2 s)         : {waited:>12.0} claims/s = {:.1} % of the store without WAIT",
+        100.0 * waited / store
+    );
+    Ok(())
 }
 
 /// Local-layer duplicate checks on one thread:
@@ -240,7 +451,7 @@ fn main() -> Res<()> {
     let (raw, store, scripted) = rt.block_on(async {
         // Warm up both paths (connections, script cache, allocator).
         bench_raw(&url, &format!("{run}w"), 20_000, depth, clients).await?;
-        bench_store(&url, &format!("{run}w"), 20_000, depth, clients, true).await?;
+        bench_store(&url, &format!("{run}w"), 20_000, depth, clients, true, None).await?;
         // Alternate the three, three rounds each, keep the best of each; also measure the
         // server's CPU time per key (what bounds throughput when the server saturates).
         let (mut raw, mut store, mut scripted) = (0f64, 0f64, 0f64);
@@ -249,11 +460,31 @@ fn main() -> Res<()> {
             let c0 = server_cpu(&url).await?;
             raw = raw.max(bench_raw(&url, &format!("{run}r{r}"), keys, depth, clients).await?);
             let c1 = server_cpu(&url).await?;
-            store = store
-                .max(bench_store(&url, &format!("{run}s{r}"), keys, depth, clients, true).await?);
+            store = store.max(
+                bench_store(
+                    &url,
+                    &format!("{run}s{r}"),
+                    keys,
+                    depth,
+                    clients,
+                    true,
+                    None,
+                )
+                .await?,
+            );
             let c2 = server_cpu(&url).await?;
-            scripted = scripted
-                .max(bench_store(&url, &format!("{run}l{r}"), keys, depth, clients, false).await?);
+            scripted = scripted.max(
+                bench_store(
+                    &url,
+                    &format!("{run}l{r}"),
+                    keys,
+                    depth,
+                    clients,
+                    false,
+                    None,
+                )
+                .await?,
+            );
             raw_cpu += c1 - c0;
             store_cpu += c2 - c1;
         }
@@ -276,6 +507,9 @@ fn main() -> Res<()> {
         scripted,
         100.0 * scripted / raw
     );
+    if let Ok(cluster) = std::env::var("IDEMQ_REDIS_CLUSTER_URL") {
+        rt.block_on(bench_cluster(&cluster, &run, keys, depth, clients))?;
+    }
     drop(rt);
 
     // A replay storm hits a small hot set; 100k distinct keys cycling is the memory-bound case.

@@ -55,6 +55,25 @@ async fn server_run_id(conn: &ConnectionManager) -> Result<String, StoreError> {
         .ok_or_else(|| StoreError::Backend("INFO server has no run_id".into()))
 }
 
+/// Refuses a Redis Cluster node: the filter is one key on one server, and its restart
+/// detection compares one server's `run_id`.
+async fn require_standalone(conn: &ConnectionManager) -> Result<(), StoreError> {
+    let mut con = conn.clone();
+    let info: String = redis::cmd("INFO")
+        .arg("cluster")
+        .query_async(&mut con)
+        .await
+        .map_err(|e| map_redis_error(&e))?;
+    if info.lines().any(|l| l.trim() == "cluster_enabled:1") {
+        return Err(StoreError::Config(
+            "RedisBloomFilter is standalone-only: this server is a Redis Cluster node; \
+             open the filter on a standalone Redis (or use idemq_layered::LocalBloom)"
+                .into(),
+        ));
+    }
+    Ok(())
+}
+
 /// Whether the server has the RedisBloom module loaded (`MODULE LIST` names `bf`).
 pub async fn redisbloom_loaded(conn: &ConnectionManager) -> Result<bool, StoreError> {
     let mut con = conn.clone();
@@ -144,7 +163,8 @@ impl RedisBloomFilter {
     /// Opens (creating if needed) the filter `name` (same character rules as a key
     /// prefix), sized for `capacity` items at `error_rate` (RedisBloom scales it beyond).
     ///
-    /// Errors: [`StoreError::Config`] if the server lacks RedisBloom or the arguments are
+    /// Errors: [`StoreError::Config`] on a Redis Cluster node (standalone-only), if the
+    /// server lacks RedisBloom or the arguments are
     /// invalid; [`StoreError::Backend`] if the filter's data was lost while its marker
     /// remains (delete `{name}:incarnation` to start a new filter knowingly).
     pub async fn open(
@@ -159,6 +179,7 @@ impl RedisBloomFilter {
                 "bloom filter needs 0 < error_rate < 1 and capacity > 0 (got {error_rate}, {capacity})"
             )));
         }
+        require_standalone(&conn).await?;
         if !redisbloom_loaded(&conn).await? {
             return Err(StoreError::Config(
                 "the Redis server has no RedisBloom module (MODULE LIST has no `bf`): \

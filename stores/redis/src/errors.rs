@@ -34,8 +34,9 @@ pub(crate) fn open_client(url: &str) -> Result<redis::Client, StoreError> {
             format!("scheme `{scheme}:`")
         };
         return Err(StoreError::Config(format!(
-            "RedisStore cannot open {shown}: use redis://host:port/db, rediss:// (TLS), or \
-             redis+unix:///path/to/socket (SQL databases: idemq-sql's stores)"
+            "RedisStore cannot open {shown}: use redis://host:port/db, rediss:// (TLS), \
+             redis+unix:///path/to/socket, or redis+cluster://host:port,host:port/ for a Redis \
+             Cluster (SQL databases: idemq-sql's stores)"
         )));
     }
     redis::Client::open(url).map_err(|e| {

@@ -21,6 +21,9 @@
 //! # Ok(()) }
 //! ```
 //!
+//! On a Redis Cluster, connect with `redis+cluster://host:port,host:port/` (see
+//! [`RedisStore`]'s scope and [`RedisStoreBuilder::wait_replicas`]).
+//!
 //! With the `bloom` feature (default), [`RedisBloomFilter`] is a shared never-seen-only
 //! [`PreFilter`](idemq_layered::PreFilter) for `idemq-layered`, backed by the RedisBloom
 //! module when the server has it loaded (detected with `MODULE LIST`, never assumed).
@@ -28,6 +31,7 @@
 
 #[cfg(feature = "bloom")]
 mod bloom;
+mod cluster;
 pub mod codec;
 mod errors;
 mod lua;
@@ -36,6 +40,7 @@ mod store;
 
 #[cfg(feature = "bloom")]
 pub use bloom::{redisbloom_loaded, RedisBloomFilter};
+pub use cluster::{cluster_seed_urls, key_slot, CLUSTER_SCHEME};
 pub use errors::{handler_error, is_retryable_redis_error, RedisResultExt, REDIS_SCHEMES};
 pub use store::{
     map_redis_error, validate_prefix, RedisStore, RedisStoreBuilder, RedisStoreOptions,

@@ -1,5 +1,6 @@
 //! [`RedisStore`]: the claim contract as Lua scripts over one Redis string per key.
 
+use crate::cluster::{self, ClusterHandle, Master};
 use crate::codec::{claim_identity, decode_record, result_field, write_identity};
 use crate::lua::{self, Lua};
 use async_trait::async_trait;
@@ -10,9 +11,13 @@ use idemq_core::{
     RecordStatus, ReleaseOutcome, StoreError,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::{Cmd, RedisError, Value};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::{
+    MultipleNodeRoutingInfo, ResponsePolicy, Route, RoutingInfo, SingleNodeRoutingInfo, SlotAddr,
+};
+use redis::{Cmd, Pipeline, RedisError, RedisFuture, Value};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// The key prefix used unless configured.
@@ -80,6 +85,10 @@ pub fn map_redis_error(e: &RedisError) -> StoreError {
                 | K::MasterDown
                 | K::ReadOnly
                 | K::ClusterConnectionNotFound
+                // A slot moving (resharding) or a failover in progress: the client has
+                // followed the redirections it could; later the map is settled.
+                | K::Moved
+                | K::Ask
         )
         // MISCONF: persistence failing, writes refused until it recovers; NOREPLICAS:
         // min-replicas-to-write not met.
@@ -141,6 +150,14 @@ pub struct RedisStoreOptions {
     /// zero: only [`RedisStore::check_incarnation`] checks). See
     /// [`RedisStore::incarnation_lost`].
     pub incarnation_check_interval: Duration,
+    /// `Some((n, timeout))`: after every durable write (claim, complete, extend) send
+    /// `WAIT n timeout` on the same connection and fail the call (retryable, so no ack)
+    /// when fewer than `n` replicas acknowledged it (default `None`). See
+    /// [`RedisStoreBuilder::wait_replicas`].
+    pub wait_replicas: Option<(u32, Duration)>,
+    /// Treat a `redis://` URL (whose host part may list `host:port,host:port`) as the seed
+    /// nodes of a Redis Cluster (default `false`; a `redis+cluster://` URL always is one).
+    pub cluster: bool,
 }
 
 impl Default for RedisStoreOptions {
@@ -158,6 +175,8 @@ impl Default for RedisStoreOptions {
             purge_scan_budget: usize::MAX,
             fast_claims: false,
             incarnation_check_interval: Duration::from_secs(1),
+            wait_replicas: None,
+            cluster: false,
         }
     }
 }
@@ -274,7 +293,31 @@ impl RedisStoreBuilder {
             max_keys_per_script: self.opts.max_keys_per_script,
             scan_count: self.opts.scan_count,
             purge_scan_budget: self.opts.purge_scan_budget.max(1),
+            wait_replicas: self
+                .opts
+                .wait_replicas
+                .map(|(n, t)| (n, clamp_ms(t).max(1))),
         })
+    }
+
+    /// After every durable write (claim, complete, extend), `WAIT replicas timeout` on the
+    /// same connection (in the same pipeline, so a reconnection cannot split the two): a
+    /// call whose writes fewer than `replicas` replicas acknowledged within `timeout` fails
+    /// with [`StoreError::Unavailable`], so its message is not acknowledged and comes back.
+    /// Without it a failover can lose writes that were acknowledged (Redis replicates
+    /// asynchronously); with it, only a failover that promotes a replica which had not
+    /// acknowledged them can (see docs/stores-redis.md). Costs a replica round trip per
+    /// call (measured in the `bench` example).
+    pub fn wait_replicas(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.opts.wait_replicas = Some((replicas, timeout));
+        self
+    }
+
+    /// Treat a `redis://host:port[,host:port...]/` URL as a Redis Cluster's seed nodes
+    /// (a `redis+cluster://` URL always is one).
+    pub fn cluster(mut self, on: bool) -> Self {
+        self.opts.cluster = on;
+        self
     }
 
     /// How often the incarnation marker is checked in the background (default 1 s; zero
@@ -286,6 +329,10 @@ impl RedisStoreBuilder {
 
     /// Validates the configuration, connects (a [`ConnectionManager`] of its own, which
     /// reconnects after a Redis restart) and loads the scripts.
+    ///
+    /// `redis+cluster://host:port,host:port/` (or [`RedisStoreBuilder::cluster`]) connects
+    /// to a Redis Cluster instead: a seed that is a standalone server, or a malformed list
+    /// of nodes, is a [`StoreError::Config`].
     ///
     /// Startup fails at once with a [`StoreError::Config`] naming what to fix on a scheme
     /// other than `redis://`, `rediss://`, `redis+unix://`, `unix://`; on `rediss://` when
@@ -302,6 +349,23 @@ impl RedisStoreBuilder {
     /// ```
     pub async fn connect(self) -> Result<RedisStore, StoreError> {
         let settings = self.settings()?;
+        if self.opts.cluster || cluster::is_cluster_url(&self.url) {
+            let seeds = cluster::seed_urls(&self.url, self.opts.cluster)?;
+            let retries = u32::try_from(self.opts.reconnect_retries).unwrap_or(u32::MAX);
+            let conn = ClusterHandle::open(
+                seeds,
+                self.opts.connect_timeout,
+                self.opts.response_timeout,
+                retries,
+            )
+            .await?;
+            return RedisStore::from_parts(
+                StoreConn::Cluster(Arc::new(conn)),
+                settings,
+                &self.opts,
+            )
+            .await;
+        }
         let client = crate::errors::open_client(&self.url)?;
         crate::errors::probe(
             &client,
@@ -319,14 +383,182 @@ impl RedisStoreBuilder {
         let conn = ConnectionManager::new_with_config(client, config)
             .await
             .map_err(store_err)?;
-        RedisStore::from_parts(conn, settings, &self.opts).await
+        RedisStore::from_parts(StoreConn::Single(conn), settings, &self.opts).await
     }
 
     /// Like [`RedisStoreBuilder::connect`] over an existing connection (shared with other
     /// users; its own timeouts and reconnection apply). The URL is ignored.
     pub async fn with_connection(self, conn: ConnectionManager) -> Result<RedisStore, StoreError> {
         let settings = self.settings()?;
-        RedisStore::from_parts(conn, settings, &self.opts).await
+        RedisStore::from_parts(StoreConn::Single(conn), settings, &self.opts).await
+    }
+
+    /// Like [`RedisStoreBuilder::connect`] over an existing Redis Cluster connection. The
+    /// URL is ignored.
+    pub async fn with_cluster_connection(
+        self,
+        conn: ClusterConnection,
+    ) -> Result<RedisStore, StoreError> {
+        let settings = self.settings()?;
+        let retries = u32::try_from(self.opts.reconnect_retries).unwrap_or(u32::MAX);
+        // Without seeds: this connection is never replaced, only bounded in time.
+        let handle = ClusterHandle::wrap(
+            conn,
+            Vec::new(),
+            self.opts.connect_timeout,
+            self.opts.response_timeout,
+            retries,
+        );
+        RedisStore::from_parts(StoreConn::Cluster(Arc::new(handle)), settings, &self.opts).await
+    }
+}
+
+/// The store's connection: one server (reconnecting) or a Redis Cluster (routing each
+/// command by its key's slot, following `MOVED`/`ASK`, refreshing the slot map).
+// Not boxed: the connection is cloned for every request, and a boxed manager would be an
+// allocation per clone; one store holds one of these.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone)]
+pub(crate) enum StoreConn {
+    Single(ConnectionManager),
+    Cluster(Arc<ClusterHandle>),
+}
+
+impl ConnectionLike for StoreConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Self::Single(c) => c.req_packed_command(cmd),
+            Self::Cluster(h) => Box::pin(async move {
+                h.call(|mut c| async move { c.req_packed_command(cmd).await })
+                    .await
+            }),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Self::Single(c) => c.req_packed_commands(cmd, offset, count),
+            Self::Cluster(h) => Box::pin(async move {
+                h.call(|mut c| async move { c.req_packed_commands(cmd, offset, count).await })
+                    .await
+            }),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Self::Single(c) => c.get_db(),
+            Self::Cluster(_) => 0,
+        }
+    }
+}
+
+impl StoreConn {
+    /// A keyless command (`TIME`, `INFO`, `CONFIG GET`) answered by one node: on a cluster
+    /// any node, not the aggregate of all of them.
+    async fn query_one<T: redis::FromRedisValue>(&self, cmd: &Cmd) -> Result<T, StoreError> {
+        let v = match self {
+            Self::Single(c) => c.clone().req_packed_command(cmd).await,
+            Self::Cluster(h) => {
+                h.call(|mut c| async move {
+                    c.route_command(cmd, RoutingInfo::SingleNode(SingleNodeRoutingInfo::Random))
+                        .await
+                })
+                .await
+            }
+        }
+        .map_err(store_err)?;
+        redis::from_owned_redis_value(v).map_err(store_err)
+    }
+}
+
+/// Where a pipeline goes.
+#[derive(Clone, PartialEq, Eq, Hash)]
+enum Target {
+    /// The standalone server.
+    Server,
+    /// The master of a slot, through the cluster client.
+    Slot(u16),
+    /// A master (`host:port`), on the store's own connection to it.
+    Node(String),
+}
+
+/// Commands for one [`Target`], with the slot of each.
+struct Batch {
+    target: Target,
+    pipe: Pipeline,
+    slots: Vec<u16>,
+}
+
+/// One command's answer in [`RedisStore::send`].
+enum Reply {
+    Value(Value),
+    /// `NOSCRIPT`: the script was not run.
+    NoScript,
+    Failed(StoreError),
+    /// Run on the master, but `WAIT` saw too few replicas acknowledge it: the call must
+    /// fail (the error), and what it acquired may be given back (the value says what).
+    Unreplicated(Value, StoreError),
+}
+
+fn reply_of(v: Value) -> Reply {
+    match v {
+        Value::ServerError(e) => match e.code() {
+            "NOSCRIPT" => Reply::NoScript,
+            // A key of another type: the caller names the key (`Corrupt`).
+            "WRONGTYPE" => Reply::Value(Value::ServerError(e)),
+            _ => Reply::Failed(store_err(e.into())),
+        },
+        v => Reply::Value(v),
+    }
+}
+
+/// The error for a `WAIT` reply (`acked`: replicas that acknowledged) short of `replicas`.
+fn wait_shortfall(acked: Option<Value>, replicas: u32, timeout_ms: i64) -> Option<StoreError> {
+    let got = match acked {
+        Some(Value::Int(n)) => n,
+        Some(Value::ServerError(e)) => return Some(store_err(e.into())),
+        other => {
+            return Some(StoreError::Backend(format!(
+                "unexpected WAIT reply {other:?}"
+            )))
+        }
+    };
+    if got >= i64::from(replicas) {
+        return None;
+    }
+    metrics::counter!("idemq_redis_wait_shortfall_total").increment(1);
+    tracing::warn!(
+        acked = got,
+        replicas,
+        timeout_ms,
+        "redis write acknowledged by too few replicas: failing the call (no ack)"
+    );
+    Some(StoreError::Unavailable(format!(
+        "WAIT {replicas} {timeout_ms}: only {got} replica(s) acknowledged the write in time; \
+         it may not survive a failover, so the call fails and is retried"
+    )))
+}
+
+/// The same failure for another command of a failed pipeline.
+fn same_failure(e: &StoreError) -> StoreError {
+    match e {
+        StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),
+        StoreError::Backend(m) => StoreError::Backend(m.clone()),
+        StoreError::Config(m) => StoreError::Config(m.clone()),
+        StoreError::Corrupt { key, reason } => StoreError::Corrupt {
+            key: key.clone(),
+            reason: reason.clone(),
+        },
+        StoreError::KeyTooLong { len, max } => StoreError::KeyTooLong {
+            len: *len,
+            max: *max,
+        },
     }
 }
 
@@ -340,6 +572,7 @@ struct Settings {
     max_keys_per_script: usize,
     scan_count: usize,
     purge_scan_budget: usize,
+    wait_replicas: Option<(u32, i64)>,
 }
 
 /// A [`DedupStore`] on Redis: each record is one string at `<prefix>:<dedup key>` (or
@@ -376,9 +609,12 @@ struct Settings {
 ///   leases and completed records; with `appendfsync everysec` a crash (not a shutdown) can
 ///   lose the last second of completions, whose messages may then run again; use
 ///   `appendfsync always` where that matters. Run with `maxmemory-policy noeviction`.
-/// - **scope**: one standalone Redis (or a proxy). Hash tags prepare the keyspace for a
-///   Cluster, but the connection is not cluster-aware, and `purge_expired`, `list_stuck`
-///   scan one node.
+/// - **scope**: one standalone Redis (or a proxy), or a Redis Cluster
+///   (`redis+cluster://host:port,host:port/`): commands go to the master of their key's
+///   slot, a batch as one pipeline per slot (all slots at once), every script call keeps its
+///   keys in one slot, `purge_expired` and `list_stuck` scan every master, and the
+///   incarnation marker is kept on every master. With
+///   [`wait_replicas`](RedisStoreBuilder::wait_replicas) durable writes wait for replicas.
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), idemq_core::StoreError> {
@@ -392,11 +628,12 @@ struct Settings {
 /// ```
 #[derive(Clone)]
 pub struct RedisStore {
-    conn: ConnectionManager,
+    conn: StoreConn,
     cfg: Arc<Settings>,
     fast_claims: bool,
-    /// Where the next `purge_expired` resumes its `SCAN`.
-    purge_cursor: Arc<AtomicU64>,
+    /// Where the next `purge_expired` resumes its `SCAN`: the position of the node among
+    /// the masters (0 on a standalone server) and the node's cursor.
+    purge_cursor: Arc<Mutex<(usize, u64)>>,
     incarnation: Arc<Incarnation>,
 }
 
@@ -412,51 +649,66 @@ return ARGV[1]
 /// on a dataset connects. A dataset that lost it (a restart without persistence, a failover
 /// to a replica that never had it, a `FLUSHALL`, an eviction) lost acknowledged claims and
 /// completions too.
+///
+/// On a Redis Cluster there is one marker per master (a key whose hash tag puts it in a
+/// slot of that master), so a master whose dataset is lost is seen whichever it is.
 struct Incarnation {
-    conn: ConnectionManager,
-    key: String,
-    id: std::sync::Mutex<String>,
+    conn: StoreConn,
+    markers: Vec<Marker>,
     lost: AtomicBool,
 }
 
+/// One incarnation marker key and the id last read from it.
+struct Marker {
+    key: String,
+    id: Mutex<String>,
+}
+
+/// Writes the marker `key` unless it exists; answers its id.
+async fn ensure_marker(conn: &StoreConn, key: &str) -> Result<String, StoreError> {
+    let mut con = conn.clone();
+    redis::Script::new(ENSURE_MARKER)
+        .key(key)
+        .arg(FencingToken::random().to_string())
+        .invoke_async(&mut con)
+        .await
+        .map_err(store_err)
+}
+
 impl Incarnation {
-    /// Checks the marker; on a loss records it (sticky flag, metric, error log) and adopts
-    /// a new marker, so the next loss is seen too.
+    /// Checks every marker; on a loss records it (sticky flag, metric, error log) and adopts
+    /// the new marker, so the next loss is seen too. Answers whether one was lost.
     async fn check(&self) -> Result<bool, StoreError> {
-        let mut con = self.conn.clone();
-        let fresh = FencingToken::random().to_string();
-        let now: String = redis::Script::new(ENSURE_MARKER)
-            .key(&self.key)
-            .arg(&fresh)
-            .invoke_async(&mut con)
-            .await
-            .map_err(store_err)?;
-        let mut id = self
-            .id
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if *id == now {
-            return Ok(false);
+        let mut any = false;
+        for m in &self.markers {
+            let now = ensure_marker(&self.conn, &m.key).await?;
+            let mut id =
+                m.id.lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if *id == now {
+                continue;
+            }
+            metrics::counter!("idemq_redis_incarnation_lost_total").increment(1);
+            tracing::error!(
+                marker = %m.key,
+                "redis dataset lost: the dedup store's incarnation marker is missing or \
+                 replaced; claims and completions acknowledged before may be gone, and their \
+                 messages may run again"
+            );
+            *id = now;
+            self.lost.store(true, Ordering::Release);
+            any = true;
         }
-        let how = if now == fresh { "missing" } else { "replaced" };
-        metrics::counter!("idemq_redis_incarnation_lost_total").increment(1);
-        tracing::error!(
-            marker = %self.key,
-            how,
-            "redis dataset lost: the dedup store's incarnation marker is {how}; claims and \
-             completions acknowledged before may be gone, and their messages may run again"
-        );
-        *id = now;
-        self.lost.store(true, Ordering::Release);
-        Ok(true)
+        Ok(any)
     }
 
     fn lost_error(&self) -> StoreError {
+        let keys: Vec<&str> = self.markers.iter().map(|m| m.key.as_str()).collect();
         StoreError::Backend(format!(
-            "redis dataset lost: the incarnation marker `{}` disappeared or changed (a restart \
+            "redis dataset lost: an incarnation marker ({}) disappeared or changed (a restart \
              without persistence, a failover to a replica behind, a FLUSHALL, an eviction); \
              claims and completions acknowledged before may be gone",
-            self.key
+            keys.join(", ")
         ))
     }
 }
@@ -493,11 +745,9 @@ impl RedisStore {
     /// completed record (a duplicate runs again). Warn unless the server says `noeviction`;
     /// servers that refuse `CONFIG` (managed Redis) are not checked.
     async fn check_eviction_policy(&self) {
-        let mut conn = self.conn.clone();
-        let reply: redis::RedisResult<Vec<String>> = redis::cmd("CONFIG")
-            .arg("GET")
-            .arg("maxmemory-policy")
-            .query_async(&mut conn)
+        let reply: Result<Vec<String>, StoreError> = self
+            .conn
+            .query_one(redis::cmd("CONFIG").arg("GET").arg("maxmemory-policy"))
             .await;
         match reply {
             Ok(kv) => match kv.get(1).map(String::as_str) {
@@ -514,24 +764,36 @@ impl RedisStore {
     }
 
     async fn from_parts(
-        conn: ConnectionManager,
+        conn: StoreConn,
         cfg: Settings,
         opts: &RedisStoreOptions,
     ) -> Result<Self, StoreError> {
         let fast_claims = opts.fast_claims;
-        // Outside the records' pattern (`<prefix>:*`), so scans never meet it.
+        // Outside the records' pattern (`<prefix>:*`), so scans never meet them.
         let marker = format!("{}.incarnation", cfg.prefix);
-        let mut con = conn.clone();
-        let id: String = redis::Script::new(ENSURE_MARKER)
-            .key(&marker)
-            .arg(FencingToken::random().to_string())
-            .invoke_async(&mut con)
-            .await
-            .map_err(store_err)?;
+        let marker_keys = match &conn {
+            StoreConn::Single(_) => vec![marker],
+            StoreConn::Cluster(h) => {
+                h.load_slot_map().await?;
+                let masters = cluster::masters(h).await?;
+                masters
+                    .iter()
+                    .filter_map(|m| m.ranges.first())
+                    .map(|r| format!("{marker}{{{}}}", cluster::tag_for_slot(r.0)))
+                    .collect()
+            }
+        };
+        let mut markers = Vec::with_capacity(marker_keys.len());
+        for key in marker_keys {
+            let id = ensure_marker(&conn, &key).await?;
+            markers.push(Marker {
+                key,
+                id: Mutex::new(id),
+            });
+        }
         let incarnation = Arc::new(Incarnation {
             conn: conn.clone(),
-            key: marker,
-            id: std::sync::Mutex::new(id),
+            markers,
             lost: AtomicBool::new(false),
         });
         if !opts.incarnation_check_interval.is_zero() {
@@ -543,7 +805,7 @@ impl RedisStore {
                     tokio::time::sleep(every).await;
                     let Some(inc) = weak.upgrade() else { break };
                     if let Err(e) = inc.check().await {
-                        tracing::debug!(marker = %inc.key, error = %e, "incarnation check failed");
+                        tracing::debug!(error = %e, "incarnation check failed");
                     }
                 }
             });
@@ -552,7 +814,7 @@ impl RedisStore {
             conn,
             cfg: Arc::new(cfg),
             fast_claims: false,
-            purge_cursor: Arc::new(AtomicU64::new(0)),
+            purge_cursor: Arc::new(Mutex::new((0, 0))),
             incarnation,
         };
         store.check_eviction_policy().await;
@@ -582,21 +844,15 @@ impl RedisStore {
     /// The server's clock (`TIME`), in milliseconds since the Unix epoch: the clock leases
     /// are decided on.
     async fn server_now_ms(&self) -> Result<i64, StoreError> {
-        let mut con = self.conn.clone();
-        let (secs, micros): (i64, i64) = redis::cmd("TIME")
-            .query_async(&mut con)
-            .await
-            .map_err(store_err)?;
+        let (secs, micros): (i64, i64) = self.conn.query_one(&redis::cmd("TIME")).await?;
         Ok(secs.saturating_mul(1000).saturating_add(micros / 1000))
     }
 
     async fn server_version(&self) -> Result<(u32, u32), StoreError> {
-        let mut con = self.conn.clone();
-        let info: String = redis::cmd("INFO")
-            .arg("server")
-            .query_async(&mut con)
-            .await
-            .map_err(store_err)?;
+        let info: String = self
+            .conn
+            .query_one(redis::cmd("INFO").arg("server"))
+            .await?;
         let v = info
             .lines()
             .find_map(|l| l.strip_prefix("redis_version:"))
@@ -616,9 +872,37 @@ impl RedisStore {
         &self.cfg.prefix
     }
 
-    /// The Redis key of the store's incarnation marker (`<prefix>.incarnation`).
+    /// The Redis key of the store's (first) incarnation marker (`<prefix>.incarnation`;
+    /// on a cluster `<prefix>.incarnation{<tag>}`, one per master: see
+    /// [`RedisStore::incarnation_keys`]).
     pub fn incarnation_key(&self) -> &str {
-        &self.incarnation.key
+        self.incarnation
+            .markers
+            .first()
+            .map_or("", |m| m.key.as_str())
+    }
+
+    /// The Redis keys of the store's incarnation markers: one on a standalone server, one
+    /// per master (as the cluster was when the store connected) on a Redis Cluster.
+    pub fn incarnation_keys(&self) -> Vec<&str> {
+        self.incarnation
+            .markers
+            .iter()
+            .map(|m| m.key.as_str())
+            .collect()
+    }
+
+    /// Whether the store runs on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        matches!(self.conn, StoreConn::Cluster(_))
+    }
+
+    /// The replicas every durable write waits for, and how long (see
+    /// [`RedisStoreBuilder::wait_replicas`]).
+    pub fn wait_replicas(&self) -> Option<(u32, Duration)> {
+        self.cfg
+            .wait_replicas
+            .map(|(n, t)| (n, Duration::from_millis(u64::try_from(t).unwrap_or(0))))
     }
 
     /// Whether the store has seen its dataset lost (its incarnation marker gone or
@@ -650,9 +934,26 @@ impl RedisStore {
     }
 
     /// The connection (cheap to clone; shares the socket), e.g. for a
-    /// [`RedisBloomFilter`](crate::RedisBloomFilter) on the same server.
-    pub fn connection(&self) -> ConnectionManager {
-        self.conn.clone()
+    /// [`RedisBloomFilter`](crate::RedisBloomFilter) on the same server. A
+    /// [`StoreError::Config`] on a Redis Cluster, which has no single connection (see
+    /// [`RedisStore::cluster_connection`]); the bloom filter is standalone-only.
+    pub fn connection(&self) -> Result<ConnectionManager, StoreError> {
+        match &self.conn {
+            StoreConn::Single(c) => Ok(c.clone()),
+            StoreConn::Cluster(_) => Err(StoreError::Config(
+                "this RedisStore is on a Redis Cluster: it has no single-server connection \
+                 (use cluster_connection()), and RedisBloomFilter is standalone-only"
+                    .into(),
+            )),
+        }
+    }
+
+    /// The Redis Cluster connection (cheap to clone), or `None` on a standalone server.
+    pub fn cluster_connection(&self) -> Option<ClusterConnection> {
+        match &self.conn {
+            StoreConn::Cluster(h) => Some(h.get()),
+            StoreConn::Single(_) => None,
+        }
     }
 
     /// The Redis key holding `key`'s record.
@@ -696,13 +997,22 @@ impl RedisStore {
     }
 
     async fn load(&self, s: &Lua) -> Result<(), StoreError> {
-        let mut con = self.conn.clone();
-        let sha: String = redis::cmd("SCRIPT")
-            .arg("LOAD")
-            .arg(&s.src)
-            .query_async(&mut con)
-            .await
-            .map_err(store_err)?;
+        let mut cmd = redis::cmd("SCRIPT");
+        cmd.arg("LOAD").arg(&s.src);
+        let v = match &self.conn {
+            StoreConn::Single(c) => c.clone().req_packed_command(&cmd).await,
+            // Every master: replicas get it when promoted, from the NOSCRIPT fallback.
+            StoreConn::Cluster(h) => {
+                let all = RoutingInfo::MultiNode((
+                    MultipleNodeRoutingInfo::AllMasters,
+                    Some(ResponsePolicy::AllSucceeded),
+                ));
+                h.call(|mut c| async move { c.route_command(&cmd, all).await })
+                    .await
+            }
+        }
+        .map_err(store_err)?;
+        let sha: String = redis::from_owned_redis_value(v).map_err(store_err)?;
         if sha != s.sha {
             return Err(StoreError::Backend(format!(
                 "SCRIPT LOAD of {} returned {sha}, expected {}",
@@ -712,31 +1022,49 @@ impl RedisStore {
         Ok(())
     }
 
-    /// Runs `EVALSHA` commands in one round trip. Commands answered `NOSCRIPT` (a
-    /// restarted or flushed server) are re-sent once as `EVAL` with the source, which
-    /// works whatever the script cache holds and caches the script again.
-    async fn eval_many(&self, s: &Lua, cmds: &[Cmd]) -> Result<Vec<Value>, StoreError> {
-        let mut con = self.conn.clone();
+    /// Runs `EVALSHA` commands, `cmds[i]` on the keys of slot `slots[i]` (0 on a
+    /// standalone server), in one round trip (one pipeline per slot on a cluster, all at
+    /// once). Commands answered `NOSCRIPT` (a restarted or flushed server, a promoted
+    /// replica) are re-sent once as `EVAL` with the source, which works whatever the script
+    /// cache holds and caches the script again. `durable`: the calls write what must
+    /// survive a failover (see [`RedisStoreBuilder::wait_replicas`]).
+    async fn eval_many(
+        &self,
+        s: &Lua,
+        cmds: &[Cmd],
+        slots: &[u16],
+        durable: bool,
+    ) -> Result<Vec<Value>, StoreError> {
+        let all: Vec<usize> = (0..cmds.len()).collect();
         let mut out: Vec<Option<Value>> = vec![None; cmds.len()];
-        let noscript = self.send_scripts(&mut con, cmds.iter(), &mut out).await?;
+        let mut noscript = Vec::new();
+        let (groups, order) = self.groups(cmds, slots, &all);
+        for (i, r) in order.into_iter().zip(self.send(&groups, durable).await) {
+            match r {
+                Reply::Value(v) => out[i] = Some(v),
+                Reply::NoScript => noscript.push(i),
+                Reply::Failed(e) | Reply::Unreplicated(_, e) => return Err(e),
+            }
+        }
         if !noscript.is_empty() {
             tracing::info!(
                 script = s.name,
-                "redis lost its script cache (restart or SCRIPT FLUSH); sending the source"
+                "redis lost its script cache (restart, failover or SCRIPT FLUSH); sending the source"
             );
-            let by_source: Vec<Cmd> = noscript.iter().map(|&i| with_source(&cmds[i], s)).collect();
-            let mut again: Vec<Option<Value>> = vec![None; by_source.len()];
-            let still = self
-                .send_scripts(&mut con, by_source.iter(), &mut again)
-                .await?;
-            if !still.is_empty() {
-                return Err(StoreError::Backend(format!(
-                    "EVAL of script {} answered NOSCRIPT",
-                    s.name
-                )));
-            }
-            for (i, v) in noscript.into_iter().zip(again) {
-                out[i] = v;
+            let by_source: Vec<Cmd> = cmds.iter().map(|c| with_source(c, s)).collect();
+            let (groups, order) = self.groups(&by_source, slots, &noscript);
+            let again = self.send(&groups, durable).await;
+            for (i, r) in order.into_iter().zip(again) {
+                match r {
+                    Reply::Value(v) => out[i] = Some(v),
+                    Reply::NoScript => {
+                        return Err(StoreError::Backend(format!(
+                            "EVAL of script {} answered NOSCRIPT",
+                            s.name
+                        )))
+                    }
+                    Reply::Failed(e) | Reply::Unreplicated(_, e) => return Err(e),
+                }
             }
         }
         out.into_iter()
@@ -744,68 +1072,276 @@ impl RedisStore {
             .collect()
     }
 
-    /// Sends `cmds` in one round trip, filling `out`; returns the positions that got
-    /// `NOSCRIPT`.
-    async fn send_scripts<'c>(
-        &self,
-        con: &mut ConnectionManager,
-        cmds: impl ExactSizeIterator<Item = &'c Cmd>,
-        out: &mut [Option<Value>],
-    ) -> Result<Vec<usize>, StoreError> {
-        let n = cmds.len();
-        let replies: Vec<Value> = if n == 1 {
-            let mut cmds = cmds;
-            let Some(only) = cmds.next() else {
-                return Ok(Vec::new());
-            };
-            match con.req_packed_command(only).await {
-                Ok(v) => vec![v],
-                Err(e) if e.kind() == redis::ErrorKind::NoScriptError => return Ok(vec![0]),
-                Err(e) => return Err(store_err(e)),
-            }
-        } else {
-            let mut pipe = redis::pipe();
-            for c in cmds {
-                pipe.add_command(c.clone());
-            }
-            con.req_packed_commands(&pipe, 0, n)
-                .await
-                .map_err(store_err)?
+    /// The commands `which` (positions in `cmds`) as pipelines: one in all on a standalone
+    /// server; on a cluster one per master (by the slot map) or, while the map is unknown,
+    /// one per slot. Also answers the positions in the order the pipelines send them (the
+    /// order of [`RedisStore::send`]'s replies).
+    fn groups(&self, cmds: &[Cmd], slots: &[u16], which: &[usize]) -> (Vec<Batch>, Vec<usize>) {
+        let map = match &self.conn {
+            StoreConn::Cluster(h) => h.slot_map(),
+            StoreConn::Single(_) => None,
         };
-        if replies.len() != n {
-            return Err(StoreError::Backend(format!(
-                "redis answered {} replies to {n} commands",
-                replies.len()
-            )));
+        let target = |slot: u16| match (&self.conn, &map) {
+            (StoreConn::Single(_), _) => Target::Server,
+            (StoreConn::Cluster(_), Some(m)) => m
+                .master_of(slot)
+                .map_or(Target::Slot(slot), |a| Target::Node(a.to_owned())),
+            (StoreConn::Cluster(_), None) => Target::Slot(slot),
+        };
+        let mut members: Vec<(Target, Vec<usize>)> = Vec::new();
+        let mut at: std::collections::HashMap<Target, usize> = std::collections::HashMap::new();
+        for &i in which {
+            let t = target(slots[i]);
+            let g = match at.get(&t) {
+                Some(&g) => g,
+                None => {
+                    at.insert(t.clone(), members.len());
+                    members.push((t, Vec::new()));
+                    members.len() - 1
+                }
+            };
+            members[g].1.push(i);
         }
-        let mut noscript = Vec::new();
-        for (i, v) in replies.into_iter().enumerate() {
-            match v {
-                Value::ServerError(e) if e.code() == "NOSCRIPT" => noscript.push(i),
-                Value::ServerError(e) => return Err(store_err(e.into())),
-                v => out[i] = Some(v),
-            }
-        }
-        Ok(noscript)
+        let mut order = Vec::with_capacity(which.len());
+        let batches = members
+            .into_iter()
+            .map(|(target, idx)| {
+                let mut pipe = redis::pipe();
+                for &i in &idx {
+                    pipe.add_command(cmds[i].clone());
+                }
+                let batch = Batch {
+                    target,
+                    pipe,
+                    slots: idx.iter().map(|&i| slots[i]).collect(),
+                };
+                order.extend(idx);
+                batch
+            })
+            .collect();
+        (batches, order)
     }
 
-    /// Splits keys into script invocations: per group with hash tags (one slot each), and
-    /// at most `max_keys_per_script` keys each. Returns positions in `keys`, in order.
-    fn partition<'a>(&self, keys: impl Iterator<Item = &'a DedupKey>) -> Vec<Vec<usize>> {
+    /// Sends each batch (all at once) and answers one [`Reply`] per command, batch after
+    /// batch. With `durable` and `wait_replicas`, each pipeline ends with `WAIT n timeout`,
+    /// on the same connection as its writes; a pipeline whose writes fewer replicas
+    /// acknowledged answers [`StoreError::Unavailable`] for each of its commands.
+    async fn send(&self, batches: &[Batch], durable: bool) -> Vec<Reply> {
+        let wait = if durable {
+            self.cfg.wait_replicas
+        } else {
+            None
+        };
+        futures::future::join_all(batches.iter().map(|b| self.send_batch(b, wait)))
+            .await
+            .into_iter()
+            .flatten()
+            .collect()
+    }
+
+    /// One batch; on a master's own connection, the commands answered with a redirection
+    /// (not run) go once more to the node it names, one pipeline per node.
+    async fn send_batch(&self, b: &Batch, wait: Option<(u32, i64)>) -> Vec<Reply> {
+        let n = b.slots.len();
+        let (vals, shortfall) = match self.send_pipeline(&b.target, &b.pipe, n, wait).await {
+            Ok(sent) => sent,
+            Err(failed) => return failed,
+        };
+        let redirected: Vec<(usize, cluster::Redirect)> = match b.target {
+            Target::Node(_) => vals
+                .iter()
+                .enumerate()
+                .filter_map(|(i, v)| cluster::redirect(v).map(|r| (i, r)))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let mut out: Vec<Reply> = vals
+            .into_iter()
+            .map(|v| match &shortfall {
+                Some(e) => Reply::Unreplicated(v, same_failure(e)),
+                None => reply_of(v),
+            })
+            .collect();
+        if redirected.is_empty() {
+            return out;
+        }
+        if let StoreConn::Cluster(h) = &self.conn {
+            h.refresh_slot_map();
+        }
+        // Not run where they went: once more to the node named, one pipeline per node
+        // (`ASKING` before each command of an `ASK`).
+        let cmds: Vec<&Cmd> = b.pipe.cmd_iter().collect();
+        let mut by_node: Vec<(cluster::Redirect, Pipeline, Vec<usize>)> = Vec::new();
+        for (i, r) in redirected {
+            if r == cluster::Redirect::Later {
+                out[i] = Reply::Failed(StoreError::Unavailable(
+                    "redis cluster: slot not served right now (TRYAGAIN/CLUSTERDOWN)".into(),
+                ));
+                continue;
+            }
+            let g = match by_node.iter().position(|g| g.0 == r) {
+                Some(g) => g,
+                None => {
+                    by_node.push((r, redis::pipe(), Vec::new()));
+                    by_node.len() - 1
+                }
+            };
+            if let cluster::Redirect::Ask(_) = by_node[g].0 {
+                by_node[g].1.cmd("ASKING");
+            }
+            by_node[g].1.add_command(cmds[i].clone());
+            by_node[g].2.push(i);
+        }
+        let again = by_node.iter().map(|(to, pipe, idx)| async move {
+            let (addr, asking) = match to {
+                cluster::Redirect::Moved(a) => (a.clone(), false),
+                cluster::Redirect::Ask(a) => (a.clone(), true),
+                cluster::Redirect::Later => (String::new(), false),
+            };
+            let n = pipe.cmd_iter().count();
+            let sent = self
+                .send_pipeline(&Target::Node(addr), pipe, n, wait)
+                .await
+                .map(|(vals, shortfall)| {
+                    // Drop the `ASKING` replies: every other one.
+                    let vals: Vec<Value> = if asking {
+                        vals.into_iter().skip(1).step_by(2).collect()
+                    } else {
+                        vals
+                    };
+                    (vals, shortfall)
+                })
+                .map_err(|failed| {
+                    if asking {
+                        failed.into_iter().skip(1).step_by(2).collect()
+                    } else {
+                        failed
+                    }
+                });
+            (idx, sent)
+        });
+        for (idx, sent) in futures::future::join_all(again).await {
+            match sent {
+                Ok((vals, shortfall)) => {
+                    for (&i, v) in idx.iter().zip(vals) {
+                        out[i] = match (&shortfall, cluster::redirect(&v)) {
+                            (Some(e), None) => Reply::Unreplicated(v, same_failure(e)),
+                            (Some(e), Some(_)) => Reply::Failed(same_failure(e)),
+                            // Moved again: the map is being read; the caller retries later.
+                            (None, Some(_)) => Reply::Failed(StoreError::Unavailable(
+                                "redis cluster: slot moving (redirected twice)".into(),
+                            )),
+                            (None, None) => reply_of(v),
+                        };
+                    }
+                }
+                Err(failed) => {
+                    for (&i, r) in idx.iter().zip(failed) {
+                        out[i] = r;
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Sends one pipeline of `n` commands (then `WAIT` when `wait`) to `target`: its `n`
+    /// replies and the `WAIT` shortfall, or the replies of a pipeline that failed whole.
+    async fn send_pipeline(
+        &self,
+        target: &Target,
+        pipe: &Pipeline,
+        n: usize,
+        wait: Option<(u32, i64)>,
+    ) -> Result<(Vec<Value>, Option<StoreError>), Vec<Reply>> {
+        let with_wait: Pipeline;
+        let pipe = match wait {
+            Some((replicas, timeout)) => {
+                let mut p = pipe.clone();
+                p.cmd("WAIT").arg(replicas).arg(timeout);
+                with_wait = p;
+                &with_wait
+            }
+            None => pipe,
+        };
+        let total = n + usize::from(wait.is_some());
+        let sent = match (&self.conn, target) {
+            (StoreConn::Single(c), _) => c.clone().req_packed_commands(pipe, 0, total).await,
+            (StoreConn::Cluster(h), Target::Node(addr)) => h.node_pipeline(addr, pipe, total).await,
+            (StoreConn::Cluster(h), t) => {
+                let slot = match t {
+                    Target::Slot(slot) => *slot,
+                    _ => 0,
+                };
+                let to = SingleNodeRoutingInfo::SpecificNode(Route::new(slot, SlotAddr::Master));
+                h.call(|mut c| async move { c.route_pipeline(pipe, 0, total, to).await })
+                    .await
+            }
+        };
+        let all = |r: &dyn Fn() -> Reply| (0..n).map(|_| r()).collect::<Vec<Reply>>();
+        let mut vals = match sent {
+            Ok(v) if v.len() == total => v,
+            Ok(v) => {
+                let e = StoreError::Backend(format!(
+                    "redis answered {} replies to {total} commands",
+                    v.len()
+                ));
+                return Err(all(&|| Reply::Failed(same_failure(&e))));
+            }
+            // Through the cluster client one error reply fails the whole pipeline: a script
+            // missing there is missing for every call in it.
+            Err(e) if e.kind() == redis::ErrorKind::NoScriptError => {
+                return Err(all(&|| Reply::NoScript))
+            }
+            Err(e) => {
+                let e = store_err(e);
+                return Err(all(&|| Reply::Failed(same_failure(&e))));
+            }
+        };
+        let shortfall = match wait {
+            Some((replicas, timeout)) => wait_shortfall(vals.pop(), replicas, timeout),
+            None => None,
+        };
+        Ok((vals, shortfall))
+    }
+
+    /// The cluster slot of a Redis key (0 on a standalone server).
+    fn slot_of(&self, redis_key: &[u8]) -> u16 {
+        if self.is_cluster() {
+            cluster::key_slot(redis_key)
+        } else {
+            0
+        }
+    }
+
+    /// Splits keys into script invocations: per slot on a cluster (computed from the whole
+    /// Redis key, so keys without a hash tag, or with a `{...}` of their own, are grouped
+    /// right too), per group with hash tags on a standalone server, and at most
+    /// `max_keys_per_script` keys each. Returns the slot and positions in `keys`, in order.
+    fn partition<'a>(&self, keys: impl Iterator<Item = &'a DedupKey>) -> Vec<(u16, Vec<usize>)> {
         let max = self.cfg.max_keys_per_script;
-        let mut parts: Vec<(&str, Vec<usize>)> = Vec::new();
+        let mut parts: Vec<(u16, &str, Vec<usize>)> = Vec::new();
+        let mut buf = Vec::with_capacity(128);
         for (i, k) in keys.enumerate() {
-            let g = if self.cfg.hash_tag { k.group() } else { "" };
+            let (slot, g) = if self.is_cluster() {
+                buf.clear();
+                self.write_redis_key(&mut buf, k);
+                (cluster::key_slot(&buf), "")
+            } else if self.cfg.hash_tag {
+                (0, k.group())
+            } else {
+                (0, "")
+            };
             match parts
                 .iter_mut()
                 .rev()
-                .find(|(pg, v)| *pg == g && v.len() < max)
+                .find(|(ps, pg, v)| *ps == slot && *pg == g && v.len() < max)
             {
-                Some((_, v)) => v.push(i),
-                None => parts.push((g, vec![i])),
+                Some((_, _, v)) => v.push(i),
+                None => parts.push((slot, g, vec![i])),
             }
         }
-        parts.into_iter().map(|(_, v)| v).collect()
+        parts.into_iter().map(|(s, _, v)| (s, v)).collect()
     }
 
     fn corrupt(key: &DedupKey, reason: impl std::fmt::Display) -> StoreError {
@@ -836,17 +1372,81 @@ impl RedisStore {
         }
     }
 
-    async fn scan_chunk(&self, cursor: u64) -> Result<(u64, Vec<Vec<u8>>), StoreError> {
-        let mut con = self.conn.clone();
-        redis::cmd("SCAN")
-            .arg(cursor)
+    /// One `SCAN` step over the records, on `node` of a cluster (`None`: the server).
+    async fn scan_chunk(
+        &self,
+        node: Option<&Master>,
+        cursor: u64,
+    ) -> Result<(u64, Vec<Vec<u8>>), StoreError> {
+        let mut cmd = redis::cmd("SCAN");
+        cmd.arg(cursor)
             .arg("MATCH")
             .arg(&self.cfg.pattern)
             .arg("COUNT")
-            .arg(self.cfg.scan_count)
-            .query_async(&mut con)
-            .await
-            .map_err(store_err)
+            .arg(self.cfg.scan_count);
+        let v = match (&self.conn, node) {
+            (StoreConn::Cluster(h), Some(node)) => {
+                h.call(|mut c| async move { c.route_command(&cmd, node.routing()).await })
+                    .await
+            }
+            (conn, _) => conn.clone().req_packed_command(&cmd).await,
+        }
+        .map_err(store_err)?;
+        redis::from_owned_redis_value(v).map_err(store_err)
+    }
+
+    /// The nodes a scan must visit: every master of a cluster, asked now (a failover
+    /// moves them); `[None]` on a standalone server.
+    async fn scan_nodes(&self) -> Result<Vec<Option<Master>>, StoreError> {
+        match &self.conn {
+            StoreConn::Single(_) => Ok(vec![None]),
+            StoreConn::Cluster(h) => Ok(cluster::masters(h).await?.into_iter().map(Some).collect()),
+        }
+    }
+
+    /// Deletes the expired records among `keys` (scanned from one node), at most `limit`:
+    /// one purge script per slot on a cluster, in waves of at most `limit` keys, so the
+    /// scripts running at once cannot delete more than `limit` together.
+    async fn purge_keys(&self, keys: &[Vec<u8>], limit: u64) -> Result<u64, StoreError> {
+        let mut by_slot: Vec<(u16, Vec<&[u8]>)> = Vec::new();
+        for k in keys {
+            let slot = self.slot_of(k);
+            match by_slot.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, v)) => v.push(k),
+                None => by_slot.push((slot, vec![k])),
+            }
+        }
+        let mut purged = 0u64;
+        let mut rest = by_slot.as_slice();
+        while !rest.is_empty() && purged < limit {
+            let room = limit - purged;
+            // At least one slot per wave; more while their keys fit in what is left.
+            let mut take = 1;
+            let mut n = rest[0].1.len() as u64;
+            while take < rest.len() && n + rest[take].1.len() as u64 <= room {
+                n += rest[take].1.len() as u64;
+                take += 1;
+            }
+            let (wave, later) = rest.split_at(take);
+            rest = later;
+            let cmds: Vec<Cmd> = wave
+                .iter()
+                .map(|(_, ks)| {
+                    let mut c = redis::cmd("EVALSHA");
+                    c.arg(&lua::PURGE.sha).arg(ks.len());
+                    for k in ks {
+                        c.arg(*k);
+                    }
+                    c.arg(0).arg(room);
+                    c
+                })
+                .collect();
+            let slots: Vec<u16> = wave.iter().map(|w| w.0).collect();
+            for v in self.eval_many(&lua::PURGE, &cmds, &slots, false).await? {
+                purged += u64::try_from(Self::int(&v)?).unwrap_or(0);
+            }
+        }
+        Ok(purged)
     }
 
     /// The fast path, one round trip: `SET key record NX GET PX ttl` per key, pipelined.
@@ -861,8 +1461,9 @@ impl RedisStore {
         answers: &mut [Option<ClaimAnswer>],
     ) -> Result<Vec<usize>, StoreError> {
         let now = now_ms();
-        let mut pipe = redis::pipe();
-        // One scratch buffer for every key and record: the pipeline copies the bytes.
+        let mut cmds = Vec::with_capacity(reqs.len());
+        let mut slots = Vec::with_capacity(reqs.len());
+        // One scratch buffer for every key and record: the commands copy the bytes.
         let (mut k, mut v) = (Vec::with_capacity(128), Vec::with_capacity(256));
         for (i, r) in reqs.iter().enumerate() {
             use std::io::Write;
@@ -877,29 +1478,47 @@ impl RedisStore {
             );
             // Writing into a Vec cannot fail.
             let _ = write!(v, "{}|1|{now}|||-", now + leases[i]);
-            pipe.cmd("SET")
-                .arg(&k[..])
+            let mut c = redis::cmd("SET");
+            c.arg(&k[..])
                 .arg(&v[..])
                 .arg("NX")
                 .arg("GET")
                 .arg("PX")
                 .arg(leases[i] + self.cfg.in_progress_grace_ms);
+            cmds.push(c);
+            slots.push(self.slot_of(&k));
         }
-        let mut con = self.conn.clone();
-        let vals = con
-            .req_packed_commands(&pipe, 0, reqs.len())
-            .await
-            .map_err(store_err)?;
-        if vals.len() != reqs.len() {
+        let all: Vec<usize> = (0..reqs.len()).collect();
+        let (groups, order) = self.groups(&cmds, &slots, &all);
+        let replies = self.send(&groups, true).await;
+        if replies.len() != reqs.len() {
             return Err(StoreError::Backend(format!(
                 "redis answered {} replies to {} claims",
-                vals.len(),
+                replies.len(),
                 reqs.len()
             )));
         }
         let mut scripted = Vec::new();
-        for (i, v) in vals.into_iter().enumerate() {
+        let mut unreplicated = None;
+        for (i, reply) in order.into_iter().zip(replies) {
             let r = &reqs[i];
+            let v = match reply {
+                Reply::Value(v) => v,
+                Reply::Unreplicated(v, e) => {
+                    // Decoded like the others, so the batch's failure gives back what it
+                    // acquired at once instead of leaving it to its lease end.
+                    unreplicated = Some(e);
+                    v
+                }
+                Reply::NoScript => {
+                    answers[i] = Some(Err(StoreError::Backend("SET answered NOSCRIPT".into())));
+                    continue;
+                }
+                Reply::Failed(e) => {
+                    answers[i] = Some(Err(e));
+                    continue;
+                }
+            };
             answers[i] = match v {
                 Value::Nil => Some(Ok(ClaimOutcome::Acquired(Lease {
                     token: tokens[i],
@@ -927,7 +1546,10 @@ impl RedisStore {
                 )))),
             };
         }
-        Ok(scripted)
+        match unreplicated {
+            Some(e) => Err(e),
+            None => Ok(scripted),
+        }
     }
 
     /// The claim script over the keys `idx`: the whole decision and write, atomically.
@@ -939,14 +1561,15 @@ impl RedisStore {
         idx: &[usize],
         answers: &mut [Option<ClaimAnswer>],
     ) -> Result<(), StoreError> {
-        let parts: Vec<Vec<usize>> = self
+        let parts: Vec<(u16, Vec<usize>)> = self
             .partition(idx.iter().map(|&i| &reqs[i].key))
             .into_iter()
-            .map(|p| p.into_iter().map(|j| idx[j]).collect())
+            .map(|(slot, p)| (slot, p.into_iter().map(|j| idx[j]).collect()))
             .collect();
+        let slots: Vec<u16> = parts.iter().map(|p| p.0).collect();
         let cmds: Vec<Cmd> = parts
             .iter()
-            .map(|part| {
+            .map(|(_, part)| {
                 let mut c = redis::cmd("EVALSHA");
                 c.arg(&lua::CLAIM.sha).arg(part.len());
                 for &i in part {
@@ -965,8 +1588,8 @@ impl RedisStore {
                 c
             })
             .collect();
-        let replies = self.eval_many(&lua::CLAIM, &cmds).await?;
-        for (part, reply) in parts.iter().zip(&replies) {
+        let replies = self.eval_many(&lua::CLAIM, &cmds, &slots, true).await?;
+        for ((_, part), reply) in parts.iter().zip(&replies) {
             // The reply starts with the server's time: the leases acquired end there.
             let (now, vals) = match reply {
                 Value::Array(v) if v.len() % 3 == 1 => match Self::int(&v[0]) {
@@ -1128,9 +1751,10 @@ impl DedupStore for RedisStore {
             return Ok(Vec::new());
         }
         let parts = self.partition(items.iter().map(|c| &c.key));
+        let slots: Vec<u16> = parts.iter().map(|p| p.0).collect();
         let cmds: Vec<Cmd> = parts
             .iter()
-            .map(|idx| {
+            .map(|(_, idx)| {
                 let mut c = redis::cmd("EVALSHA");
                 c.arg(&lua::COMPLETE.sha).arg(idx.len());
                 for &i in idx {
@@ -1146,9 +1770,9 @@ impl DedupStore for RedisStore {
                 c
             })
             .collect();
-        let replies = self.eval_many(&lua::COMPLETE, &cmds).await?;
+        let replies = self.eval_many(&lua::COMPLETE, &cmds, &slots, true).await?;
         let mut out = vec![CompleteOutcome::Fenced; items.len()];
-        for (idx, reply) in parts.iter().zip(&replies) {
+        for ((_, idx), reply) in parts.iter().zip(&replies) {
             let vals = match reply {
                 Value::Array(v) if v.len() == idx.len() => v,
                 other => {
@@ -1173,15 +1797,22 @@ impl DedupStore for RedisStore {
         key: &DedupKey,
         token: FencingToken,
     ) -> Result<ReleaseOutcome, StoreError> {
+        let rk = self.redis_key(key);
         let mut c = redis::cmd("EVALSHA");
         c.arg(&lua::RELEASE.sha)
             .arg(1)
-            .arg(self.redis_key(key))
+            .arg(&rk)
             .arg(0)
             .arg(token.0)
             .arg(self.cfg.in_progress_grace_ms);
+        // Not waited for: a release lost in a failover only delays the key to its lease end.
         let v = self
-            .eval_many(&lua::RELEASE, std::slice::from_ref(&c))
+            .eval_many(
+                &lua::RELEASE,
+                std::slice::from_ref(&c),
+                &[self.slot_of(rk.as_bytes())],
+                false,
+            )
             .await?;
         match v.first().map(Self::int).transpose()? {
             Some(1) => Ok(ReleaseOutcome::Released),
@@ -1196,16 +1827,24 @@ impl DedupStore for RedisStore {
         token: FencingToken,
         lease: Duration,
     ) -> Result<ExtendOutcome, StoreError> {
+        let rk = self.redis_key(key);
         let mut c = redis::cmd("EVALSHA");
         c.arg(&lua::EXTEND.sha)
             .arg(1)
-            .arg(self.redis_key(key))
+            .arg(&rk)
             .arg(0)
             .arg(token.0)
             .arg(clamp_ms(lease))
             .arg(self.cfg.in_progress_grace_ms);
+        // Waited for: an extension lost in a failover would let another worker take the
+        // key over while this one still works on it.
         let v = self
-            .eval_many(&lua::EXTEND, std::slice::from_ref(&c))
+            .eval_many(
+                &lua::EXTEND,
+                std::slice::from_ref(&c),
+                &[self.slot_of(rk.as_bytes())],
+                true,
+            )
             .await?;
         match v.first().map(Self::int).transpose()? {
             Some(0) => Ok(ExtendOutcome::Fenced),
@@ -1234,22 +1873,20 @@ impl DedupStore for RedisStore {
         let limit = limit as u64;
         let mut purged = 0u64;
         let mut examined = 0usize;
-        let mut cursor = self.purge_cursor.load(Ordering::Relaxed);
+        let nodes = self.scan_nodes().await?;
+        let (mut node, mut cursor) = *self
+            .purge_cursor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if node >= nodes.len() {
+            // The cluster shrank since the last call: start a new sweep.
+            (node, cursor) = (0, 0);
+        }
         while purged < limit && examined < self.cfg.purge_scan_budget {
-            let (next, keys) = self.scan_chunk(cursor).await?;
+            let (next, keys) = self.scan_chunk(nodes[node].as_ref(), cursor).await?;
             examined = examined.saturating_add(self.cfg.scan_count);
             if !keys.is_empty() {
-                let mut c = redis::cmd("EVALSHA");
-                c.arg(&lua::PURGE.sha).arg(keys.len());
-                for k in &keys {
-                    c.arg(k);
-                }
-                c.arg(0).arg(limit - purged);
-                let v = self
-                    .eval_many(&lua::PURGE, std::slice::from_ref(&c))
-                    .await?;
-                let n = v.first().map(Self::int).transpose()?.unwrap_or(0);
-                purged += u64::try_from(n).unwrap_or(0);
+                purged += self.purge_keys(&keys, limit - purged).await?;
             }
             if purged >= limit {
                 // The script may have stopped inside this chunk: re-read it next time.
@@ -1257,10 +1894,17 @@ impl DedupStore for RedisStore {
             }
             cursor = next;
             if next == 0 {
-                break; // a sweep ended; the next call starts a new one
+                node += 1;
+                if node == nodes.len() {
+                    node = 0;
+                    break; // a sweep ended; the next call starts a new one
+                }
             }
         }
-        self.purge_cursor.store(cursor, Ordering::Relaxed);
+        *self
+            .purge_cursor
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = (node, cursor);
         tracing::debug!(purged, examined, prefix = %self.cfg.prefix, "purged expired redis records");
         Ok(purged)
     }
@@ -1277,9 +1921,11 @@ impl DedupStore for RedisStore {
             .await?
             .saturating_sub(duration_ms(stale_for));
         let mut found: Vec<DedupRecord> = Vec::new();
-        let mut cursor = 0u64;
+        let nodes = self.scan_nodes().await?;
+        let (mut node, mut cursor) = (0usize, 0u64);
         loop {
-            let (next, keys) = self.scan_chunk(cursor).await?;
+            // On a cluster MGET is split per slot by the client.
+            let (next, keys) = self.scan_chunk(nodes[node].as_ref(), cursor).await?;
             if !keys.is_empty() {
                 let vals: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
                     .arg(&keys)
@@ -1310,10 +1956,13 @@ impl DedupStore for RedisStore {
                     found.truncate(limit);
                 }
             }
-            if next == 0 {
-                break;
-            }
             cursor = next;
+            if next == 0 {
+                node += 1;
+                if node == nodes.len() {
+                    break;
+                }
+            }
         }
         found.sort_by(|a, b| (a.lease_until_ms, &a.key).cmp(&(b.lease_until_ms, &b.key)));
         found.truncate(limit);

@@ -60,7 +60,7 @@ async fn stores_conn(prefix: &str) -> RedisStore {
 
 /// The RedisBloom filter when the module is loaded, a local bloom otherwise.
 async fn filter_for(store: &RedisStore, name: &str) -> Arc<dyn PreFilter> {
-    let conn = store.connection();
+    let conn = store.connection().expect("standalone store");
     if redisbloom_loaded(&conn).await.expect("MODULE LIST") {
         Arc::new(
             RedisBloomFilter::open(conn, name, 10_000, 0.001)
@@ -80,7 +80,7 @@ async fn redisbloom(
     capacity: u64,
     rate: f64,
 ) -> Option<RedisBloomFilter> {
-    let conn = store.connection();
+    let conn = store.connection().expect("standalone store");
     if !redisbloom_loaded(&conn).await.expect("MODULE LIST") {
         eprintln!("skipping: the Redis server has no RedisBloom module (scripts/servers.sh loads it when it can)");
         return None;
@@ -180,7 +180,12 @@ async fn the_module_is_detected_not_assumed() {
         .await
         .unwrap();
     let has_bf = format!("{listed:?}").contains("bf");
-    assert_eq!(redisbloom_loaded(&s.connection()).await.unwrap(), has_bf);
+    assert_eq!(
+        redisbloom_loaded(&s.connection().expect("standalone store"))
+            .await
+            .unwrap(),
+        has_bf
+    );
     eprintln!("RedisBloom loaded: {has_bf}");
 }
 
@@ -248,7 +253,7 @@ async fn a_lost_redisbloom_filter_fails_instead_of_calling_every_key_new() {
     let exists: bool = raw.exists(f.filter_key()).await.unwrap();
     assert!(!exists, "insert must not recreate a lost filter");
     // Opening again refuses too, until the marker is removed on purpose.
-    let conn = s.connection();
+    let conn = s.connection().expect("standalone store");
     assert!(RedisBloomFilter::open(conn.clone(), &prefix, 1000, 0.01)
         .await
         .is_err());

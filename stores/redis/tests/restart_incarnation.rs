@@ -118,7 +118,7 @@ async fn redis_data_loss_and_restarts_are_detected() {
         .expect("acknowledged: the new marker is the incarnation");
 
     // ---- a real restart: data kept (AOF), the bloom filter is no longer trusted ----------
-    let conn = store.connection();
+    let conn = store.connection().expect("standalone store");
     let bloom = if redisbloom_loaded(&conn).await.expect("MODULE LIST") {
         Some(Arc::new(
             RedisBloomFilter::open(conn, &unique_prefix("bf"), 10_000, 0.001)

@@ -5,25 +5,38 @@
 //! (CI), which turns the missing server into a failure.
 #![allow(dead_code)]
 
-use idemq_core::{ConsumerGroup, DedupKey, DedupStore, FencingToken};
+use idemq_core::{
+    ClaimOutcome, ClaimRequest, Completion, ConsumerGroup, DedupKey, DedupStore, FencingToken,
+};
 use idemq_redis::{RedisStore, RedisStoreBuilder};
 use std::path::PathBuf;
 use std::sync::Arc;
 
 /// The Redis URL, or `None` (skip) when none is configured and servers are not required.
 pub fn redis_url() -> Option<String> {
-    match std::env::var("IDEMQ_TEST_REDIS_URL") {
+    env_url("IDEMQ_TEST_REDIS_URL", "Redis", "")
+}
+
+/// The Redis Cluster URL (`IDEMQ_REDIS_CLUSTER_URL`, `redis+cluster://...`), or `None`
+/// (skip) when none is configured and servers are not required.
+pub fn cluster_url() -> Option<String> {
+    env_url("IDEMQ_REDIS_CLUSTER_URL", "Redis Cluster", " redis-cluster")
+}
+
+/// The URL in `var`, or `None` (skip, with a note) unless `IDEMQ_REQUIRE_SERVERS=1`.
+fn env_url(var: &str, what: &str, server: &str) -> Option<String> {
+    match std::env::var(var) {
         Ok(url) if !url.trim().is_empty() => Some(url),
         _ => {
             if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") {
                 panic!(
-                    "IDEMQ_REQUIRE_SERVERS=1 but IDEMQ_TEST_REDIS_URL is unset: \
+                    "IDEMQ_REQUIRE_SERVERS=1 but {var} is unset: \
                      run `scripts/servers.sh start` and `eval \"$(scripts/servers.sh env)\"`"
                 );
             }
             eprintln!(
-                "skipping Redis test: IDEMQ_TEST_REDIS_URL is unset \
-                 (scripts/servers.sh start; eval \"$(scripts/servers.sh env)\")"
+                "skipping {what} test: {var} is unset \
+                 (scripts/servers.sh start{server}; eval \"$(scripts/servers.sh env)\")"
             );
             None
         }
@@ -64,16 +77,32 @@ pub async fn handles_with(
     n: usize,
     f: impl Fn(RedisStoreBuilder) -> RedisStoreBuilder,
 ) -> Option<Vec<Arc<dyn DedupStore>>> {
-    let url = redis_url()?;
+    Some(handles_at(&redis_url()?, n, f).await)
+}
+
+/// `n` handles on one keyspace of the Redis Cluster, each with its own cluster connection.
+pub async fn cluster_handles_with(
+    n: usize,
+    f: impl Fn(RedisStoreBuilder) -> RedisStoreBuilder,
+) -> Option<Vec<Arc<dyn DedupStore>>> {
+    Some(handles_at(&cluster_url()?, n, f).await)
+}
+
+/// `n` handles on `url` configured by `f`; fails the test if the server does not answer.
+pub async fn handles_at(
+    url: &str,
+    n: usize,
+    f: impl Fn(RedisStoreBuilder) -> RedisStoreBuilder,
+) -> Vec<Arc<dyn DedupStore>> {
     let mut v: Vec<Arc<dyn DedupStore>> = Vec::with_capacity(n);
     for _ in 0..n {
-        let s = f(RedisStore::builder(&url))
+        let s = f(RedisStore::builder(url))
             .connect()
             .await
             .unwrap_or_else(|e| panic!("cannot connect to the configured Redis {url}: {e}"));
         v.push(Arc::new(s));
     }
-    Some(v)
+    v
 }
 
 /// A key in a fresh random group.
@@ -131,4 +160,30 @@ pub fn with_db(url: &str, db: u8) -> String {
         _ => base,
     };
     format!("{base}/{db}")
+}
+
+/// Completions of every request of a batch, each with the token its claim acquired
+/// (panics naming the key when one was not acquired).
+pub fn completions_of(
+    reqs: &[ClaimRequest],
+    got: &[ClaimOutcome],
+    retention: std::time::Duration,
+) -> Vec<Completion> {
+    reqs.iter()
+        .zip(got)
+        .map(|(r, o)| match o {
+            ClaimOutcome::Acquired(l) => Completion {
+                key: r.key.clone(),
+                token: l.token,
+                result: None,
+                retention,
+            },
+            other => panic!("{}: expected Acquired, got {other:?}", r.key),
+        })
+        .collect()
+}
+
+/// The seed node URLs of a `redis+cluster://h:p,h:p/` URL (`redis://h:p/` each).
+pub fn cluster_seeds(url: &str) -> Vec<String> {
+    idemq_redis::cluster_seed_urls(url).expect("a valid cluster URL")
 }
