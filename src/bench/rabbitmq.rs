@@ -319,6 +319,7 @@ impl BrokerBench for RabbitBench {
             ch.queue_purge(&queue, Default::default()).await?;
         }
         let _ = conn.close(200, "done").await;
+        ours.close().await?;
         self.delete_queue(&queue).await?;
         let rate =
             |m: usize, d: Option<Duration>| d.map_or(0.0, |d| m as f64 / d.as_secs_f64().max(1e-9));

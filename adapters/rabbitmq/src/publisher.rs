@@ -109,6 +109,20 @@ impl RabbitPublisher {
         self
     }
 
+    /// Closes the connection (AMQP `connection.close`, 200): call it before the runtime
+    /// shuts down, or lapin's I/O loop logs the connection as failed. Confirms already
+    /// awaited are unaffected; a later publish connects again.
+    pub async fn close(&self) -> Result<(), RabbitError> {
+        let link = self.link.lock().await.take();
+        match link {
+            Some((conn, _)) if conn.status().connected() => conn
+                .close(200, "publisher closed")
+                .await
+                .map_err(|e| RabbitError::Connect(format!("closing the connection: {e}"))),
+            _ => Ok(()),
+        }
+    }
+
     /// The live channel, reconnecting when the last one is gone.
     async fn channel(&self) -> Result<Channel, PublishError> {
         let mut link = self.link.lock().await;

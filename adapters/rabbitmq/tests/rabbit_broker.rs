@@ -404,3 +404,35 @@ async fn a_retry_queue_nobody_declares_any_more_expires() {
     assert!(gone, "{tier} still exists 30 s after its last use");
     support::delete_queues(&url, &[q.clone(), format!("{q}.dlq")]).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_publisher_closes_its_connection_and_connects_again_on_the_next_publish() {
+    let Some(url) = support::amqp_url() else {
+        return;
+    };
+    let q = support::fresh_queue("closed-publisher");
+    let mut src = support::source(support::config(&url, &q, QueueType::Classic)).await;
+    let p = support::publisher(&url).await;
+    p.publish(OutgoingMessage::new(q.clone(), "1").with_dedup_key("before-close"))
+        .await
+        .expect("publish");
+    p.close().await.expect("close");
+    p.close().await.expect("closing twice is harmless");
+    p.publish(OutgoingMessage::new(q.clone(), "2").with_dedup_key("after-close"))
+        .await
+        .expect("a publish after close connects again");
+    let mut keys = Vec::new();
+    for _ in 0..2 {
+        let d = next_one(&mut src).await;
+        keys.push(
+            d.envelope
+                .headers
+                .get_str(idemq_core::DEDUP_HEADER)
+                .unwrap_or_default()
+                .to_owned(),
+        );
+        d.ack().await.expect("ack");
+    }
+    assert_eq!(keys, ["before-close", "after-close"]);
+    p.close().await.expect("close");
+}
