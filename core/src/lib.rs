@@ -16,6 +16,7 @@ pub mod broker;
 pub mod engine;
 pub mod envelope;
 pub mod handler;
+pub mod idgen;
 pub mod key;
 pub mod memory;
 pub mod metrics;
