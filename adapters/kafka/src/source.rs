@@ -187,13 +187,6 @@ struct Shared {
     stop: AtomicBool,
 }
 
-impl std::ops::Deref for Shared {
-    type Target = SharedState<State>;
-    fn deref(&self) -> &SharedState<State> {
-        &self.sync
-    }
-}
-
 /// The consumer context: rebalance and commit callbacks, run on the polling thread.
 struct Ctx {
     shared: Arc<Shared>,
@@ -276,7 +269,7 @@ impl ConsumerContext for Ctx {
         };
         let mut finals = TopicPartitionList::new();
         {
-            let mut st = self.shared.lock();
+            let mut st = self.shared.sync.lock();
             for e in tpl.elements() {
                 let p: PartitionId = (e.topic().to_string(), e.partition());
                 if let Some(w) = st.tracker.revoke(&p) {
@@ -304,7 +297,7 @@ impl ConsumerContext for Ctx {
         match rebalance {
             Rebalance::Assign(tpl) => {
                 {
-                    let mut st = self.shared.lock();
+                    let mut st = self.shared.sync.lock();
                     for e in tpl.elements() {
                         let p: PartitionId = (e.topic().to_string(), e.partition());
                         let epoch = st.tracker.assign(p.clone(), 0);
@@ -333,7 +326,7 @@ impl ConsumerContext for Ctx {
         if let Err(e) = result {
             tracing::warn!(error = %e, "kafka offset commit failed; offering it again");
             metrics::counter!(crate::metrics::COMMIT_FAILURES).increment(1);
-            let mut st = self.shared.lock();
+            let mut st = self.shared.sync.lock();
             for el in offsets.elements() {
                 if let Offset::Offset(o) = el.offset() {
                     st.tracker
@@ -436,7 +429,7 @@ impl KafkaSource {
 
     /// Partitions assigned to this consumer now.
     pub fn assigned(&self) -> Vec<PartitionId> {
-        let mut v: Vec<_> = self.shared.lock().parts.keys().cloned().collect();
+        let mut v: Vec<_> = self.shared.sync.lock().parts.keys().cloned().collect();
         v.sort();
         v
     }
@@ -512,7 +505,7 @@ fn commit_ready(
     let mut tpl = TopicPartitionList::new();
     // Held while the commit is issued, so a revoke cannot slip between choosing the offsets
     // and sending them: a partition no longer owned is never committed.
-    let mut st = shared.lock();
+    let mut st = shared.sync.lock();
     let commits = st.tracker.take_commits();
     if commits.is_empty() {
         return Ok(());
@@ -526,7 +519,7 @@ fn commit_ready(
     let result = consumer.commit(&tpl, mode);
     if let Err(e) = &result {
         metrics::counter!(crate::metrics::COMMIT_FAILURES).increment(1);
-        let mut st = shared.lock();
+        let mut st = shared.sync.lock();
         for (p, o) in &commits {
             st.tracker.commit_failed(p, *o);
         }
@@ -545,7 +538,7 @@ const THROTTLE_MAX: Duration = Duration::from_secs(1);
 
 /// Whether the assigned partitions' buffers hold `cap` records each, on average.
 fn buffers_full(shared: &Shared, cap: usize) -> bool {
-    let st = shared.lock();
+    let st = shared.sync.lock();
     let held: usize = st.parts.values().map(|p| p.buffer.len()).sum();
     !st.parts.is_empty() && held >= cap.saturating_mul(st.parts.len())
 }
@@ -577,7 +570,7 @@ fn poll_thread(consumer: Arc<Consumer_>, shared: Arc<Shared>, cfg: KafkaSourceCo
                 Some(Err(e)) => {
                     tracing::warn!(error = %e, "kafka consumer error");
                     if let rdkafka::error::KafkaError::MessageConsumptionFatal(code) = e {
-                        shared.lock().fatal = Some(format!("fatal consumer error: {code}"));
+                        shared.sync.lock().fatal = Some(format!("fatal consumer error: {code}"));
                         fatal = true;
                     }
                     break;
@@ -589,7 +582,7 @@ fn poll_thread(consumer: Arc<Consumer_>, shared: Arc<Shared>, cfg: KafkaSourceCo
             hand_over(&consumer, &shared, &mut burst, cap);
         }
         if fatal {
-            shared.wake_one();
+            shared.sync.wake_one();
             break;
         }
         if last_commit.elapsed() >= cfg.commit_interval {
@@ -602,8 +595,8 @@ fn poll_thread(consumer: Arc<Consumer_>, shared: Arc<Shared>, cfg: KafkaSourceCo
 }
 
 /// Moves a burst of records into their partitions' buffers (records of a partition no longer
-/// assigned are dropped: its new owner reads them), pausing partitions whose buffer is full,
-/// and wakes the source once.
+/// assigned are dropped: its new owner reads them), pausing partitions whose buffer holds
+/// twice `cap` (the last resort, see `buffer_per_partition`), and wakes the source once.
 fn hand_over(
     consumer: &Consumer_,
     shared: &Shared,
@@ -611,7 +604,7 @@ fn hand_over(
     cap: usize,
 ) {
     let now = Instant::now();
-    let mut st = shared.lock();
+    let mut st = shared.sync.lock();
     for (part, offset, envelope) in burst.drain(..) {
         let Some(ps) = st.parts.get_mut(&part) else {
             tracing::debug!(topic = %part.0, partition = part.1, "record of an unassigned partition dropped");
@@ -637,7 +630,7 @@ fn hand_over(
         });
     }
     drop(st);
-    shared.wake_one();
+    shared.sync.wake_one();
 }
 
 #[async_trait]
@@ -646,7 +639,7 @@ impl Source for KafkaSource {
         let max = max.max(1);
         loop {
             let next_due = {
-                let mut st = self.shared.lock();
+                let mut st = self.shared.sync.lock();
                 if st.closed {
                     return Ok(None);
                 }
@@ -662,7 +655,7 @@ impl Source for KafkaSource {
             // Nothing has left the shared state yet: dropping this future loses nothing.
             let far = Instant::now() + Duration::from_secs(3600);
             tokio::select! {
-                _ = self.shared.woken() => {}
+                _ = self.shared.sync.woken() => {}
                 _ = tokio::time::sleep_until(next_due.unwrap_or(far)) => {}
             }
         }
@@ -693,11 +686,11 @@ impl Source for KafkaSource {
         })
         .await
         .map_err(|e| SourceError::Broker(format!("closing the consumer panicked: {e}")))?;
-        let mut st = self.shared.lock();
+        let mut st = self.shared.sync.lock();
         st.closed = true;
         st.parts.clear();
         drop(st);
-        self.shared.wake_one();
+        self.shared.sync.wake_one();
         result
     }
 
@@ -715,7 +708,7 @@ impl Source for KafkaSource {
 impl Drop for KafkaSource {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
-        self.shared.lock().closed = true;
+        self.shared.sync.lock().closed = true;
         let poller = self.poller.take();
         let consumer = self.consumer.take();
         if poller.is_some() || consumer.is_some() {
@@ -755,7 +748,7 @@ impl KafkaSettle {
 impl LocallyHeld for KafkaSettle {
     fn settled(&mut self) {
         if let Some(r) = self.record.take() {
-            let mut st = self.shared.lock();
+            let mut st = self.shared.sync.lock();
             st.tracker.settled(&r.part, r.epoch, r.offset);
         }
     }
@@ -764,20 +757,20 @@ impl LocallyHeld for KafkaSettle {
         let Some(mut r) = self.record.take() else {
             return;
         };
-        let mut st = self.shared.lock();
+        let mut st = self.shared.sync.lock();
         if self.current_of(&st, &r) {
             r.envelope.delivery_count = Some(r.envelope.delivery_count.unwrap_or(1) + 1);
             r.envelope.redelivered = true;
             r.held_until = Instant::now() + delay;
             hold_in_offset_order(&mut st.delayed, r);
             drop(st);
-            self.shared.wake_one();
+            self.shared.sync.wake_one();
         }
     }
 
     async fn dead_letter(&mut self, reason: &str) -> Result<(), SourceError> {
         let env = {
-            let st = self.shared.lock();
+            let st = self.shared.sync.lock();
             match self.current(&st) {
                 Some(r) => r.envelope.clone(),
                 // Stale: another consumer owns the partition now and will see the record.
@@ -814,7 +807,7 @@ impl LocallyHeld for KafkaSettle {
     }
 
     fn is_stale(&self) -> bool {
-        let st = self.shared.lock();
+        let st = self.shared.sync.lock();
         self.current(&st).is_none()
     }
 }

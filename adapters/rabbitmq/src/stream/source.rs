@@ -107,13 +107,6 @@ struct Shared {
     dlq: DeadLetters,
 }
 
-impl std::ops::Deref for Shared {
-    type Target = SharedState<State>;
-    fn deref(&self) -> &SharedState<State> {
-        &self.sync
-    }
-}
-
 /// The dead-letter stream's producer, opened at the first reject.
 struct DeadLetters {
     env: Environment,
@@ -255,7 +248,7 @@ impl StreamSource {
             .await
             .map_err(|e| client_err("subscribe", e))?;
         {
-            let mut st = self.shared.lock();
+            let mut st = self.shared.sync.lock();
             let low = i64::try_from(low).unwrap_or(i64::MAX);
             st.epoch = Some(st.tracker.assign(self.shared.part.clone(), low));
             st.held = DelayedRedelivery::new();
@@ -286,7 +279,7 @@ impl StreamSource {
 
     /// Stores the committable offset (the last of the contiguous settled prefix).
     async fn commit(&mut self) -> Result<(), SourceError> {
-        let commits = self.shared.lock().tracker.take_commits();
+        let commits = self.shared.sync.lock().tracker.take_commits();
         let Some(consumer) = &self.consumer else {
             return Ok(());
         };
@@ -304,14 +297,14 @@ impl StreamSource {
             match stored {
                 Ok(o) if o >= last => {}
                 Ok(o) => {
-                    self.shared.lock().tracker.commit_failed(&p, next);
+                    self.shared.sync.lock().tracker.commit_failed(&p, next);
                     return Err(client_err(
                         "store offset",
                         format!("stored {last} but the broker reads back {o}"),
                     ));
                 }
                 Err(e) => {
-                    self.shared.lock().tracker.commit_failed(&p, next);
+                    self.shared.sync.lock().tracker.commit_failed(&p, next);
                     return Err(client_err("store offset", e));
                 }
             }
@@ -326,7 +319,7 @@ impl Source for StreamSource {
         let max = max.max(1);
         loop {
             let (epoch, next_due) = {
-                let mut st = self.shared.lock();
+                let mut st = self.shared.sync.lock();
                 if st.closed {
                     return Ok(None);
                 }
@@ -353,7 +346,7 @@ impl Source for StreamSource {
                 // Something is held: nothing newer goes out before it (stream order).
                 tokio::select! {
                     _ = tokio::time::sleep_until(at) => {}
-                    _ = self.shared.woken() => {}
+                    _ = self.shared.sync.woken() => {}
                 }
                 continue;
             }
@@ -368,7 +361,7 @@ impl Source for StreamSource {
             // nothing below awaits.
             let first = tokio::select! {
                 next = consumer.next() => next,
-                _ = self.shared.woken() => continue,
+                _ = self.shared.sync.woken() => continue,
             };
             let mut got = Vec::new();
             let mut failed = None;
@@ -386,7 +379,7 @@ impl Source for StreamSource {
             }
             let mut out = Vec::with_capacity(got.len());
             {
-                let mut st = self.shared.lock();
+                let mut st = self.shared.sync.lock();
                 for d in &got {
                     let offset = i64::try_from(d.offset()).unwrap_or(i64::MAX);
                     if st.tracker.delivered(&self.shared.part, epoch, offset) {
@@ -423,12 +416,12 @@ impl Source for StreamSource {
     async fn close(&mut self) -> Result<(), SourceError> {
         let committed = self.commit().await;
         {
-            let mut st = self.shared.lock();
+            let mut st = self.shared.sync.lock();
             st.closed = true;
             st.tracker.revoke(&self.shared.part);
             st.held = DelayedRedelivery::new();
         }
-        self.shared.wake_all();
+        self.shared.sync.wake_all();
         if let Some(c) = self.consumer.take() {
             let _ = c.handle().close().await;
         }
@@ -450,7 +443,7 @@ impl Drop for StreamSource {
     fn drop(&mut self) {
         // A crash as far as the broker is concerned: nothing more is stored.
         {
-            let mut st = self.shared.lock();
+            let mut st = self.shared.sync.lock();
             st.closed = true;
             st.tracker.revoke(&self.shared.part);
             st.held = DelayedRedelivery::new();
@@ -487,7 +480,7 @@ impl StreamSettle {
 #[async_trait]
 impl LocallyHeld for StreamSettle {
     fn settled(&mut self) {
-        let mut st = self.shared.lock();
+        let mut st = self.shared.sync.lock();
         if self.current(&st) {
             let offset = i64::try_from(self.offset).unwrap_or(i64::MAX);
             st.tracker.settled(&self.shared.part, self.epoch, offset);
@@ -496,7 +489,7 @@ impl LocallyHeld for StreamSettle {
     }
 
     fn hold(&mut self, delay: Duration) {
-        let mut st = self.shared.lock();
+        let mut st = self.shared.sync.lock();
         let current = self.current(&st);
         if let (true, Some(mut envelope)) = (current, self.envelope.take()) {
             envelope.redelivered = true;
@@ -508,14 +501,14 @@ impl LocallyHeld for StreamSettle {
             };
             st.held.push((), held, Instant::now() + delay);
             drop(st);
-            self.shared.wake_all();
+            self.shared.sync.wake_all();
         }
         self.envelope = None;
     }
 
     async fn dead_letter(&mut self, reason: &str) -> Result<(), SourceError> {
         let env = {
-            let st = self.shared.lock();
+            let st = self.shared.sync.lock();
             match (self.current(&st), &self.envelope) {
                 (true, Some(env)) => env.clone(),
                 // Stale: the next subscription reads it again from the stored offset.
@@ -546,7 +539,7 @@ impl LocallyHeld for StreamSettle {
     }
 
     fn is_stale(&self) -> bool {
-        let st = self.shared.lock();
+        let st = self.shared.sync.lock();
         st.closed || !st.tracker.is_current(&self.shared.part, self.epoch)
     }
 }
