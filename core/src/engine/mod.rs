@@ -377,6 +377,15 @@ pub struct Backoff {
     pub max: std::time::Duration,
 }
 
+impl Backoff {
+    /// When a rest of `wait` started now ends; `wait` doubles (up to `max`) for the next one.
+    fn next_rest(&self, wait: &mut std::time::Duration) -> tokio::time::Instant {
+        let until = tokio::time::Instant::now() + *wait;
+        *wait = (*wait * 2).min(self.max);
+        until
+    }
+}
+
 /// The poll loop every consumer mode shares: poll up to `max_batch` deliveries, hand them
 /// to `process` (which settles each one and answers whether it met an outage), tell the
 /// source the batch is done ([`Source::after_batch`]), back off after an outage, and stop
@@ -445,10 +454,10 @@ where
     let mut resting_until: Option<tokio::time::Instant> = None;
     let mut stopping = false;
     loop {
-        let may_poll = !stopping && resting_until.is_none() && in_progress.len() < depth;
-        if !may_poll && in_progress.is_empty() && stopping {
+        if stopping && in_progress.is_empty() {
             return Ok(());
         }
+        let may_poll = !stopping && resting_until.is_none() && in_progress.len() < depth;
         let event = {
             let rest = async {
                 match resting_until {
@@ -484,8 +493,7 @@ where
                 }
                 if outage {
                     // Give the store or broker time before polling again.
-                    resting_until = Some(tokio::time::Instant::now() + wait);
-                    wait = (wait * 2).min(backoff.max);
+                    resting_until = Some(backoff.next_rest(&mut wait));
                 } else {
                     wait = backoff.initial;
                 }
@@ -500,8 +508,7 @@ where
             }
             Event::Polled(Err(e)) => {
                 tracing::warn!(error = %e, "poll failed; backing off");
-                resting_until = Some(tokio::time::Instant::now() + wait);
-                wait = (wait * 2).min(backoff.max);
+                resting_until = Some(backoff.next_rest(&mut wait));
             }
         }
     }
