@@ -209,19 +209,14 @@ async fn a_payment_delivered_through_kafka_rabbitmq_and_rocketmq_is_applied_once
         *winners.entry(brokers[0]).or_default() += 1;
     }
     eprintln!("first delivery that applied each payment, by broker: {winners:?}; {stats:?}");
-    let _ = sqlx_drop(&postgres, &store).await;
+    let _ = drop_tables(&store).await;
 }
 
 /// Drops the store's tables (a table per run keeps runs apart on a shared server).
-async fn sqlx_drop(url: &str, store: &PgStore) -> Result<(), sqlx::Error> {
-    let pool = sqlx::PgPool::connect(url).await?;
-    for t in [
-        store.table().as_str().to_string(),
-        store.keys_table().as_str().to_string(),
-        format!("{}_fence", store.table().as_str()),
-    ] {
+async fn drop_tables(store: &PgStore) -> Result<(), sqlx::Error> {
+    for t in store.tables() {
         sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
-            .execute(&pool)
+            .execute(store.pool())
             .await?;
     }
     Ok(())

@@ -410,11 +410,7 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
     }
     if let Some((sink, store)) = &pg {
         sink.drop_table().await?;
-        for t in [
-            store.table().as_str().to_string(),
-            store.keys_table().as_str().to_string(),
-            format!("{}_fence", store.table().as_str()),
-        ] {
+        for t in store.tables() {
             sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
                 .execute(sink.pool())
                 .await?;

@@ -405,6 +405,14 @@ impl<DB: SqlBackend> SqlStore<DB> {
         self.q.fence.as_ref().map(|_| &self.fence_table)
     }
 
+    /// Every table the store keeps its records in (the dedup table, the keys table, the
+    /// fence table where there is one), e.g. to drop a store made for one test or benchmark.
+    pub fn tables(&self) -> Vec<&TableName> {
+        let mut all = vec![self.table(), self.keys_table()];
+        all.extend(self.fence_table());
+        all
+    }
+
     /// The heartbeat's pool ([`SqlStoreOptions::heartbeat_connections`]; the main pool when
     /// shared).
     pub fn heartbeat_pool(&self) -> &Pool<DB> {
