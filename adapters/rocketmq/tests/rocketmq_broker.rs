@@ -94,15 +94,8 @@ async fn a_payment_callback_sent_three_times_and_redelivered_pays_once() {
             }
         },
     );
-    let mut src = support::source(SourceConfig::new(&ns, &group, &topic)).await;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(async move {
-        let _ = consumer
-            .run(&mut src, async {
-                let _ = stop_rx.await;
-            })
-            .await;
-    });
+    let src = support::source(SourceConfig::new(&ns, &group, &topic)).await;
+    let (stop_tx, run) = support::run_until_stopped(consumer, src);
     // The failed delivery comes back after the broker's first level (~10 s); the two
     // producer copies are duplicates of the same key.
     let redelivered = |seen: &[(String, String, u32)]| {
@@ -182,15 +175,8 @@ async fn a_duplicate_storm_with_a_consumer_dropped_mid_run_is_exactly_once() {
         let _ = first.run(&mut src1, std::future::pending()).await;
     });
     let second = make(false);
-    let mut src2 = support::source(SourceConfig::new(&ns, &group, &topic)).await;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let survivor = tokio::spawn(async move {
-        let _ = second
-            .run(&mut src2, async {
-                let _ = stop_rx.await;
-            })
-            .await;
-    });
+    let src2 = support::source(SourceConfig::new(&ns, &group, &topic)).await;
+    let (stop_tx, survivor) = support::run_until_stopped(second, src2);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     crashed.abort(); // drops the source mid-batch: no close, nothing settled
     let _ = crashed.await;

@@ -371,16 +371,8 @@ async fn a_producer_killed_after_its_local_commit_is_committed_by_the_check_back
             }
         },
     );
-    let mut src =
-        support::source(SourceConfig::new(&ns, support::unique("ordersvc"), &topic)).await;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let run = tokio::spawn(async move {
-        let _ = consumer
-            .run(&mut src, async {
-                let _ = stop_rx.await;
-            })
-            .await;
-    });
+    let src = support::source(SourceConfig::new(&ns, support::unique("ordersvc"), &topic)).await;
+    let (stop_tx, run) = support::run_until_stopped(consumer, src);
     let count = |list: &Mutex<Vec<String>>, k: &str| {
         list.lock()
             .unwrap_or_else(|p| p.into_inner())

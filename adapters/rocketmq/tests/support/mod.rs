@@ -119,3 +119,22 @@ impl Drop for Collector {
         self.task.abort();
     }
 }
+
+/// Runs `consumer` over `src` in a task until the returned sender fires (or is dropped).
+pub fn run_until_stopped<H: idemq_core::Handler>(
+    consumer: idemq_core::IdempotentConsumer<H>,
+    mut src: RocketSource,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<()>,
+) {
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(async move {
+        let _ = consumer
+            .run(&mut src, async {
+                let _ = stop_rx.await;
+            })
+            .await;
+    });
+    (stop_tx, run)
+}
