@@ -33,6 +33,7 @@
 use crate::envelope::Envelope;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
@@ -328,28 +329,32 @@ impl KeyStrategy {
 
     /// Derives the key, or says why there is none.
     pub fn derive(&self, env: &Envelope) -> Result<DedupKey, KeyError> {
-        let raw = match &self.source {
+        // Borrowed where the envelope already holds the text (headers, the message key): one
+        // allocation per key, the key's own.
+        let raw: Cow<'_, str> = match &self.source {
             KeySource::Header(name) => {
                 let v = env
                     .headers
                     .get(name)
                     .ok_or_else(|| KeyError::MissingHeader(name.clone()))?;
-                utf8(v, || format!("header `{name}`"))?
+                Cow::Borrowed(utf8(v, || format!("header `{name}`"))?)
             }
             KeySource::MessageKey => {
                 let v = env.key.as_ref().ok_or(KeyError::MissingMessageKey)?;
-                utf8(v, || "the message key".to_string())?
+                Cow::Borrowed(utf8(v, || "the message key".to_string())?)
             }
             KeySource::JsonPointer(p) => {
                 let doc = parse_json(&env.payload, p)?;
-                json_field(&doc, p)?
+                Cow::Owned(json_field(&doc, p)?)
             }
-            KeySource::Fingerprint(fields) => fingerprint_fields(env, fields)?,
-            KeySource::BrokerMessageId => {
-                env.message_id.clone().ok_or(KeyError::MissingMessageId)?
-            }
+            KeySource::Fingerprint(fields) => Cow::Owned(fingerprint_fields(env, fields)?),
+            KeySource::BrokerMessageId => Cow::Borrowed(
+                env.message_id
+                    .as_deref()
+                    .ok_or(KeyError::MissingMessageId)?,
+            ),
             KeySource::DedupHeader => dedup_header_key(env)?,
-            KeySource::Custom(f) => f(env)?,
+            KeySource::Custom(f) => Cow::Owned(f(env)?),
         };
         if raw.is_empty() {
             return Err(KeyError::Empty(self.describe_source()));
@@ -370,26 +375,28 @@ impl KeyStrategy {
     }
 }
 
-fn dedup_header_key(env: &Envelope) -> Result<String, KeyError> {
+fn dedup_header_key(env: &Envelope) -> Result<Cow<'_, str>, KeyError> {
     use crate::envelope::BrokerKind;
     let name = crate::publish::DEDUP_HEADER;
     if let Some(v) = env.headers.get(name) {
-        return utf8(v, || format!("header `{name}`"));
+        return utf8(v, || format!("header `{name}`")).map(Cow::Borrowed);
     }
     // The native slot, where the header did not survive (a producer outside idemq that
     // follows the broker's own convention).
     let native = match env.broker {
-        BrokerKind::RabbitMq | BrokerKind::Memory => env.message_id.clone(),
+        BrokerKind::RabbitMq | BrokerKind::Memory => env.message_id.as_deref(),
         // KEYS holds space-separated keys; adapters put the dedup key first.
         BrokerKind::RocketMq => env
             .key
             .as_ref()
             .map(|k| utf8(k, || "the RocketMQ KEYS".to_string()))
             .transpose()?
-            .and_then(|k| k.split(' ').find(|s| !s.is_empty()).map(str::to_string)),
+            .and_then(|k| k.split(' ').find(|s| !s.is_empty())),
         BrokerKind::Kafka => None,
     };
-    native.ok_or_else(|| KeyError::MissingHeader(name.to_string()))
+    native
+        .map(Cow::Borrowed)
+        .ok_or_else(|| KeyError::MissingHeader(name.to_string()))
 }
 
 /// What a hashed business key starts with. Raw keys that start with `#` are stored with one
@@ -428,20 +435,33 @@ fn build_key(
         None
     };
     let g = group.as_str();
-    let mut key =
-        String::with_capacity(g.len() + 2 + hashed_form.as_ref().map_or(raw.len(), String::len));
-    key.push_str(g);
-    key.push(':');
-    match &hashed_form {
-        Some(h) => key.push_str(h),
-        None => {
-            if escape {
-                key.push('#');
-            }
-            key.push_str(raw);
-        }
+    // Assembled in a per-thread buffer and copied once into the key's `Arc<str>`: building
+    // a `String` and converting it would allocate twice per message.
+    thread_local! {
+        static SCRATCH: std::cell::RefCell<String> = const { std::cell::RefCell::new(String::new()) };
     }
-    Ok(DedupKey(key.into()))
+    let key: Arc<str> = SCRATCH.with(|cell| {
+        let mut key = cell.borrow_mut();
+        key.clear();
+        key.push_str(g);
+        key.push(':');
+        match &hashed_form {
+            Some(h) => key.push_str(h),
+            None => {
+                if escape {
+                    key.push('#');
+                }
+                key.push_str(raw);
+            }
+        }
+        let built = Arc::from(key.as_str());
+        // A rare giant key must not pin its capacity in every thread for good.
+        if key.capacity() > 4096 {
+            *key = String::new();
+        }
+        built
+    });
+    Ok(DedupKey(key))
 }
 
 fn check_pointer(p: &str) -> Result<(), KeyError> {
@@ -452,10 +472,8 @@ fn check_pointer(p: &str) -> Result<(), KeyError> {
     }
 }
 
-fn utf8(v: &Bytes, what: impl Fn() -> String) -> Result<String, KeyError> {
-    std::str::from_utf8(v)
-        .map(str::to_string)
-        .map_err(|_| KeyError::NotUtf8(what()))
+fn utf8(v: &Bytes, what: impl Fn() -> String) -> Result<&str, KeyError> {
+    std::str::from_utf8(v).map_err(|_| KeyError::NotUtf8(what()))
 }
 
 fn parse_json(payload: &[u8], pointer: &str) -> Result<serde_json::Value, KeyError> {
@@ -482,11 +500,13 @@ fn fingerprint_fields(env: &Envelope, fields: &[Field]) -> Result<String, KeyErr
                     .get(h)
                     .ok_or_else(|| KeyError::MissingHeader(h.clone()))?,
                 || format!("header `{h}`"),
-            )?,
+            )?
+            .to_string(),
             Field::MessageKey => {
                 utf8(env.key.as_ref().ok_or(KeyError::MissingMessageKey)?, || {
                     "the message key".to_string()
                 })?
+                .to_string()
             }
             Field::JsonPointer(p) => {
                 if doc.is_none() {

@@ -31,6 +31,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use std::fmt;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// Milliseconds since the Unix epoch, now, by this process's clock (plus the test skew of
@@ -167,7 +168,7 @@ pub struct DedupRecord {
     /// When a completed record may be forgotten.
     pub expires_ms: Option<i64>,
     /// Who holds / held it.
-    pub worker: Option<String>,
+    pub worker: Option<Arc<str>>,
 }
 
 impl DedupRecord {
@@ -194,8 +195,9 @@ pub struct ClaimRequest {
     pub lease: Duration,
     /// Hash of the payload; `None` disables the conflict check for this claim.
     pub payload_hash: Option<PayloadHash>,
-    /// Who claims (kept for audit and `list_stuck`).
-    pub worker: Option<String>,
+    /// Who claims (kept for audit and `list_stuck`). Shared: a batch's claims carry one
+    /// worker id.
+    pub worker: Option<Arc<str>>,
     /// The token to acquire with, chosen by the caller so a retried claim is idempotent: a
     /// claim whose reply was lost (it committed, then the connection died) is answered, on
     /// retry with the same token, with the lease it already holds instead of `InFlight`
@@ -226,7 +228,7 @@ impl ClaimRequest {
         self
     }
     /// Adds the worker id.
-    pub fn with_worker(mut self, w: impl Into<String>) -> Self {
+    pub fn with_worker(mut self, w: impl Into<Arc<str>>) -> Self {
         self.worker = Some(w.into());
         self
     }

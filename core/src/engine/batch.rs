@@ -286,13 +286,14 @@ impl<H: Handler> IdempotentConsumer<H> {
     /// caller nacks the batch).
     async fn stage_claim(&self, items: &[Item]) -> Option<Vec<Result<ClaimOutcome, StoreError>>> {
         let group = self.keys.group().as_str();
+        let worker: Arc<str> = Arc::from(self.cfg.worker_id.as_str());
         let reqs: Vec<ClaimRequest> = items
             .iter()
             .map(|it| ClaimRequest {
                 key: it.key.clone(),
                 lease: self.cfg.lease,
                 payload_hash: it.hash,
-                worker: Some(self.cfg.worker_id.clone()),
+                worker: Some(worker.clone()),
                 // One token per message per batch, kept across retries of the claim, so a
                 // retry after a lost reply gets back the lease it already holds.
                 token: Some(FencingToken::random()),

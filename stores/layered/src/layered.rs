@@ -54,7 +54,7 @@ struct ClaimInfo {
     lease_until_ms: i64,
     first_seen_ms: i64,
     payload_hash: Option<PayloadHash>,
-    worker: Option<String>,
+    worker: Option<Arc<str>>,
 }
 
 /// Counters of what the layers answered (for tests, benchmarks and dashboards).

@@ -188,7 +188,7 @@ pub fn decode_record(key: DedupKey, v: &[u8]) -> Result<DedupRecord, DecodeError
         first_seen_ms: int(fs, "first_seen")?,
         completed_ms: opt_int(cm, "completed")?,
         expires_ms: opt_int(ex, "expires")?,
-        worker,
+        worker: worker.map(std::sync::Arc::from),
     })
 }
 
@@ -257,7 +257,7 @@ mod tests {
         };
         assert_eq!(decode_record(key(), &encode_record(&bare)).unwrap(), bare);
         let empty_worker = DedupRecord {
-            worker: Some(String::new()),
+            worker: Some("".into()),
             result: Some(Bytes::new()),
             ..bare
         };

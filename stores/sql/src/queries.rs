@@ -133,7 +133,7 @@ pub(crate) fn decode_record(row: &Row) -> Result<StoredRecord, StoreError> {
         first_seen_ms: row.i64(8).map_err(corrupt)?,
         completed_ms: row.opt_i64(9).map_err(corrupt)?,
         expires_ms: row.opt_i64(10).map_err(corrupt)?,
-        worker: row.opt_text(11).map_err(corrupt)?.map(str::to_owned),
+        worker: row.opt_text(11).map_err(corrupt)?.map(std::sync::Arc::from),
     };
     Ok(StoredRecord {
         rec,
