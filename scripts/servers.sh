@@ -6,6 +6,7 @@
 #   scripts/servers.sh stop [SERVER...]   stop them (by pid file / the server's own command)
 #   scripts/servers.sh status             show what runs; exit 0 only if all of them do
 #   scripts/servers.sh env                export lines: eval "$(scripts/servers.sh env)"
+#   scripts/servers.sh restart-postgres   crash (pg_ctl -m immediate) + start PostgreSQL, same data
 #   scripts/servers.sh restart-redis      stop + start Redis only (same port, same module, same data)
 #   scripts/servers.sh restart-redis-cluster-node PORT
 #                                         start a cluster node again (e.g. after a test killed it):
@@ -330,6 +331,18 @@ EOF
   "$PG_BIN/createdb" -h 127.0.0.1 -p "$PG_PORT" -U postgres idemq ||
     die_with_log "createdb idemq failed" "$PG_LOG"
   log "postgres started on 127.0.0.1:$PG_PORT"
+}
+
+# A crash and a restart, keeping the data: `-m immediate` skips the shutdown
+# checkpoint, so the restart replays the WAL as after a power cut.
+restart_postgres() {
+  pg_running || die "postgres is not running (start it first)"
+  as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -m immediate -w -t "$TIMEOUT" stop >/dev/null ||
+    die_with_log "pg_ctl stop -m immediate failed" "$PG_LOG"
+  as_pg "$PG_BIN/pg_ctl" -D "$PG_DATA" -l "$PG_LOG" -w -t "$TIMEOUT" start >/dev/null 2>&1 9>&- ||
+    die_with_log "postgres did not restart" "$PG_LOG"
+  wait_ready false pg_ready || die_with_log "postgres not ready after ${TIMEOUT}s" "$PG_LOG"
+  log "postgres restarted (crash: -m immediate) on 127.0.0.1:$PG_PORT"
 }
 
 stop_postgres() {
@@ -1135,6 +1148,7 @@ cmd_env() {
   cat <<EOF
 export IDEMQ_TEST_POSTGRES_URL=$POSTGRES_URL
 export IDEMQ_TEST_MYSQL_URL=$MYSQL_URL
+export IDEMQ_TEST_POSTGRES_RESTART_CMD='$SCRIPT_PATH restart-postgres'
 export IDEMQ_TEST_REDIS_URL=$REDIS_URL
 export IDEMQ_TEST_REDIS_RESTART_CMD='$SCRIPT_PATH restart-redis'
 export IDEMQ_REDIS_CLUSTER_URL=$REDIS_CLUSTER_URL
@@ -1154,7 +1168,7 @@ EOF
 }
 
 usage() {
-  sed -n '2,19s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
+  sed -n '2,20s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
   exit 2
 }
 
@@ -1197,6 +1211,10 @@ main() {
       take_lock
       # Reverse start order.
       for ((i = ${#SELECTED[@]} - 1; i >= 0; i--)); do "stop_${SELECTED[i]}"; done
+      ;;
+    restart-postgres)
+      take_lock
+      restart_postgres
       ;;
     restart-redis)
       take_lock
