@@ -440,3 +440,20 @@ impl Handler for Forward {
         }
     }
 }
+
+/// This worker's lease on a key ended before its effect and completion committed together
+/// (another worker took the key over after the lease expired, or it was released): nothing
+/// of the attempt was kept. Stores that complete inside the effect's own transaction
+/// (`idemq_sql::MessageTx::commit`, `idemq_redis::RedisStore::complete_with`) return it as
+/// the source of a [`HandlerError::Retryable`]; the redelivery meets the key's current
+/// owner (a duplicate once that owner completes).
+#[derive(Debug, Clone, thiserror::Error)]
+#[error(
+    "lease on `{key}` lost before the effect committed (taken over by another worker after \
+     it expired, or released): nothing of this attempt kept; the redelivery goes to the \
+     key's current owner"
+)]
+pub struct LeaseLost {
+    /// The key.
+    pub key: DedupKey,
+}

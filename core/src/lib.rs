@@ -36,7 +36,9 @@ pub use engine::{
     ConsumerConfig, ConsumerError, ConsumerStats, DeliveryOrder, IdempotentConsumer, RetryPolicy,
 };
 pub use envelope::{BrokerKind, Envelope, Headers, Position, SourceRef};
-pub use handler::{BoxError, ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseWatch};
+pub use handler::{
+    BoxError, ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseLost, LeaseWatch,
+};
 pub use key::{ConsumerGroup, DedupKey, Field, KeyError, KeySource, KeyStrategy, OversizeKey};
 pub use memory::MemoryStore;
 pub use publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher, DEDUP_HEADER};

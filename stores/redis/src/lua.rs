@@ -138,6 +138,39 @@ end
 return out
 "#;
 
+/// The effect and the completion in one script: `KEYS[1]` = the record (the effect's keys
+/// are arguments of its commands: in a cluster they must live on the record's node, which a
+/// shared hash tag ensures); `ARGV` = unused, completed grace
+/// ms, token, retention ms, result field, command count, then per command its argument
+/// count and arguments. Reply: `{1}` applied and completed, `{2}` completed earlier by this
+/// token (nothing applied again), `{0}` fenced (nothing applied), `{9}` unreadable record,
+/// `{3, i, error}` command `i` failed (the ones before it stay applied: a script is atomic,
+/// not transactional; the record is left in progress).
+const COMPLETE_WITH_BODY: &str = r#"
+local nows = fmt(now)
+local k = KEYS[1]
+local v = redis.pcall('GET', k)
+if type(v) == 'table' then return {9} end
+if not v then return {0} end
+local r = parse(v)
+if not r then return {9} end
+if r.tok ~= ARGV[3] then return {0} end
+if r.st == '1' then return {2} end
+if r.lu == 0 then return {0} end
+local a = 7
+for c = 1, tonumber(ARGV[6]) do
+  local n = tonumber(ARGV[a])
+  local ok = redis.pcall(unpack(ARGV, a + 1, a + n))
+  if type(ok) == 'table' and ok.err then return {3, c, ok.err} end
+  a = a + n + 1
+end
+local ret = tonumber(ARGV[4])
+local nv = 'i1|1|' .. r.body .. r.lus .. '|' .. r.atts .. '|' .. r.fs .. '|' ..
+  nows .. '|' .. fmt(now + ret) .. '|' .. ARGV[5]
+redis.call('SET', k, nv, 'PX', ret + tonumber(ARGV[2]))
+return {1}
+"#;
+
 /// `KEYS[1]`; `ARGV` = unused, token, in-progress grace ms. Reply 1 released, 0 fenced (not
 /// the token's, completed, or already released), 9 unreadable.
 const RELEASE_BODY: &str = r#"
@@ -209,8 +242,10 @@ pub(crate) static COMPLETE: LazyLock<Lua> = LazyLock::new(|| lua("complete", COM
 pub(crate) static RELEASE: LazyLock<Lua> = LazyLock::new(|| lua("release", RELEASE_BODY));
 pub(crate) static EXTEND: LazyLock<Lua> = LazyLock::new(|| lua("extend", EXTEND_BODY));
 pub(crate) static PURGE: LazyLock<Lua> = LazyLock::new(|| lua("purge", PURGE_BODY));
+pub(crate) static COMPLETE_WITH: LazyLock<Lua> =
+    LazyLock::new(|| lua("complete_with", COMPLETE_WITH_BODY));
 
 /// Every script, for loading them up front.
-pub(crate) fn all() -> [&'static Lua; 5] {
-    [&CLAIM, &COMPLETE, &RELEASE, &EXTEND, &PURGE]
+pub(crate) fn all() -> [&'static Lua; 6] {
+    [&CLAIM, &COMPLETE, &RELEASE, &EXTEND, &PURGE, &COMPLETE_WITH]
 }

@@ -4,11 +4,12 @@ use crate::cluster::{self, ClusterHandle, Master};
 use crate::codec::{claim_identity, decode_record, result_field, write_identity};
 use crate::lua::{self, Lua};
 use async_trait::async_trait;
+use bytes::Bytes;
 use idemq_core::store::{check_distinct_keys, duration_ms};
 use idemq_core::{
-    evaluate_claim_request, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome,
-    Completion, DedupKey, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease,
-    RecordStatus, ReleaseOutcome, StoreError,
+    evaluate_claim_request, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict, ClaimedMessage,
+    CompleteOutcome, Completion, DedupKey, DedupRecord, DedupStore, ExtendOutcome, FencingToken,
+    HandlerError, HandlerResult, Lease, LeaseLost, RecordStatus, ReleaseOutcome, StoreError,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
@@ -994,6 +995,120 @@ impl RedisStore {
             }
         }
         Some(DedupKey::from_stored(rest))
+    }
+
+    /// Applies `effects` (Redis commands: the message's effect on data in this Redis) and
+    /// completes `msg` in **one server-side script**, so the effect and the dedup record
+    /// commit together or not at all — the Redis counterpart of `idemq_sql`'s
+    /// `begin_for` … `commit`. A crash before the script leaves neither; after it, both.
+    /// Returns what a handler returns (`Ok(result)`, `result` stored for duplicates).
+    ///
+    /// - The lease was lost (taken over after it expired, or released): nothing is applied,
+    ///   and the error is [`HandlerError::Retryable`] with [`LeaseLost`] as its source.
+    /// - Completed earlier by this very claim (a retried call whose reply was lost): nothing
+    ///   is applied again.
+    /// - A command fails (e.g. `WRONGTYPE`): [`HandlerError::Permanent`] naming it. A script
+    ///   is atomic but not transactional: **the commands before it stay applied** and the
+    ///   record stays in progress, so keep effects to commands that cannot fail on your
+    ///   keys.
+    /// - In a Redis Cluster every key the commands touch must live on the record's node:
+    ///   give them the record's hash tag (`{<group>}`, with
+    ///   [`RedisStoreBuilder::hash_tag`]), or the server refuses the script.
+    ///
+    /// ```no_run
+    /// use idemq_core::{ClaimedMessage, HandlerResult};
+    /// use idemq_redis::{redis, RedisStore};
+    ///
+    /// async fn apply(store: &RedisStore, msg: ClaimedMessage) -> HandlerResult {
+    ///     let mut credit = redis::cmd("HINCRBY");
+    ///     credit.arg("balances").arg("account-7").arg(100);
+    ///     store.complete_with(&msg, &[credit], None).await
+    /// }
+    /// ```
+    pub async fn complete_with(
+        &self,
+        msg: &ClaimedMessage,
+        effects: &[Cmd],
+        result: Option<Bytes>,
+    ) -> HandlerResult {
+        let record = self.redis_key(&msg.key);
+        let mut c = redis::cmd("EVALSHA");
+        c.arg(&lua::COMPLETE_WITH.sha)
+            .arg(1)
+            .arg(&record)
+            .arg(0)
+            .arg(self.cfg.completed_grace_ms)
+            .arg(msg.token.0)
+            .arg(clamp_ms(msg.retention))
+            .arg(result_field(result.as_ref()))
+            .arg(effects.len());
+        for (i, effect) in effects.iter().enumerate() {
+            let mut args: Vec<&[u8]> = Vec::new();
+            for a in effect.args_iter() {
+                match a {
+                    redis::Arg::Simple(b) => args.push(b),
+                    redis::Arg::Cursor => {
+                        return Err(HandlerError::Permanent(
+                            format!(
+                                "effect command {} is a cursor command (SCAN …): not an effect",
+                                i + 1
+                            )
+                            .into(),
+                        ))
+                    }
+                }
+            }
+            if args.is_empty() {
+                return Err(HandlerError::Permanent(
+                    format!("effect command {} is empty", i + 1).into(),
+                ));
+            }
+            c.arg(args.len());
+            for a in args {
+                c.arg(a);
+            }
+        }
+        let slot = self.partition(std::iter::once(&msg.key))[0].0;
+        let reply = self
+            .eval_many(&lua::COMPLETE_WITH, &[c], &[slot], true)
+            .await?
+            .pop()
+            .ok_or_else(|| StoreError::Backend("missing complete_with reply".into()))?;
+        let parts = match reply {
+            Value::Array(v) if !v.is_empty() => v,
+            other => {
+                return Err(StoreError::Backend(format!(
+                    "unexpected complete_with reply {other:?}"
+                ))
+                .into())
+            }
+        };
+        match Self::int(&parts[0])? {
+            1 | 2 => Ok(result),
+            0 => Err(HandlerError::Retryable(
+                LeaseLost {
+                    key: msg.key.clone(),
+                }
+                .into(),
+            )),
+            3 => {
+                let which = parts.get(1).map(Self::int).transpose()?.unwrap_or(0);
+                let why = match parts.get(2) {
+                    Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                    Some(Value::SimpleString(s)) => s.clone(),
+                    other => format!("{other:?}"),
+                };
+                Err(HandlerError::Permanent(
+                    format!(
+                        "effect command {which} of `{}` failed: {why} (the commands before it \
+                         were applied; the record stays in progress)",
+                        msg.key
+                    )
+                    .into(),
+                ))
+            }
+            _ => Err(Self::corrupt(&msg.key, "not an idemq record").into()),
+        }
     }
 
     async fn load(&self, s: &Lua) -> Result<(), StoreError> {

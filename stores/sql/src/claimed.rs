@@ -17,25 +17,13 @@ use crate::backend::SqlBackend;
 use crate::errors::handler_error;
 use crate::store::SqlStore;
 use bytes::Bytes;
+pub use idemq_core::LeaseLost;
 use idemq_core::{
     ClaimedMessage, CompleteOutcome, DedupKey, FencingToken, HandlerError, HandlerResult,
     StoreError,
 };
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
-
-/// This worker's lease on a key ended before its transaction committed; the transaction was
-/// rolled back (see [`MessageTx::commit`]).
-#[derive(Debug, Clone, thiserror::Error)]
-#[error(
-    "lease on `{key}` lost before the transaction committed (taken over by another worker \
-     after it expired, or released): rolled back, nothing of this attempt kept; the \
-     redelivery goes to the key's current owner"
-)]
-pub struct LeaseLost {
-    /// The key.
-    pub key: DedupKey,
-}
 
 /// A transaction on a [`SqlStore`]'s pool for one claimed message: write the effect through
 /// it (it dereferences to the connection: `execute(&mut *tx)`), then [`MessageTx::commit`].
