@@ -162,7 +162,11 @@ mod postgres {
             }
             other => panic!("expected a retryable LeaseLost, got {other:?}"),
         }
-        assert!(e.to_string().contains("rolled back"), "{e}");
+        // The error says the attempt left nothing behind (the transaction was rolled back).
+        assert!(
+            e.to_string().contains("nothing of this attempt kept"),
+            "{e}"
+        );
         let (n,): (i64,) = sqlx::query_as(&format!("SELECT COUNT(*) FROM {t}"))
             .fetch_one(store.pool())
             .await
