@@ -21,6 +21,7 @@ pub mod key;
 pub mod memory;
 pub mod metrics;
 pub mod publish;
+pub mod secrets;
 pub mod source;
 #[cfg(feature = "testkit")]
 pub mod source_kit;
@@ -33,7 +34,8 @@ pub use async_trait::async_trait;
 /// The byte buffer of payloads and stored results.
 pub use bytes::Bytes;
 pub use engine::{
-    ConsumerConfig, ConsumerError, ConsumerStats, DeliveryOrder, IdempotentConsumer, RetryPolicy,
+    ConsumerConfig, ConsumerError, ConsumerStats, DeliveryOrder, Health, HealthReport, HealthState,
+    IdempotentConsumer, RetryPolicy,
 };
 pub use envelope::{BrokerKind, Envelope, Headers, Position, SourceRef};
 pub use handler::{

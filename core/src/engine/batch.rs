@@ -783,9 +783,15 @@ impl<H: Handler> IdempotentConsumer<H> {
         let mut attempt = 0u32;
         loop {
             match call().await {
-                Ok(v) => return Ok(v),
+                Ok(v) => {
+                    self.counters.health.store_ok();
+                    return Ok(v);
+                }
                 Err(e) => {
                     metrics::counter!(m::STORE_ERRORS, "op" => op).increment(1);
+                    if e.is_retryable() {
+                        self.counters.health.store_failed(op, &e);
+                    }
                     attempt += 1;
                     if !e.is_retryable() || started.elapsed() + backoff > patience {
                         tracing::error!(op, error = %e, attempt, "dedup store call failed; not acking");

@@ -30,9 +30,11 @@
 
 mod batch;
 mod config;
+mod health;
 mod lease;
 
 pub use config::{ConsumerConfig, DeliveryOrder, RetryPolicy};
+pub use health::{Health, HealthReport, HealthState, LoopHealth};
 
 use crate::handler::Handler;
 use crate::key::KeyStrategy;
@@ -56,6 +58,8 @@ pub(crate) struct Counters {
     pub(crate) deferred: AtomicU64,
     pub(crate) stale: AtomicU64,
     pub(crate) settle_failures: AtomicU64,
+    /// Readiness, shared by clones of the engine.
+    pub(crate) health: Health,
     /// Per broker kind and outcome: counted but not yet reported to `metrics` (reported
     /// once per batch, not once per message: a labelled metric costs allocations).
     pub(crate) unflushed: [[AtomicU64; OUTCOME_KINDS]; 4],
@@ -215,6 +219,12 @@ impl<H: Handler> IdempotentConsumer<H> {
         }
     }
 
+    /// The consumer's readiness (store and broker answering), for a health endpoint: a
+    /// handle shared by clones of this engine and every loop of [`IdempotentConsumer::run_all`].
+    pub fn health(&self) -> Health {
+        self.counters.health.clone()
+    }
+
     /// Polls and processes until `shutdown` resolves or the source ends, then closes the
     /// source. A batch in progress is finished (settled) before returning.
     pub async fn run<S: Source + ?Sized>(
@@ -238,9 +248,15 @@ impl<H: Handler> IdempotentConsumer<H> {
             initial: self.cfg.store_backoff,
             max: self.cfg.store_backoff_max,
         };
-        drive_source(source, self.cfg.max_batch, backoff, shutdown, |batch| {
-            self.process_batch(batch)
-        })
+        drive_source_reporting(
+            source,
+            self.cfg.max_batch,
+            1,
+            backoff,
+            &self.counters.health,
+            shutdown,
+            |batch| self.process_batch(batch),
+        )
         .await
     }
 
@@ -411,6 +427,35 @@ where
     drive_source_pipelined(source, max_batch, 1, backoff, shutdown, process).await
 }
 
+/// [`drive_source_pipelined`] reporting to `health`: each poll's and each batch's outcome
+/// (a batch that met an outage marks the store unavailable until one that did not).
+pub async fn drive_source_reporting<S, F, Fut>(
+    source: &mut S,
+    max_batch: usize,
+    depth: usize,
+    backoff: Backoff,
+    health: &Health,
+    shutdown: impl Future<Output = ()>,
+    process: F,
+) -> Result<(), ConsumerError>
+where
+    S: Source + ?Sized,
+    F: FnMut(Vec<crate::source::Delivery>) -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let mut reporter = health.loop_started();
+    drive(
+        source,
+        max_batch,
+        depth,
+        backoff,
+        &mut reporter,
+        shutdown,
+        process,
+    )
+    .await
+}
+
 /// [`drive_source`] with up to `depth` batches in progress at once: while one batch waits
 /// on its store (a transaction's commit, an fsync), the next is polled and started, so the
 /// broker's and the database's latencies overlap instead of adding up.
@@ -427,6 +472,33 @@ pub async fn drive_source_pipelined<S, F, Fut>(
     max_batch: usize,
     depth: usize,
     backoff: Backoff,
+    shutdown: impl Future<Output = ()>,
+    process: F,
+) -> Result<(), ConsumerError>
+where
+    S: Source + ?Sized,
+    F: FnMut(Vec<crate::source::Delivery>) -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let mut unwatched = Health::new().loop_started();
+    drive(
+        source,
+        max_batch,
+        depth,
+        backoff,
+        &mut unwatched,
+        shutdown,
+        process,
+    )
+    .await
+}
+
+async fn drive<S, F, Fut>(
+    source: &mut S,
+    max_batch: usize,
+    depth: usize,
+    backoff: Backoff,
+    health: &mut LoopHealth,
     shutdown: impl Future<Output = ()>,
     mut process: F,
 ) -> Result<(), ConsumerError>
@@ -484,6 +556,7 @@ where
             Event::Shutdown => stopping = true,
             Event::Rested => resting_until = None,
             Event::Finished(outage) => {
+                health.batch_finished(outage);
                 let committed = source.after_batch().await;
                 if let Err(e) = &committed {
                     tracing::warn!(error = %e, "source could not commit after a batch; it will redeliver");
@@ -498,7 +571,10 @@ where
                     wait = backoff.initial;
                 }
             }
-            Event::Polled(Ok(Some(batch))) => in_progress.push(process(batch)),
+            Event::Polled(Ok(Some(batch))) => {
+                health.poll_ok();
+                in_progress.push(process(batch))
+            }
             Event::Polled(Ok(None)) => stopping = true,
             Event::Polled(Err(SourceError::Config(e))) => {
                 // Finish what is in progress (its settlements are already decided) first.
@@ -508,6 +584,7 @@ where
             }
             Event::Polled(Err(e)) => {
                 tracing::warn!(error = %e, "poll failed; backing off");
+                health.poll_failed(&e);
                 resting_until = Some(backoff.next_rest(&mut wait));
             }
         }

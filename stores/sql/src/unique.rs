@@ -57,7 +57,7 @@
 use crate::backend::{error_class, Dialect, ErrorClass, Kind, SqlBackend, Val};
 use crate::store::SqlStore;
 use async_trait::async_trait;
-use idemq_core::engine::{close_after_run, drive_source_pipelined, Backoff};
+use idemq_core::engine::{close_after_run, drive_source_reporting, Backoff, Health};
 use idemq_core::metrics::{self as m, outcome};
 use idemq_core::{
     ConsumerError, DedupKey, Delivery, Envelope, HandlerError, KeyStrategy, RetryPolicy, Source,
@@ -331,6 +331,7 @@ pub struct UniqueIndexConsumer<DB: SqlBackend, H> {
     cfg: UniqueIndexConfig,
     insert_sql: InsertSql,
     counters: Counters,
+    health: Health,
     /// Attempts seen here per key, for brokers that do not count deliveries (bounded: it
     /// is cleared when it grows past a limit, which only makes retries start over).
     attempts: Mutex<HashMap<String, u32>>,
@@ -415,6 +416,7 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
             cfg: UniqueIndexConfig::default(),
             insert_sql,
             counters: Counters::default(),
+            health: Health::new(),
             attempts: Mutex::default(),
         }
     }
@@ -424,6 +426,11 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
         self.cfg = cfg;
         self.cfg.max_batch = self.cfg.max_batch.max(1);
         self
+    }
+
+    /// The consumer's readiness (database and broker answering), for a health endpoint.
+    pub fn health(&self) -> Health {
+        self.health.clone()
     }
 
     /// Counters so far.
@@ -452,11 +459,12 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
             initial: self.cfg.store_backoff,
             max: self.cfg.store_backoff_max,
         };
-        let result = drive_source_pipelined(
+        let result = drive_source_reporting(
             source,
             self.cfg.max_batch,
             self.cfg.pipeline_depth,
             backoff,
+            &self.health,
             shutdown,
             |batch| self.process_batch(batch),
         )

@@ -1,0 +1,273 @@
+//! Readiness of a running consumer, for an application's health endpoint.
+//!
+//! A consumer whose store is down acks nothing and backs off (it never "processes anyway"),
+//! so from the outside it looks idle. [`Health`] says why: the poll loops record each
+//! store call's and each poll's outcome, and [`Health::report`] answers what a readiness
+//! probe needs (ready or not, since when, the last error) without touching the store.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::SystemTime;
+
+/// What a consumer is doing, as its health endpoint shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HealthState {
+    /// No poll loop has started yet.
+    Starting,
+    /// Polling, and the last store call and poll succeeded.
+    Ready,
+    /// The dedup store does not answer: nothing is acked, the loop backs off.
+    StoreUnavailable,
+    /// A source's poll failed (broker unreachable, channel lost); the loop backs off.
+    BrokerUnavailable,
+    /// Every poll loop has returned.
+    Stopped,
+}
+
+impl HealthState {
+    /// The state's name (`ready`, `store_unavailable`, …), for a JSON health body or a gauge.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Starting => "starting",
+            Self::Ready => "ready",
+            Self::StoreUnavailable => "store_unavailable",
+            Self::BrokerUnavailable => "broker_unavailable",
+            Self::Stopped => "stopped",
+        }
+    }
+}
+
+impl std::fmt::Display for HealthState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A snapshot of [`Health`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct HealthReport {
+    /// The current state.
+    pub state: HealthState,
+    /// When the consumer entered it.
+    pub since: SystemTime,
+    /// The error that made it unhealthy, while it is (store or source error text; URLs in
+    /// it are the stores' own, with passwords already hidden).
+    pub last_error: Option<String>,
+    /// How many times the consumer went from ready to unavailable so far.
+    pub outages: u64,
+}
+
+impl HealthReport {
+    /// True when the consumer is polling with a working store and broker: what a readiness
+    /// probe should answer 200 for.
+    pub fn is_ready(&self) -> bool {
+        self.state == HealthState::Ready
+    }
+}
+
+#[derive(Debug)]
+struct Since {
+    state: HealthState,
+    since: SystemTime,
+    last_error: Option<String>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    /// Poll loops running now.
+    loops: AtomicUsize,
+    /// Poll loops whose last poll failed.
+    sources_down: AtomicUsize,
+    store_down: AtomicBool,
+    outages: AtomicU64,
+    shown: Mutex<Since>,
+}
+
+/// A consumer's readiness: cheap to clone, shared by clones of the engine, read from any
+/// task (a health endpoint's handler).
+///
+/// ```
+/// use idemq_core::broker::MemoryBroker;
+/// use idemq_core::engine::HealthState;
+/// use idemq_core::{ClaimedMessage, HandlerError, IdempotentConsumer, KeyStrategy, MemoryStore};
+/// use std::sync::Arc;
+///
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// let consumer = IdempotentConsumer::new(
+///     Arc::new(MemoryStore::new()),
+///     KeyStrategy::header("orders", "x-idempotency-key").unwrap(),
+///     |_m: ClaimedMessage| async { Ok::<_, HandlerError>(None) },
+/// );
+/// let health = consumer.health(); // hand this to the readiness endpoint
+/// assert_eq!(health.report().state, HealthState::Starting);
+/// let broker = MemoryBroker::new(); // nothing pending: the run ends at once
+/// consumer.run_until_idle(&mut broker.subscribe()).await.unwrap();
+/// assert_eq!(health.report().state, HealthState::Stopped);
+/// assert!(!health.report().is_ready());
+/// # });
+/// ```
+#[derive(Debug, Clone)]
+pub struct Health(Arc<Inner>);
+
+impl Default for Health {
+    fn default() -> Self {
+        Self(Arc::new(Inner {
+            loops: AtomicUsize::new(0),
+            sources_down: AtomicUsize::new(0),
+            store_down: AtomicBool::new(false),
+            outages: AtomicU64::new(0),
+            shown: Mutex::new(Since {
+                state: HealthState::Starting,
+                since: SystemTime::now(),
+                last_error: None,
+            }),
+        }))
+    }
+}
+
+impl Health {
+    /// A fresh handle (state [`HealthState::Starting`]).
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The state now.
+    pub fn report(&self) -> HealthReport {
+        let shown = self.shown();
+        HealthReport {
+            state: shown.state,
+            since: shown.since,
+            last_error: shown.last_error.clone(),
+            outages: self.0.outages.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Shorthand for `report().is_ready()`.
+    pub fn is_ready(&self) -> bool {
+        self.report().is_ready()
+    }
+
+    fn shown(&self) -> MutexGuard<'_, Since> {
+        // A panic while holding this lock cannot leave it half-written: take it anyway.
+        self.0.shown.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Recomputes the shown state from the flags; `error` replaces the last error when the
+    /// state is unhealthy.
+    fn refresh(&self, error: Option<String>) {
+        let i = &self.0;
+        let state = if i.loops.load(Ordering::SeqCst) == 0 {
+            HealthState::Stopped
+        } else if i.store_down.load(Ordering::SeqCst) {
+            HealthState::StoreUnavailable
+        } else if i.sources_down.load(Ordering::SeqCst) > 0 {
+            HealthState::BrokerUnavailable
+        } else {
+            HealthState::Ready
+        };
+        let mut shown = self.shown();
+        let unhealthy = matches!(
+            state,
+            HealthState::StoreUnavailable | HealthState::BrokerUnavailable
+        );
+        if shown.state != state {
+            if unhealthy && shown.state == HealthState::Ready {
+                i.outages.fetch_add(1, Ordering::Relaxed);
+            }
+            tracing::info!(from = %shown.state, to = %state, "consumer health changed");
+            metrics::gauge!(crate::metrics::READY).set(if state == HealthState::Ready {
+                1.0
+            } else {
+                0.0
+            });
+            shown.state = state;
+            shown.since = SystemTime::now();
+        }
+        if unhealthy {
+            if let Some(e) = error {
+                shown.last_error = Some(e);
+            }
+        } else {
+            shown.last_error = None;
+        }
+    }
+
+    /// A store call succeeded.
+    pub(crate) fn store_ok(&self) {
+        if self.0.store_down.swap(false, Ordering::SeqCst) {
+            self.refresh(None);
+        }
+    }
+
+    /// A store call failed with a retryable error (the store is down or overloaded).
+    pub(crate) fn store_failed(&self, op: &str, error: &dyn std::fmt::Display) {
+        self.0.store_down.store(true, Ordering::SeqCst);
+        self.refresh(Some(format!("dedup store ({op}): {error}")));
+    }
+
+    /// A poll loop started; the returned guard tracks that loop's source.
+    pub fn loop_started(&self) -> LoopHealth {
+        self.0.loops.fetch_add(1, Ordering::SeqCst);
+        self.refresh(None);
+        LoopHealth {
+            health: self.clone(),
+            source_down: false,
+        }
+    }
+}
+
+/// One poll loop's share of a [`Health`]: its source's state; dropping it marks the loop
+/// ended. Consumer modes built outside the core (the SQL store's unique-index consumer)
+/// report through it too.
+#[derive(Debug)]
+pub struct LoopHealth {
+    health: Health,
+    source_down: bool,
+}
+
+impl LoopHealth {
+    /// The loop's last poll succeeded.
+    pub fn poll_ok(&mut self) {
+        if std::mem::take(&mut self.source_down) {
+            self.health.0.sources_down.fetch_sub(1, Ordering::SeqCst);
+            self.health.refresh(None);
+        }
+    }
+
+    /// The loop's last poll failed.
+    pub fn poll_failed(&mut self, error: &dyn std::fmt::Display) {
+        if !std::mem::replace(&mut self.source_down, true) {
+            self.health.0.sources_down.fetch_add(1, Ordering::SeqCst);
+        }
+        self.health.refresh(Some(format!("source poll: {error}")));
+    }
+
+    /// A batch finished; `outage` says whether it met an unavailable store.
+    pub fn batch_finished(&mut self, outage: bool) {
+        if outage {
+            if !self.health.0.store_down.swap(true, Ordering::SeqCst) {
+                self.health
+                    .refresh(Some("dedup store unavailable: batch nacked".into()));
+            }
+        } else {
+            self.health.store_ok();
+        }
+    }
+
+    /// The handle this loop reports to.
+    pub fn health(&self) -> &Health {
+        &self.health
+    }
+}
+
+impl Drop for LoopHealth {
+    fn drop(&mut self) {
+        if self.source_down {
+            self.health.0.sources_down.fetch_sub(1, Ordering::SeqCst);
+        }
+        self.health.0.loops.fetch_sub(1, Ordering::SeqCst);
+        self.health.refresh(None);
+    }
+}

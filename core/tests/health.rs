@@ -1,0 +1,245 @@
+//! The readiness a consumer reports while its store or its broker is down, and after.
+
+use async_trait::async_trait;
+use idemq_core::broker::MemoryBroker;
+use idemq_core::{
+    BrokerKind, ClaimOutcome, ClaimRequest, ClaimedMessage, CompleteOutcome, Completion,
+    ConsumerConfig, DedupKey, DedupRecord, DedupStore, Delivery, Envelope, ExtendOutcome,
+    FencingToken, HandlerError, HealthState, IdempotentConsumer, KeyStrategy, MemoryStore,
+    ReleaseOutcome, RetryPolicy, Source, SourceError, StoreError,
+};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// The memory store behind a switch: while `down`, every call is `Unavailable`.
+#[derive(Default)]
+struct SwitchedStore {
+    inner: MemoryStore,
+    down: AtomicBool,
+}
+
+impl SwitchedStore {
+    fn check(&self) -> Result<(), StoreError> {
+        if self.down.load(Ordering::SeqCst) {
+            Err(StoreError::Unavailable(
+                "connect to 127.0.0.1:5432: connection refused".into(),
+            ))
+        } else {
+            Ok(())
+        }
+    }
+}
+
+#[async_trait]
+impl DedupStore for SwitchedStore {
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        self.check()?;
+        self.inner.claim_batch(reqs).await
+    }
+    async fn complete_batch(&self, cs: &[Completion]) -> Result<Vec<CompleteOutcome>, StoreError> {
+        self.check()?;
+        self.inner.complete_batch(cs).await
+    }
+    async fn release(&self, k: &DedupKey, t: FencingToken) -> Result<ReleaseOutcome, StoreError> {
+        self.check()?;
+        self.inner.release(k, t).await
+    }
+    async fn extend(
+        &self,
+        k: &DedupKey,
+        t: FencingToken,
+        l: Duration,
+    ) -> Result<ExtendOutcome, StoreError> {
+        self.check()?;
+        self.inner.extend(k, t, l).await
+    }
+    async fn get(&self, k: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
+        self.check()?;
+        self.inner.get(k).await
+    }
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        self.check()?;
+        self.inner.purge_expired(limit).await
+    }
+    async fn list_stuck(
+        &self,
+        older_than: Duration,
+        limit: usize,
+    ) -> Result<Vec<DedupRecord>, StoreError> {
+        self.check()?;
+        self.inner.list_stuck(older_than, limit).await
+    }
+    async fn forget(&self, k: &DedupKey) -> Result<bool, StoreError> {
+        self.check()?;
+        self.inner.forget(k).await
+    }
+}
+
+/// The memory broker's subscription, waiting when empty (as a real consumer does) instead
+/// of ending, and failing its polls while `down`.
+struct SwitchedSource {
+    inner: idemq_core::broker::MemorySource,
+    down: Arc<AtomicBool>,
+}
+
+#[async_trait]
+impl Source for SwitchedSource {
+    async fn poll(&mut self, max: usize) -> Result<Option<Vec<Delivery>>, SourceError> {
+        loop {
+            if self.down.load(Ordering::SeqCst) {
+                return Err(SourceError::Disconnected(
+                    "broker 127.0.0.1:9092: connection refused".into(),
+                ));
+            }
+            match self.inner.poll(max).await? {
+                Some(batch) if !batch.is_empty() => return Ok(Some(batch)),
+                _ => tokio::time::sleep(Duration::from_millis(5)).await,
+            }
+        }
+    }
+}
+
+fn config() -> ConsumerConfig {
+    ConsumerConfig {
+        lease: Duration::from_secs(5),
+        retry: RetryPolicy::fixed(Duration::from_millis(5)),
+        store_backoff: Duration::from_millis(10),
+        store_backoff_max: Duration::from_millis(40),
+        complete_patience: Duration::from_millis(50),
+        ..ConsumerConfig::default()
+    }
+}
+
+fn payment(i: u32) -> Envelope {
+    Envelope::new(BrokerKind::Memory, "payments", format!("{{\"n\":{i}}}"))
+        .with_header("x-idempotency-key", format!("pay-{i}"))
+}
+
+async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "timed out waiting: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_store_outage_is_unready_acks_nothing_and_recovers_without_loss() {
+    let broker = MemoryBroker::new();
+    let store = Arc::new(SwitchedStore::default());
+    let effects = Arc::new(AtomicU32::new(0));
+    let seen = effects.clone();
+    let consumer = IdempotentConsumer::new(
+        store.clone(),
+        KeyStrategy::header("billing", "x-idempotency-key").expect("keys"),
+        move |_m: ClaimedMessage| {
+            let seen = seen.clone();
+            async move {
+                seen.fetch_add(1, Ordering::SeqCst);
+                Ok::<_, HandlerError>(None)
+            }
+        },
+    )
+    .with_config(config());
+    let health = consumer.health();
+    assert_eq!(health.report().state, HealthState::Starting);
+
+    let mut source = SwitchedSource {
+        inner: broker.subscribe(),
+        down: Arc::default(),
+    };
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let run = tokio::spawn(async move { consumer.run(&mut source, stopped.notified()).await });
+
+    for i in 0..5 {
+        broker.publish(payment(i));
+    }
+    wait_for("5 effects", || effects.load(Ordering::SeqCst) == 5).await;
+    wait_for("ready", || health.is_ready()).await;
+    assert_eq!(health.report().outages, 0);
+
+    // The store goes down; new payments arrive.
+    store.down.store(true, Ordering::SeqCst);
+    let acked_before = broker.acked();
+    for i in 5..10 {
+        broker.publish(payment(i));
+    }
+    wait_for("store unavailable", || {
+        health.report().state == HealthState::StoreUnavailable
+    })
+    .await;
+    let report = health.report();
+    assert!(!report.is_ready());
+    let error = report.last_error.expect("the reason is reported");
+    assert!(error.contains("connection refused"), "{error}");
+    assert!(error.contains("dedup store"), "{error}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert_eq!(
+        broker.acked(),
+        acked_before,
+        "nothing acked while the store is down"
+    );
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        5,
+        "no handler ran unclaimed"
+    );
+    assert_eq!(
+        health.report().state,
+        HealthState::StoreUnavailable,
+        "still unready while it stays down"
+    );
+
+    // It comes back: ready again, and every payment applied once.
+    store.down.store(false, Ordering::SeqCst);
+    wait_for("10 effects", || effects.load(Ordering::SeqCst) == 10).await;
+    wait_for("ready again", || health.is_ready()).await;
+    let report = health.report();
+    assert_eq!(report.outages, 1);
+    assert_eq!(report.last_error, None);
+
+    stop.notify_one();
+    run.await.expect("join").expect("run");
+    assert_eq!(health.report().state, HealthState::Stopped);
+    assert_eq!(effects.load(Ordering::SeqCst), 10, "each payment once");
+}
+
+#[tokio::test]
+async fn a_failing_poll_is_broker_unavailable_until_a_poll_succeeds() {
+    let broker = MemoryBroker::new();
+    let consumer = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        KeyStrategy::header("billing", "x-idempotency-key").expect("keys"),
+        |_m: ClaimedMessage| async { Ok::<_, HandlerError>(None) },
+    )
+    .with_config(config());
+    let health = consumer.health();
+    let down = Arc::new(AtomicBool::new(true));
+    let mut source = SwitchedSource {
+        inner: broker.subscribe(),
+        down: down.clone(),
+    };
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let run = tokio::spawn(async move { consumer.run(&mut source, stopped.notified()).await });
+
+    wait_for("broker unavailable", || {
+        health.report().state == HealthState::BrokerUnavailable
+    })
+    .await;
+    let error = health.report().last_error.expect("reason");
+    assert!(error.contains("127.0.0.1:9092"), "{error}");
+
+    down.store(false, Ordering::SeqCst);
+    broker.publish(payment(1));
+    wait_for("ready", || health.is_ready()).await;
+    wait_for("acked", || broker.acked() == 1).await;
+    stop.notify_one();
+    run.await.expect("join").expect("run");
+    assert_eq!(health.report().state, HealthState::Stopped);
+}
