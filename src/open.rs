@@ -94,7 +94,7 @@ pub async fn open_store(url: &str) -> Result<Arc<dyn DedupStore>, OpenStoreError
         .split_once(':')
         .map(|(s, _)| s.to_ascii_lowercase())
         .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+'))
-        .ok_or_else(|| OpenStoreError::NotAUrl(url.to_string()))?;
+        .ok_or_else(|| OpenStoreError::NotAUrl(idemq_core::secrets::redact_url(url)))?;
     // Unused when every store feature is on.
     #[allow(unused_variables)]
     let disabled = |feature| OpenStoreError::FeatureDisabled {

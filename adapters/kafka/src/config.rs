@@ -236,12 +236,31 @@ impl fmt::Display for ConfigError {
 
 impl std::error::Error for ConfigError {}
 
-/// librdkafka producer properties with typed, validating builders.
-#[derive(Debug, Clone)]
+/// librdkafka producer properties with typed, validating builders (`Debug` shows secret
+/// properties such as `sasl.password` as `***`).
+#[derive(Clone)]
 pub struct KafkaProducerConfig {
     props: BTreeMap<String, String>,
     mode: ProducerMode,
     broker_max_transaction_timeout: Duration,
+}
+
+impl std::fmt::Debug for KafkaProducerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let shown: BTreeMap<&str, &str> = self
+            .props
+            .iter()
+            .map(|(k, v)| (k.as_str(), idemq_core::secrets::shown_value(k, v)))
+            .collect();
+        f.debug_struct("KafkaProducerConfig")
+            .field("props", &shown)
+            .field("mode", &self.mode)
+            .field(
+                "broker_max_transaction_timeout",
+                &self.broker_max_transaction_timeout,
+            )
+            .finish()
+    }
 }
 
 impl KafkaProducerConfig {

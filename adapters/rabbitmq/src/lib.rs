@@ -129,7 +129,12 @@ pub async fn connect(url: &str, name: &str) -> Result<lapin::Connection, RabbitE
         .with_executor(tokio_executor_trait::Tokio::current())
         .with_reactor(tokio_reactor_trait::Tokio)
         .with_connection_name(name.into());
-    lapin::Connection::connect(url, props)
-        .await
-        .map_err(|e| RabbitError::Connect(e.to_string()))
+    lapin::Connection::connect(url, props).await.map_err(|e| {
+        // The URL is named without its password; lapin's text is scrubbed of it too.
+        RabbitError::Connect(format!(
+            "{}: {}",
+            idemq_core::secrets::redact_url(url),
+            idemq_core::secrets::scrub(&e.to_string(), url)
+        ))
+    })
 }

@@ -33,8 +33,8 @@ pub const DLQ_QUEUE: &str = "idemq-dlq-queue";
 /// Header counting how often a message went through a retry queue.
 pub const RETRIES: &str = "idemq-retries";
 
-/// Settings of a [`RabbitSource`].
-#[derive(Debug, Clone)]
+/// Settings of a [`RabbitSource`] (`Debug` shows the URL without its password).
+#[derive(Clone)]
 pub struct RabbitSourceConfig {
     /// `amqp://user:pass@host:port/vhost` (`%2f` for `/`).
     pub url: String,
@@ -68,6 +68,25 @@ pub struct RabbitSourceConfig {
     /// queue with other arguments), and retry queues declared by an older version without
     /// `x-expires` must be deleted once, when empty.
     pub retry_queue_idle_expiry: Option<Duration>,
+}
+
+impl std::fmt::Debug for RabbitSourceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RabbitSourceConfig")
+            .field("url", &idemq_core::secrets::redact_url(&self.url))
+            .field("queue", &self.queue)
+            .field("declare", &self.declare)
+            .field("prefetch", &self.prefetch)
+            .field("cluster", &self.cluster)
+            .field("dead_letter_queue", &self.dead_letter_queue)
+            .field("retry_tiers", &self.retry_tiers)
+            .field("ordered", &self.ordered)
+            .field("reconnect_min", &self.reconnect_min)
+            .field("reconnect_max", &self.reconnect_max)
+            .field("confirm_timeout", &self.confirm_timeout)
+            .field("retry_queue_idle_expiry", &self.retry_queue_idle_expiry)
+            .finish()
+    }
 }
 
 impl RabbitSourceConfig {

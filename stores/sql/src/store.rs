@@ -1457,20 +1457,7 @@ mod mysql_connect {
 const OTHER_STORES: &str = "PostgreSQL: PgStore with postgres://, MySQL/MariaDB: MySqlStore \
      with mysql://, SQLite: SqliteStore with sqlite://, Redis: idemq-redis";
 
-/// Hides the password of a URL for messages.
-#[allow(dead_code)]
-fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s + 3 => {
-            let userinfo = &url[s + 3..at];
-            match userinfo.split_once(':') {
-                Some((user, _)) => format!("{}{user}:***{}", &url[..s + 3], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
-}
+use idemq_core::secrets::redact_url as redact;
 
 #[cfg(test)]
 mod tests {
