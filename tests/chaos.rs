@@ -31,7 +31,9 @@
     feature = "rabbitmq",
     feature = "rocketmq",
     feature = "postgres",
-    feature = "mysql"
+    feature = "mysql",
+    feature = "redis",
+    feature = "layered"
 ))]
 
 use idemq::core::testkit::process::{child_role, ChildProcess};
@@ -40,12 +42,15 @@ use idemq::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicRep
 use idemq::kafka::rdkafka::client::DefaultClientContext;
 use idemq::kafka::rdkafka::ClientConfig;
 use idemq::kafka::{KafkaProducerConfig, KafkaPublisher, KafkaSource, KafkaSourceConfig};
+use idemq::layered::LayeredStore;
 use idemq::rabbitmq::{QueueType, RabbitPublisher, RabbitSource, RabbitSourceConfig};
+use idemq::redis::redis::cmd as redis_cmd;
+use idemq::redis::RedisStore;
 use idemq::rocketmq::{PublisherConfig, RocketPublisher, RocketSource, SourceConfig};
 use idemq::sql::{sqlx, MySqlStore, PgStore, SqlResultExt, SqlStoreOptions, TableName};
 use idemq::{
-    ClaimedMessage, ConsumerConfig, IdempotentConsumer, KeyStrategy, OutgoingMessage, Publisher,
-    Source,
+    ClaimedMessage, ConsumerConfig, DedupStore, IdempotentConsumer, KeyStrategy, OutgoingMessage,
+    Publisher, Source,
 };
 use rand::Rng;
 use std::sync::Arc;
@@ -68,6 +73,9 @@ enum Broker {
 enum Store {
     Postgres,
     MySql,
+    Redis,
+    /// The layered store (local cache) over Redis.
+    Layered,
 }
 
 impl Broker {
@@ -100,6 +108,8 @@ impl Store {
         match s {
             "postgres" => Self::Postgres,
             "mysql" => Self::MySql,
+            "redis" => Self::Redis,
+            "layered" => Self::Layered,
             other => panic!("unknown store {other}"),
         }
     }
@@ -107,12 +117,23 @@ impl Store {
         match self {
             Self::Postgres => "postgres",
             Self::MySql => "mysql",
+            Self::Redis => "redis",
+            Self::Layered => "layered",
         }
     }
     fn env(self) -> &'static str {
         match self {
             Self::Postgres => "IDEMQ_TEST_POSTGRES_URL",
             Self::MySql => "IDEMQ_TEST_MYSQL_URL",
+            Self::Redis | Self::Layered => "IDEMQ_TEST_REDIS_URL",
+        }
+    }
+    /// The command that crashes and restarts the store's server mid-run, if there is one.
+    fn restart_env(self) -> Option<&'static str> {
+        match self {
+            Self::Postgres => Some("IDEMQ_TEST_POSTGRES_RESTART_CMD"),
+            Self::MySql => None,
+            Self::Redis | Self::Layered => Some("IDEMQ_TEST_REDIS_RESTART_CMD"),
         }
     }
 }
@@ -150,36 +171,79 @@ fn unique(what: &str) -> String {
     format!("idemq_chaos_{what}_{:08x}", rand::random::<u32>())
 }
 
-/// One database connection for the parent's setup and checks, whichever the store.
-enum Db {
-    Pg(PgStore),
-    My(MySqlStore),
+/// The effect ledger, where the parent reads it: a SQL table without a unique constraint,
+/// or (Redis stores) a list of applications plus a set of the keys applied.
+enum Ledger {
+    Pg(PgStore, String),
+    My(MySqlStore, String),
+    // A connection manager: it reconnects after the Redis restart mid-run (a plain
+    // multiplexed connection stays broken, and the parent would never see the ledger again).
+    Redis(idemq::redis::redis::aio::ConnectionManager, String),
 }
 
-impl Db {
-    async fn connect(store: Store, url: &str, table: &str) -> Self {
+impl Ledger {
+    async fn create(store: Store, url: &str, table: &str, ledger: &str) -> Self {
         let opts = SqlStoreOptions::with_table(TableName::new(table).expect("table name"));
+        // No unique constraint: a second effect of a key is a second row.
+        let ddl = format!("CREATE TABLE {ledger} (k VARCHAR(64) NOT NULL, pid BIGINT NOT NULL)");
         match store {
-            Store::Postgres => Self::Pg(PgStore::connect(url, opts).await.expect("PostgreSQL")),
-            Store::MySql => Self::My(MySqlStore::connect(url, opts).await.expect("MariaDB")),
+            Store::Postgres => {
+                let s = PgStore::connect(url, opts).await.expect("PostgreSQL");
+                sqlx::query(&ddl).execute(s.pool()).await.expect("ledger");
+                Self::Pg(s, ledger.into())
+            }
+            Store::MySql => {
+                let s = MySqlStore::connect(url, opts).await.expect("MariaDB");
+                sqlx::query(&ddl).execute(s.pool()).await.expect("ledger");
+                Self::My(s, ledger.into())
+            }
+            Store::Redis | Store::Layered => {
+                let conn = idemq::redis::redis::Client::open(url)
+                    .expect("redis url")
+                    .get_connection_manager()
+                    .await
+                    .expect("Redis");
+                Self::Redis(conn, ledger.into())
+            }
         }
     }
 
-    async fn execute(&self, sql: &str) {
-        let r = match self {
-            Self::Pg(s) => sqlx::query(sql).execute(s.pool()).await.map(|_| ()),
-            Self::My(s) => sqlx::query(sql).execute(s.pool()).await.map(|_| ()),
-        };
-        r.unwrap_or_else(|e| panic!("{sql}: {e}"));
-    }
-
-    /// `None` while the database is unreachable (it is restarted mid-run).
-    async fn scalar(&self, sql: &str) -> Option<i64> {
+    /// (applications, distinct keys), or `None` while the store is unreachable (it is
+    /// restarted mid-run).
+    async fn counts(&mut self) -> Option<(i64, i64)> {
+        let q = |t: &str| format!("SELECT COUNT(*), COUNT(DISTINCT k) FROM {t}");
         match self {
-            Self::Pg(s) => sqlx::query_scalar::<_, i64>(sql).fetch_one(s.pool()).await,
-            Self::My(s) => sqlx::query_scalar::<_, i64>(sql).fetch_one(s.pool()).await,
+            Self::Pg(s, t) => sqlx::query_as(&q(t)).fetch_one(s.pool()).await.ok(),
+            Self::My(s, t) => sqlx::query_as(&q(t)).fetch_one(s.pool()).await.ok(),
+            Self::Redis(conn, l) => {
+                let mut p = idemq::redis::redis::pipe();
+                p.cmd("LLEN").arg(format!("{l}:rows"));
+                p.cmd("SCARD").arg(format!("{l}:keys"));
+                p.query_async(conn).await.ok()
+            }
         }
-        .ok()
+    }
+
+    async fn drop(&mut self) {
+        match self {
+            Self::Pg(s, t) => {
+                let _ = sqlx::query(&format!("DROP TABLE {t}"))
+                    .execute(s.pool())
+                    .await;
+            }
+            Self::My(s, t) => {
+                let _ = sqlx::query(&format!("DROP TABLE {t}"))
+                    .execute(s.pool())
+                    .await;
+            }
+            Self::Redis(conn, l) => {
+                let _: Result<i64, _> = idemq::redis::redis::cmd("DEL")
+                    .arg(format!("{l}:rows"))
+                    .arg(format!("{l}:keys"))
+                    .query_async(conn)
+                    .await;
+            }
+        }
     }
 }
 
@@ -348,6 +412,46 @@ async fn consumer_child(arg: &str) {
             let c = ledger_consumer!(store, insert, plan, trip);
             c.run(&mut *source, std::future::pending()).await
         }
+        Store::Redis | Store::Layered => {
+            let redis = RedisStore::builder(&store_url)
+                .prefix(&plan.table)
+                .connect()
+                .await
+                .expect("store");
+            let engine_store: Arc<dyn DedupStore> = match plan.store {
+                Store::Layered => Arc::new(LayeredStore::new(Arc::new(redis.clone()))),
+                _ => Arc::new(redis.clone()),
+            };
+            let (rows, keys) = (
+                format!("{}:rows", plan.ledger),
+                format!("{}:keys", plan.ledger),
+            );
+            let handler = move |m: ClaimedMessage| {
+                let (db, rows, keys, trip) =
+                    (redis.clone(), rows.clone(), keys.clone(), trip.clone());
+                async move {
+                    trip.check("before-effect");
+                    let k = m.key.business_key().to_string();
+                    let mut row = redis_cmd("RPUSH");
+                    row.arg(&rows).arg(format!("{k}|{}", std::process::id()));
+                    let mut key = redis_cmd("SADD");
+                    key.arg(&keys).arg(&k);
+                    // The effect and the completion in one script.
+                    let done = db.complete_with(&m, &[row, key], None).await;
+                    if done.is_ok() {
+                        trip.check("before-ack");
+                    }
+                    done
+                }
+            };
+            let c = IdempotentConsumer::new(
+                engine_store,
+                KeyStrategy::dedup_header(&plan.group).expect("group"),
+                handler,
+            )
+            .with_config(consumer_config());
+            c.run(&mut *source, std::future::pending()).await
+        }
     };
     panic!("the consumer stopped: {r:?}");
 }
@@ -430,9 +534,8 @@ fn send_signal(child: &ChildProcess, signal: &str) {
     assert!(ok, "kill {signal} {}", child.id());
 }
 
-fn restart_postgres() {
-    let cmd = var("IDEMQ_TEST_POSTGRES_RESTART_CMD")
-        .expect("IDEMQ_TEST_POSTGRES_RESTART_CMD (eval \"$(scripts/servers.sh env)\")");
+fn restart_store(env: &str) {
+    let cmd = var(env).unwrap_or_else(|| panic!("{env} (eval \"$(scripts/servers.sh env)\")"));
     let out = std::process::Command::new("bash")
         .args(["-c", &cmd])
         .output()
@@ -461,12 +564,7 @@ async fn soak(test: &str, broker: Broker, store: Store) {
     let limit = Duration::from_secs(knob("IDEMQ_CHAOS_LIMIT_SECS", 420) as u64);
     let table = unique("dedup");
     let ledger = unique("ledger");
-    let db = Db::connect(store, &store_url, &table).await;
-    // No unique constraint: a second effect of a key is a second row.
-    db.execute(&format!(
-        "CREATE TABLE {ledger} (k VARCHAR(64) NOT NULL, pid BIGINT NOT NULL)"
-    ))
-    .await;
+    let mut db = Ledger::create(store, &store_url, &table, &ledger).await;
     let destination = unique("orders");
     let published = publish(broker, &broker_url, &destination, keys).await;
     let plan = |abort_after: usize, abort_at: &str| Plan {
@@ -494,8 +592,6 @@ async fn soak(test: &str, broker: Broker, store: Store) {
     ];
     debug_assert_eq!(children.len(), CONSUMERS);
 
-    let rows = format!("SELECT COUNT(*) FROM {ledger}");
-    let distinct = format!("SELECT COUNT(DISTINCT k) FROM {ledger}");
     let started = Instant::now();
     let (mut killed, mut paused, mut restarted, mut respawned) = (0, false, false, 0);
     // A paused consumer and when it gets SIGCONT (the loop goes on meanwhile).
@@ -503,8 +599,12 @@ async fn soak(test: &str, broker: Broker, store: Store) {
     let mut tails = Vec::new();
     loop {
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let Some(done) = db.scalar(&distinct).await else {
-            continue; // the store is restarting
+        let Some((_, done)) = db.counts().await else {
+            // The store is restarting; the time limit still holds.
+            if started.elapsed() > limit {
+                break;
+            }
+            continue;
         };
         if (done >= keys as i64 && resume.is_none()) || started.elapsed() > limit {
             break;
@@ -542,17 +642,27 @@ async fn soak(test: &str, broker: Broker, store: Store) {
                 at.elapsed()
             );
         }
-        if !restarted && store == Store::Postgres && progress >= 0.5 {
+        if let Some(cmd) = store
+            .restart_env()
+            .filter(|_| !restarted && progress >= 0.5)
+        {
             restarted = true;
-            restart_postgres();
-            eprintln!("{broker:?}/{store:?}: PostgreSQL crashed and restarted at {done}");
+            restart_store(cmd);
+            eprintln!("{broker:?}/{store:?}: the store's server restarted at {done}");
         }
     }
     // Late redeliveries (a killed consumer's unacked messages, RocketMQ's reconsume) must
     // find their keys done: watch a little longer for a second row.
     tokio::time::sleep(Duration::from_secs(5)).await;
-    let total = db.scalar(&rows).await.expect("ledger rows");
-    let done = db.scalar(&distinct).await.expect("ledger keys");
+    let mut counts = None;
+    for _ in 0..100 {
+        counts = db.counts().await;
+        if counts.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (total, done) = counts.expect("the ledger's counts (is the store up?)");
     for mut c in children {
         let _ = c.kill();
     }
@@ -573,7 +683,7 @@ async fn soak(test: &str, broker: Broker, store: Store) {
          children said:\n{}",
         tails.join("\n---\n")
     );
-    db.execute(&format!("DROP TABLE {ledger}")).await;
+    db.drop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -604,4 +714,34 @@ async fn chaos_rabbitmq_mysql() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn chaos_rocketmq_mysql() {
     soak("chaos_rocketmq_mysql", Broker::RocketMq, Store::MySql).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chaos_kafka_redis() {
+    soak("chaos_kafka_redis", Broker::Kafka, Store::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chaos_rabbitmq_redis() {
+    soak("chaos_rabbitmq_redis", Broker::RabbitMq, Store::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chaos_rocketmq_redis() {
+    soak("chaos_rocketmq_redis", Broker::RocketMq, Store::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chaos_kafka_layered() {
+    soak("chaos_kafka_layered", Broker::Kafka, Store::Layered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chaos_rabbitmq_layered() {
+    soak("chaos_rabbitmq_layered", Broker::RabbitMq, Store::Layered).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn chaos_rocketmq_layered() {
+    soak("chaos_rocketmq_layered", Broker::RocketMq, Store::Layered).await;
 }
