@@ -9,10 +9,16 @@
 //! | feature | brings |
 //! |---|---|
 //! | `sqlite` (default) | [`sql::SqliteStore`], the embedded default |
-//! | `postgres`, `mysql` | `sql::PgStore`, `sql::MySqlStore` |
-//! | `redis` | `redis::RedisStore` |
+//! | `postgres`, `mysql` | `sql::PgStore`, `sql::MySqlStore` (MySQL and MariaDB) |
+//! | `redis` | `redis::RedisStore` (standalone or Redis Cluster) |
 //! | `layered` | `layered::LayeredStore` (local cache + bloom pre-filter in front of a store) |
-//! | `testkit` | the store contract test kit |
+//! | `kafka` | `kafka`: source, typed producer config and validator, publisher, exactly-once flows (builds librdkafka) |
+//! | `rabbitmq`, `rabbitmq-streams` | `rabbitmq`: source, confirmed publisher; `rabbitmq::stream` |
+//! | `rocketmq` | `rocketmq`: push source, publisher, transactional messages |
+//! | `testkit` | the store and source contract kits |
+//! | `cli` (default) | the `idemq` binary and only its dependencies (clap, indicatif, tracing-subscriber) |
+//!
+//! A library takes `default-features = false` and the features it uses.
 //!
 //! ```
 //! use idemq::{IdempotentConsumer, KeyStrategy, MemoryStore, ClaimedMessage, HandlerError};

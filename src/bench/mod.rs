@@ -176,6 +176,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     // Rounds interleave the baseline with each configuration and keep the best time of
     // each: on a shared machine, noise only ever slows a run down.
     let (mut base, mut mem, mut sql) = (Duration::MAX, Duration::MAX, Duration::MAX);
+    #[cfg_attr(not(feature = "postgres"), allow(unused_mut))]
     let (mut pg_table, mut pg_unique, mut pg_batch) = (Duration::MAX, Duration::MAX, Duration::MAX);
     for _ in 0..rounds {
         #[cfg(feature = "postgres")]
