@@ -14,19 +14,8 @@ use idemq::{
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// The error of a call that must fail (the success types here are not all `Debug`).
-trait Refused<E> {
-    fn refused(self, why: &str) -> E;
-}
-
-impl<T, E> Refused<E> for Result<T, E> {
-    fn refused(self, why: &str) -> E {
-        match self {
-            Ok(_) => panic!("accepted, but expected a refusal: {why}"),
-            Err(e) => e,
-        }
-    }
-}
+mod support;
+use support::Refused;
 
 const HEADER: &str = "x-idempotency-key";
 

@@ -11,21 +11,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// The URL of a server-backed store, or `None` (skip) when it is not configured; with
-/// `IDEMQ_REQUIRE_SERVERS=1` a missing URL fails the test instead.
-#[cfg(any(feature = "postgres", feature = "mysql", feature = "redis"))]
-fn server_url(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(u) if !u.is_empty() => Some(u),
-        _ if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") => {
-            panic!("{var} is not set but IDEMQ_REQUIRE_SERVERS=1: start servers with scripts/servers.sh")
-        }
-        _ => {
-            eprintln!("skipping: {var} not set (run scripts/test.sh for the full suite)");
-            None
-        }
-    }
-}
+mod support;
+#[allow(unused_imports)]
+use support::server_url;
 
 async fn storm(url: &str) {
     let store = idemq::open_store(url).await.expect("open store");

@@ -1,19 +1,9 @@
 //! The payment examples, run against the real servers: every payment is applied once
 //! although the broker publishes each at least twice and loses acks.
 
-#[allow(dead_code)]
-fn server_url(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(u) if !u.is_empty() => Some(u),
-        _ if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") => {
-            panic!("{var} is not set but IDEMQ_REQUIRE_SERVERS=1: start servers with scripts/servers.sh")
-        }
-        _ => {
-            eprintln!("skipping: {var} not set (eval \"$(scripts/servers.sh env)\")");
-            None
-        }
-    }
-}
+mod support;
+#[allow(unused_imports)]
+use support::server_url;
 
 #[cfg(feature = "postgres")]
 #[allow(dead_code)]

@@ -14,38 +14,14 @@ use idemq::rabbitmq::{RabbitPublisher, RabbitSource, RabbitSourceConfig};
 use idemq::redis::RedisStore;
 use idemq::sql::{MySqlStore, PgStore, SqlStoreOptions};
 
+mod support;
+use support::{server_url, Refused};
+
 /// The password every URL and property here carries; percent-encoding-free on purpose, and
 /// also tried percent-encoded (`ENCODED` decodes to `DECODED`).
-/// The error of a call that must fail (the success types here are not all `Debug`).
-trait Refused<E> {
-    fn refused(self, why: &str) -> E;
-}
-
-impl<T, E> Refused<E> for Result<T, E> {
-    fn refused(self, why: &str) -> E {
-        match self {
-            Ok(_) => panic!("accepted, but expected a refusal: {why}"),
-            Err(e) => e,
-        }
-    }
-}
-
 const SECRET: &str = "s3cr3t-Pw9";
 const ENCODED: &str = "s3cr3t%40Pw9";
 const DECODED: &str = "s3cr3t@Pw9";
-
-fn server_url(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(u) if !u.is_empty() => Some(u),
-        _ if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") => {
-            panic!("{var} is not set but IDEMQ_REQUIRE_SERVERS=1: start servers with scripts/servers.sh")
-        }
-        _ => {
-            eprintln!("skipping: {var} not set (eval \"$(scripts/servers.sh env)\")");
-            None
-        }
-    }
-}
 
 /// `url` with its user info replaced by `user:password`.
 fn with_login(url: &str, user: &str, password: &str) -> String {

@@ -6,21 +6,9 @@
 use idemq::StoreError;
 use std::time::{Duration, Instant};
 
-/// The URL of a server-backed store, or `None` (skip) when it is not configured; with
-/// `IDEMQ_REQUIRE_SERVERS=1` a missing URL fails the test instead.
-#[allow(dead_code)]
-fn server_url(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(u) if !u.is_empty() => Some(u),
-        _ if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") => {
-            panic!("{var} is not set but IDEMQ_REQUIRE_SERVERS=1: start servers with scripts/servers.sh")
-        }
-        _ => {
-            eprintln!("skipping: {var} not set (eval \"$(scripts/servers.sh env)\")");
-            None
-        }
-    }
-}
+mod support;
+#[allow(unused_imports)]
+use support::server_url;
 
 /// `host:port` of a server URL.
 #[allow(dead_code)]
