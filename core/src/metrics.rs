@@ -11,7 +11,7 @@
 //! | `idemq_store_errors_total` | counter | `op` (claim, complete, release, extend) |
 //! | `idemq_payload_conflicts_total` | counter | `group` |
 //! | `idemq_settle_failures_total` | counter | `broker`, `settlement` (ack, nack, reject) |
-//! | `idemq_consumer_ready` | gauge | – (1 while [`Health`](crate::engine::Health) is ready, else 0) |
+//! | `idemq_consumer_ready` | gauge | – (consumers of this process whose [`Health`](crate::engine::Health) is ready) |
 
 /// Messages by outcome.
 pub const MESSAGES: &str = "idemq_messages_total";
@@ -31,7 +31,7 @@ pub const STORE_ERRORS: &str = "idemq_store_errors_total";
 pub const PAYLOAD_CONFLICTS: &str = "idemq_payload_conflicts_total";
 /// Settlements (ack, nack, reject) the broker refused.
 pub const SETTLE_FAILURES: &str = "idemq_settle_failures_total";
-/// 1 while the consumer is ready (polling, store and broker answering), else 0.
+/// Consumers of this process that are ready (polling, store and broker answering).
 pub const READY: &str = "idemq_consumer_ready";
 
 /// Values of the `outcome` label.

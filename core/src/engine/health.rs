@@ -177,11 +177,14 @@ impl Health {
                 i.outages.fetch_add(1, Ordering::Relaxed);
             }
             tracing::info!(from = %shown.state, to = %state, "consumer health changed");
-            metrics::gauge!(crate::metrics::READY).set(if state == HealthState::Ready {
-                1.0
-            } else {
-                0.0
-            });
+            // The gauge counts the ready consumers of the process: each one adds itself on
+            // becoming ready and takes itself off on leaving, so two consumers do not
+            // overwrite each other's state.
+            if state == HealthState::Ready {
+                metrics::gauge!(crate::metrics::READY).increment(1.0);
+            } else if shown.state == HealthState::Ready {
+                metrics::gauge!(crate::metrics::READY).decrement(1.0);
+            }
             shown.state = state;
             shown.since = SystemTime::now();
         }
@@ -208,7 +211,7 @@ impl Health {
     }
 
     /// A poll loop started; the returned guard tracks that loop's source.
-    pub fn loop_started(&self) -> LoopHealth {
+    pub(crate) fn loop_started(&self) -> LoopHealth {
         self.0.loops.fetch_add(1, Ordering::SeqCst);
         self.refresh(None);
         LoopHealth {
@@ -220,16 +223,16 @@ impl Health {
 
 /// One poll loop's share of a [`Health`]: its source's state; dropping it marks the loop
 /// ended. Consumer modes built outside the core (the SQL store's unique-index consumer)
-/// report through it too.
+/// report through [`drive_source_reporting`](super::drive_source_reporting), which holds one.
 #[derive(Debug)]
-pub struct LoopHealth {
+pub(crate) struct LoopHealth {
     health: Health,
     source_down: bool,
 }
 
 impl LoopHealth {
     /// The loop's last poll succeeded.
-    pub fn poll_ok(&mut self) {
+    pub(crate) fn poll_ok(&mut self) {
         if std::mem::take(&mut self.source_down) {
             self.health.0.sources_down.fetch_sub(1, Ordering::SeqCst);
             self.health.refresh(None);
@@ -237,7 +240,7 @@ impl LoopHealth {
     }
 
     /// The loop's last poll failed.
-    pub fn poll_failed(&mut self, error: &dyn std::fmt::Display) {
+    pub(crate) fn poll_failed(&mut self, error: &dyn std::fmt::Display) {
         if !std::mem::replace(&mut self.source_down, true) {
             self.health.0.sources_down.fetch_add(1, Ordering::SeqCst);
         }
@@ -245,7 +248,7 @@ impl LoopHealth {
     }
 
     /// A batch finished; `outage` says whether it met an unavailable store.
-    pub fn batch_finished(&mut self, outage: bool) {
+    pub(crate) fn batch_finished(&mut self, outage: bool) {
         if outage {
             if !self.health.0.store_down.swap(true, Ordering::SeqCst) {
                 self.health
@@ -254,11 +257,6 @@ impl LoopHealth {
         } else {
             self.health.store_ok();
         }
-    }
-
-    /// The handle this loop reports to.
-    pub fn health(&self) -> &Health {
-        &self.health
     }
 }
 

@@ -34,7 +34,8 @@ mod health;
 mod lease;
 
 pub use config::{ConsumerConfig, DeliveryOrder, RetryPolicy};
-pub use health::{Health, HealthReport, HealthState, LoopHealth};
+use health::LoopHealth;
+pub use health::{Health, HealthReport, HealthState};
 
 use crate::handler::Handler;
 use crate::key::KeyStrategy;
@@ -449,7 +450,7 @@ where
         max_batch,
         depth,
         backoff,
-        &mut reporter,
+        Some(&mut reporter),
         shutdown,
         process,
     )
@@ -480,25 +481,17 @@ where
     F: FnMut(Vec<crate::source::Delivery>) -> Fut,
     Fut: Future<Output = bool>,
 {
-    let mut unwatched = Health::new().loop_started();
-    drive(
-        source,
-        max_batch,
-        depth,
-        backoff,
-        &mut unwatched,
-        shutdown,
-        process,
-    )
-    .await
+    drive(source, max_batch, depth, backoff, None, shutdown, process).await
 }
 
+/// The poll loop of [`drive_source_pipelined`] and [`drive_source_reporting`]; `health`
+/// (when someone watches) hears each poll's and each batch's outcome.
 async fn drive<S, F, Fut>(
     source: &mut S,
     max_batch: usize,
     depth: usize,
     backoff: Backoff,
-    health: &mut LoopHealth,
+    mut health: Option<&mut LoopHealth>,
     shutdown: impl Future<Output = ()>,
     mut process: F,
 ) -> Result<(), ConsumerError>
@@ -556,7 +549,9 @@ where
             Event::Shutdown => stopping = true,
             Event::Rested => resting_until = None,
             Event::Finished(outage) => {
-                health.batch_finished(outage);
+                if let Some(h) = health.as_deref_mut() {
+                    h.batch_finished(outage);
+                }
                 let committed = source.after_batch().await;
                 if let Err(e) = &committed {
                     tracing::warn!(error = %e, "source could not commit after a batch; it will redeliver");
@@ -572,7 +567,9 @@ where
                 }
             }
             Event::Polled(Ok(Some(batch))) => {
-                health.poll_ok();
+                if let Some(h) = health.as_deref_mut() {
+                    h.poll_ok();
+                }
                 in_progress.push(process(batch))
             }
             Event::Polled(Ok(None)) => stopping = true,
@@ -584,7 +581,9 @@ where
             }
             Event::Polled(Err(e)) => {
                 tracing::warn!(error = %e, "poll failed; backing off");
-                health.poll_failed(&e);
+                if let Some(h) = health.as_deref_mut() {
+                    h.poll_failed(&e);
+                }
                 resting_until = Some(backoff.next_rest(&mut wait));
             }
         }
