@@ -14,27 +14,29 @@
 /// assert_eq!(redact_url("sqlite::memory:"), "sqlite::memory:");
 /// ```
 pub fn redact_url(url: &str) -> String {
+    match password_span(url) {
+        Some(span) => format!("{}***{}", &url[..span.start], &url[span.end..]),
+        None => url.to_owned(),
+    }
+}
+
+/// Where the password of `url` stands (byte range), if it has one: between the user and the
+/// `@` of the authority's user info. For text that is not a URL (a typo such as
+/// `postgres//app:pw@db`) whatever could be a password, between the first `:` and the
+/// last `@`.
+fn password_span(url: &str) -> Option<std::ops::Range<usize>> {
     let Some(scheme_end) = url.find("://") else {
-        // Not a URL (a typo such as `postgres//app:pw@db`): hide what could be a password,
-        // between the first ':' and the last '@'.
-        return match (url.find(':'), url.rfind('@')) {
-            (Some(colon), Some(at)) if colon < at => {
-                format!("{}:***{}", &url[..colon], &url[at..])
-            }
-            _ => url.to_owned(),
-        };
+        let (colon, at) = (url.find(':')?, url.rfind('@')?);
+        return (colon < at).then(|| colon + 1..at);
     };
-    let rest = &url[scheme_end + 3..];
+    let start = scheme_end + 3;
+    let rest = &url[start..];
     // The user info ends at the last '@' before the path (a password may hold '@' only
     // percent-encoded, but be generous: take the last one of the authority part).
     let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_owned();
-    };
-    match rest[..at].split_once(':') {
-        Some((user, _password)) => format!("{}{user}:***{}", &url[..scheme_end + 3], &rest[at..]),
-        None => url.to_owned(),
-    }
+    let at = rest[..authority_end].rfind('@')?;
+    let colon = rest[..at].find(':')?;
+    Some(start + colon + 1..start + at)
 }
 
 /// `text` (a driver's error message about `url`) with the URL's password replaced by
@@ -46,7 +48,7 @@ pub fn redact_url(url: &str) -> String {
 /// assert_eq!(scrub("login as app/hunter2 refused", url), "login as app/*** refused");
 /// ```
 pub fn scrub(text: &str, url: &str) -> String {
-    match url_password(url) {
+    match password_span(url).map(|span| &url[span]) {
         Some(pw) if !pw.is_empty() => {
             let mut out = text.replace(pw, "***");
             let decoded = percent_decode(pw);
@@ -57,14 +59,6 @@ pub fn scrub(text: &str, url: &str) -> String {
         }
         _ => text.to_owned(),
     }
-}
-
-/// The password part of `url`'s user info, as written.
-fn url_password(url: &str) -> Option<&str> {
-    let rest = &url[url.find("://")? + 3..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let at = rest[..authority_end].rfind('@')?;
-    rest[..at].split_once(':').map(|(_, pw)| pw)
 }
 
 fn percent_decode(s: &str) -> String {

@@ -96,11 +96,11 @@ impl RabbitPublisher {
             confirm_timeout: Duration::from_secs(30),
             link: Mutex::new(None),
         };
-        // channel() connects through crate::connect, whose error names the URL without
-        // its password; anything else it says is scrubbed of the password here too.
-        p.channel().await.map_err(|e| {
-            RabbitError::Connect(idemq_core::secrets::scrub(&e.to_string(), &p.url))
-        })?;
+        // channel() connects through crate::connect, whose error already names the URL
+        // without its password and is scrubbed of it.
+        p.channel()
+            .await
+            .map_err(|e| RabbitError::Connect(e.to_string()))?;
         Ok(p)
     }
 
