@@ -7,6 +7,7 @@ use crate::KafkaSourceError;
 use async_trait::async_trait;
 use idemq_core::adapter::{
     DelayedRedelivery, Epoch, HeldSettle, LocallyHeld, OffsetTracker, PartitionId, SharedState,
+    LOCALLY_HELD_CAPABILITIES,
 };
 use idemq_core::envelope::{props, Headers};
 use idemq_core::source::{Capabilities, Delivery, Source, SourceError};
@@ -695,13 +696,7 @@ impl Source for KafkaSource {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            delayed_redelivery: false,
-            min_redelivery_delay: Duration::ZERO,
-            dead_letter: true,
-            ordered: true,
-            transactional: false,
-        }
+        LOCALLY_HELD_CAPABILITIES
     }
 }
 

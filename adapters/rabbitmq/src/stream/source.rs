@@ -10,6 +10,7 @@ use async_trait::async_trait;
 use futures::{FutureExt, StreamExt};
 use idemq_core::adapter::{
     DelayedRedelivery, Epoch, HeldSettle, LocallyHeld, OffsetTracker, PartitionId, SharedState,
+    LOCALLY_HELD_CAPABILITIES,
 };
 use idemq_core::envelope::props;
 use idemq_core::publish::OutgoingMessage;
@@ -429,13 +430,7 @@ impl Source for StreamSource {
     }
 
     fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            delayed_redelivery: false,
-            min_redelivery_delay: Duration::ZERO,
-            dead_letter: true,
-            ordered: true,
-            transactional: false,
-        }
+        LOCALLY_HELD_CAPABILITIES
     }
 }
 
