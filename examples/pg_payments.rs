@@ -3,7 +3,7 @@
 //! (redeliveries); each payment is applied once.
 //!
 //! ```sh
-//! DATABASE_URL=postgres://postgres@127.0.0.1:55432/idemq \
+//! DATABASE_URL=postgres://postgres@127.0.0.1:25432/idemq \
 //!     cargo run --example pg_payments --features postgres
 //! ```
 //!

@@ -2,7 +2,7 @@
 //! twice or more and loses acks; each payment is applied (pushed to a Redis list) once.
 //!
 //! ```sh
-//! REDIS_URL=redis://127.0.0.1:56379/ cargo run --example redis_payments --features redis
+//! REDIS_URL=redis://127.0.0.1:22379/ cargo run --example redis_payments --features redis
 //! ```
 
 use idemq::broker::{Faults, MemoryBroker};

@@ -38,27 +38,32 @@ CACHE_DIR=${IDEMQ_CACHE_DIR:-$HOME/.cache/idemq}
 STATE_DIR=${IDEMQ_STATE_DIR:-$HOME/.cache/idemq/servers}
 TIMEOUT=${IDEMQ_SERVER_TIMEOUT:-60}
 
-PG_PORT=55432
-MY_PORT=53306
-REDIS_PORT=56379
+# Every port lies below Linux's ephemeral range (net.ipv4.ip_local_port_range,
+# 32768..60999 by default). A listener inside it can lose a race to any outgoing
+# connection that happens to be given the same local port: CI once failed with
+# RabbitMQ's stream listener getting eaddrinuse on 55552, seconds after
+# require_port_free had found it free.
+PG_PORT=25432
+MY_PORT=23306
+REDIS_PORT=22379
 # Redis Cluster: 3 masters + 3 replicas on REDIS_CLUSTER_PORTS. Each node also
-# listens on port + 10000 (the cluster bus), so the ports must be <= 55535.
-REDIS_CLUSTER_PORTS=(45001 45002 45003 45004 45005 45006)
+# listens on port + 10000 (the cluster bus): 31001..31006, still below the range.
+REDIS_CLUSTER_PORTS=(21001 21002 21003 21004 21005 21006)
 KAFKA_PORT=19092
 KAFKA_CONTROLLER_PORT=19093
-RABBIT_PORT=55672
-RABBIT_STREAM_PORT=55552
-# Erlang distribution: the default (AMQP port + 20000) would overflow 65535.
-# rabbitmqctl & co. take a port of their own in 35672..35682 (their default):
-# the node's must lie outside. Our own epmd on a private port, so that
+RABBIT_PORT=24672
+RABBIT_STREAM_PORT=24552
+# Erlang distribution: the default (AMQP port + 20000) would land in the
+# ephemeral range. rabbitmqctl & co. take a port of their own in 35672..35682
+# (their default): the node's must lie outside. Our own epmd on a private port, so that
 # `epmd -kill` can only ever stop ours.
-RABBIT_DIST_PORT=45672
-RABBIT_EPMD_PORT=54369
+RABBIT_DIST_PORT=24673
+RABBIT_EPMD_PORT=24369
 # The broker also listens on ROCKET_BROKER_PORT-2 (its "fast" port).
-ROCKET_NAMESRV_PORT=59876
-ROCKET_BROKER_PORT=50911
-ROCKET_HA_PORT=50912
-ROCKET_HEALTH_PORT=55558
+ROCKET_NAMESRV_PORT=29876
+ROCKET_BROKER_PORT=20911
+ROCKET_HA_PORT=20912
+ROCKET_HEALTH_PORT=20558
 
 PG_BIN=/usr/lib/postgresql/15/bin
 PG_DIR=$STATE_DIR/postgres
@@ -179,6 +184,16 @@ wait_ready() {
   done
 }
 
+# Our ports are chosen below the default ephemeral range; a machine configured
+# with a wider one gets told why a listener may fail with "address in use".
+warn_if_ephemeral() {
+  local port=$1 name=$2 lo hi
+  read -r lo hi </proc/sys/net/ipv4/ip_local_port_range 2>/dev/null || return 0
+  if ((port >= lo && port <= hi)); then
+    log "warning: $name's port $port lies in this machine's ephemeral port range $lo..$hi (net.ipv4.ip_local_port_range): an outgoing connection may take it first"
+  fi
+}
+
 wait_pid_gone() {
   local pid=$1 deadline=$((SECONDS + TIMEOUT))
   while proc_alive "$pid"; do
@@ -191,6 +206,7 @@ wait_pid_gone() {
 # stranger (e.g. a leftover from another state dir): refuse instead.
 require_port_free() {
   local port=$1 name=$2
+  warn_if_ephemeral "$port" "$name"
   if port_open "$port"; then
     die "port $port is already in use but not by our $name (state dir $STATE_DIR); see: ss -ltnp 'sport = :$port'"
   fi

@@ -3,7 +3,7 @@
 //! RECONSUME_LATER (yet another msgId). The dedup key — the payment id, in `KEYS` — makes
 //! it one payment.
 //!
-//! `IDEMQ_TEST_ROCKETMQ_NAMESRV=127.0.0.1:59876 cargo run -p idemq-rocketmq --example rocketmq_payment_callback`
+//! `IDEMQ_TEST_ROCKETMQ_NAMESRV=127.0.0.1:29876 cargo run -p idemq-rocketmq --example rocketmq_payment_callback`
 #![recursion_limit = "512"]
 
 use idemq_core::{

@@ -438,7 +438,7 @@ fn main() -> Res<()> {
     let depth = arg(2, 64);
     let clients = arg(3, 4);
     let url = std::env::var("IDEMQ_TEST_REDIS_URL")
-        .unwrap_or_else(|_| "redis://127.0.0.1:56379/".to_string());
+        .unwrap_or_else(|_| "redis://127.0.0.1:22379/".to_string());
     let run = format!("{:08x}", FencingToken::random().0 & 0xffff_ffff);
     println!(
         "server {url}, {keys} fresh keys per round, pipeline depth {depth}, {clients} clients"

@@ -9,8 +9,8 @@
 //! machine (fsync rate above all).
 //!
 //! ```text
-//! cargo run --release -p idemq-sql --all-features --example bench -- postgres://postgres@127.0.0.1:55432/idemq
-//! cargo run --release -p idemq-sql --all-features --example bench -- mysql://idemq:idemq@127.0.0.1:53306/idemq --batch 500
+//! cargo run --release -p idemq-sql --all-features --example bench -- postgres://postgres@127.0.0.1:25432/idemq
+//! cargo run --release -p idemq-sql --all-features --example bench -- mysql://idemq:idemq@127.0.0.1:23306/idemq --batch 500
 //! options: --tasks N (8)  --batch B (500)  --single M (per-message keys, 4000)
 //!          --batched K (batched keys and raw rows, 100000)
 //! ```
