@@ -11,6 +11,7 @@ use crate::store::{
     FencingToken, Lease, RecordStatus, ReleaseOutcome, StoreError,
 };
 use async_trait::async_trait;
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 
 /// Records by key, hashed with a per-process seeded fast hasher.
@@ -83,7 +84,13 @@ impl DedupStore for MemoryStore {
         let now = now_ms();
         let mut out = Vec::with_capacity(reqs.len());
         for req in reqs {
-            let existing = map.get(&req.key);
+            // One probe per key (the entry), not a lookup and then an insert: the map is
+            // large and cold, and the probe is most of a claim's cost here.
+            let slot = map.entry(req.key.clone());
+            let existing = match &slot {
+                Entry::Occupied(o) => Some(o.get()),
+                Entry::Vacant(_) => None,
+            };
             let verdict = evaluate_claim_request(existing, req, now);
             let (attempt, first_seen, takeover) = match (&verdict, existing) {
                 (ClaimVerdict::Answer(o), _) => {
@@ -101,22 +108,27 @@ impl DedupStore for MemoryStore {
                 attempt,
                 takeover,
             };
-            map.insert(
-                req.key.clone(),
-                DedupRecord {
-                    key: req.key.clone(),
-                    status: RecordStatus::InProgress,
-                    token: lease.token,
-                    lease_until_ms: lease.until_ms,
-                    attempts: attempt,
-                    payload_hash: req.payload_hash,
-                    result: None,
-                    first_seen_ms: first_seen,
-                    completed_ms: None,
-                    expires_ms: None,
-                    worker: req.worker.clone(),
-                },
-            );
+            let record = DedupRecord {
+                key: req.key.clone(),
+                status: RecordStatus::InProgress,
+                token: lease.token,
+                lease_until_ms: lease.until_ms,
+                attempts: attempt,
+                payload_hash: req.payload_hash,
+                result: None,
+                first_seen_ms: first_seen,
+                completed_ms: None,
+                expires_ms: None,
+                worker: req.worker.clone(),
+            };
+            match slot {
+                Entry::Occupied(mut o) => {
+                    o.insert(record);
+                }
+                Entry::Vacant(v) => {
+                    v.insert(record);
+                }
+            }
             out.push(ClaimOutcome::Acquired(lease));
         }
         Ok(out)

@@ -503,7 +503,9 @@ pub fn evaluate_claim_request(
 /// and caller-chosen tokens out of `1..=i64::MAX` (a store could not keep or parse them).
 /// Every store calls it first in `claim_batch`.
 pub fn check_distinct_keys(reqs: &[ClaimRequest]) -> Result<(), StoreError> {
-    let mut seen = std::collections::HashSet::with_capacity(reqs.len());
+    // Every claim of every store pays for this check: a fast seeded hasher, not SipHash.
+    let mut seen: std::collections::HashSet<&str, foldhash::fast::RandomState> =
+        std::collections::HashSet::with_capacity_and_hasher(reqs.len(), Default::default());
     for r in reqs {
         if let Some(t) = r.token {
             if !t.is_valid() {
@@ -513,7 +515,7 @@ pub fn check_distinct_keys(reqs: &[ClaimRequest]) -> Result<(), StoreError> {
                 )));
             }
         }
-        if !seen.insert(&r.key) {
+        if !seen.insert(r.key.as_str()) {
             return Err(StoreError::Backend(format!(
                 "claim_batch got key `{}` twice; dedup the batch first",
                 r.key
