@@ -227,4 +227,44 @@ impl Envelope {
         self.message_id = Some(id.into());
         self
     }
+    /// The W3C trace context of the message ([`TRACEPARENT_HEADER`]), when it carries a
+    /// well-formed one. The engine records it on its `idemq.handle` and `idemq.duplicate`
+    /// spans, so a duplicate's trace links to the trace that sent the original.
+    ///
+    /// ```
+    /// use idemq_core::{BrokerKind, Envelope};
+    /// let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+    /// let e = Envelope::new(BrokerKind::Memory, "orders", "{}").with_header("traceparent", tp);
+    /// assert_eq!(e.traceparent(), Some(tp));
+    /// let bad = Envelope::new(BrokerKind::Memory, "orders", "{}").with_header("traceparent", "x");
+    /// assert_eq!(bad.traceparent(), None);
+    /// ```
+    pub fn traceparent(&self) -> Option<&str> {
+        self.headers
+            .get_str(TRACEPARENT_HEADER)
+            .filter(|v| is_traceparent(v))
+    }
+}
+
+/// The W3C Trace Context header (`version-traceid-parentid-flags`). Publishers copy it like
+/// any header (a bridge's `forward` keeps it), next to [`crate::DEDUP_HEADER`].
+pub const TRACEPARENT_HEADER: &str = "traceparent";
+
+/// `00-<32 hex>-<16 hex>-<2 hex>`, with neither id all zeros (W3C Trace Context §3.2).
+fn is_traceparent(v: &str) -> bool {
+    let parts: Vec<&str> = v.split('-').collect();
+    let hex = |s: &str, n: usize| {
+        s.len() == n && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    };
+    let nonzero = |s: &str| s.bytes().any(|b| b != b'0');
+    parts.len() >= 4
+        && hex(parts[0], 2)
+        && parts[0] != "ff"
+        && hex(parts[1], 32)
+        && nonzero(parts[1])
+        && hex(parts[2], 16)
+        && nonzero(parts[2])
+        && hex(parts[3], 2)
+        // Version 00 has exactly four fields; later versions may append more.
+        && (parts.len() == 4 || parts[0] != "00")
 }

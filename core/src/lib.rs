@@ -37,7 +37,7 @@ pub use engine::{
     ConsumerConfig, ConsumerError, ConsumerStats, DeliveryOrder, Health, HealthReport, HealthState,
     IdempotentConsumer, RetryPolicy,
 };
-pub use envelope::{BrokerKind, Envelope, Headers, Position, SourceRef};
+pub use envelope::{BrokerKind, Envelope, Headers, Position, SourceRef, TRACEPARENT_HEADER};
 pub use handler::{
     BoxError, ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseLost, LeaseWatch,
 };
@@ -48,7 +48,7 @@ pub use source::{Capabilities, Delivery, Settle, Source, SourceError};
 pub use store::{
     evaluate_claim, evaluate_claim_request, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict,
     CompleteOutcome, Completion, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease,
-    PayloadHash, RecordStatus, ReleaseOutcome, StoreError,
+    PayloadHash, RecordStatus, ReleaseOutcome, StoreError, StoreStats,
 };
 
 #[cfg(all(test, feature = "testkit"))]
@@ -59,4 +59,10 @@ mod memory_contract {
         let s: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
         Some(vec![s.clone(), s])
     });
+
+    #[tokio::test]
+    async fn stats_count_records_by_state() {
+        let s: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+        crate::testkit::stats_count_records_by_state(&s).await;
+    }
 }

@@ -8,7 +8,7 @@ use crate::key::DedupKey;
 use crate::store::{
     check_distinct_keys, duration_ms, evaluate_claim_request, now_ms, ClaimOutcome, ClaimRequest,
     ClaimVerdict, CompleteOutcome, Completion, DedupRecord, DedupStore, ExtendOutcome,
-    FencingToken, Lease, RecordStatus, ReleaseOutcome, StoreError,
+    FencingToken, Lease, RecordStatus, ReleaseOutcome, StoreError, StoreStats,
 };
 use async_trait::async_trait;
 use std::collections::hash_map::Entry;
@@ -238,5 +238,15 @@ impl DedupStore for MemoryStore {
 
     async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
         Ok(self.lock()?.remove(key).is_some())
+    }
+
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        let map = self.lock()?;
+        let now = now_ms();
+        let mut stats = StoreStats::default();
+        for r in map.values() {
+            stats.count(r, now);
+        }
+        Ok(stats)
     }
 }

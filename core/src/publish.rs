@@ -80,6 +80,11 @@ impl OutgoingMessage {
         self.headers.insert(name, value);
         self
     }
+    /// Sets the W3C trace context ([`crate::envelope::TRACEPARENT_HEADER`]) of the trace that
+    /// sends this message, so the consumer's spans (and a duplicate's) link back to it.
+    pub fn with_traceparent(self, traceparent: impl Into<Bytes>) -> Self {
+        self.with_header(crate::envelope::TRACEPARENT_HEADER, traceparent)
+    }
     /// Sets the dedup key (written to [`DEDUP_HEADER`] and the broker's native slot).
     pub fn with_dedup_key(mut self, key: impl Into<String>) -> Self {
         self.dedup_key = Some(key.into());

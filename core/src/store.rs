@@ -429,6 +429,49 @@ pub trait DedupStore: Send + Sync + 'static {
 
     /// Deletes a record by hand, whatever its state (operations). Returns whether it existed.
     async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError>;
+
+    /// Counts the records by state, on the store's clock (operations: `idemq store stats`).
+    /// A full scan on most stores: for operators and dashboards, not the message path. The
+    /// default answers [`StoreError::Config`] for stores that cannot count; every store of
+    /// idemq does.
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        Err(StoreError::Config(
+            "this store does not report stats".into(),
+        ))
+    }
+}
+
+/// The records of a store by state (see [`DedupStore::stats`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct StoreStats {
+    /// In progress with a live lease: being handled now.
+    pub in_progress: u64,
+    /// In progress with an ended lease (crashed or released work): the next delivery takes
+    /// it over; `list_stuck` lists them.
+    pub abandoned: u64,
+    /// Completed, within retention: duplicates are acked without running.
+    pub completed: u64,
+    /// Completed past retention: `purge_expired` deletes them; a copy arriving now runs.
+    pub expired: u64,
+}
+
+impl StoreStats {
+    /// Counts one record as of `now_ms` (the store's clock).
+    pub fn count(&mut self, r: &DedupRecord, now_ms: i64) {
+        match r.status {
+            RecordStatus::InProgress if r.lease_until_ms > now_ms => self.in_progress += 1,
+            RecordStatus::InProgress => self.abandoned += 1,
+            RecordStatus::Completed if r.expires_ms.is_some_and(|e| e <= now_ms) => {
+                self.expired += 1
+            }
+            RecordStatus::Completed => self.completed += 1,
+        }
+    }
+    /// All records.
+    pub fn total(&self) -> u64 {
+        self.in_progress + self.abandoned + self.completed + self.expired
+    }
 }
 
 /// What a store should do with a claim, given the record it holds.

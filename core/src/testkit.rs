@@ -730,6 +730,41 @@ pub async fn stuck_records_are_listed_and_forgettable(h: &Handles) {
     assert_eq!(acquire(s, &k, LONG).await.attempt, 1);
 }
 
+/// `stats` counts each state on a store that holds nothing else (call it with a fresh
+/// store: an empty table or prefix; the contract cases share theirs and run concurrently).
+pub async fn stats_count_records_by_state(s: &Arc<dyn DedupStore>) {
+    let g = group();
+    let empty = s.stats().await.expect("stats");
+    assert_eq!(empty.total(), 0, "a fresh store holds nothing: {empty:?}");
+    acquire(s, &key(&g, "live"), LONG).await;
+    acquire(s, &key(&g, "abandoned"), Duration::from_millis(50)).await;
+    let released = key(&g, "released");
+    let l = acquire(s, &released, LONG).await;
+    s.release(&released, l.token).await.expect("release");
+    let done = key(&g, "done");
+    let l = acquire(s, &done, LONG).await;
+    s.complete(&done, l.token, None, RETAIN)
+        .await
+        .expect("complete");
+    let expired = key(&g, "expired");
+    let l = acquire(s, &expired, LONG).await;
+    s.complete(&expired, l.token, None, Duration::from_millis(50))
+        .await
+        .expect("complete");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stats = s.stats().await.expect("stats");
+    assert_eq!(
+        (stats.in_progress, stats.abandoned, stats.completed),
+        (1, 2, 1),
+        "live; abandoned + released; done: {stats:?}"
+    );
+    // A store whose records expire by themselves (Redis TTLs) may have dropped it already.
+    assert!(stats.expired <= 1, "{stats:?}");
+    s.purge_expired(100).await.expect("purge");
+    let after = s.stats().await.expect("stats");
+    assert_eq!((after.expired, after.total()), (0, 4), "{after:?}");
+}
+
 /// Runs every case in sequence (handy outside the macro).
 pub async fn run_all(h: &Handles) {
     race_one_key_exactly_one_acquired(h).await;

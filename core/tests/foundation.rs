@@ -4,7 +4,7 @@
 use async_trait::async_trait;
 use idemq_core::broker::MemoryBroker;
 use idemq_core::{
-    BrokerKind, ClaimOutcome, ClaimRequest, ClaimedMessage, CompleteOutcome, Completion,
+    BrokerKind, Bytes, ClaimOutcome, ClaimRequest, ClaimedMessage, CompleteOutcome, Completion,
     ConsumerConfig, DedupKey, DedupRecord, DedupStore, DeliveryOrder, Envelope, ExtendOutcome,
     FencingToken, HandlerError, IdempotentConsumer, KeyStrategy, MemoryStore, ReleaseOutcome,
     RetryPolicy, StoreError,
@@ -353,6 +353,118 @@ async fn a_handler_whose_lease_runs_out_is_told_and_cancelled_before_its_effect(
     );
 }
 
+/// A handler of 1.5 s on a 400 ms lease whose heartbeats meet `store`'s fault: returns (times
+/// the first attempt's lease watch fired, effects applied).
+async fn slow_handler_under_heartbeat_fault(
+    store: Faulty,
+    heartbeat_timeout: Duration,
+) -> (u32, u32) {
+    let broker = MemoryBroker::new();
+    broker.publish(
+        Envelope::new(BrokerKind::Memory, "orders", "slow")
+            .with_header("x-idempotency-key", "slow"),
+    );
+    let effects = Arc::new(AtomicU32::new(0));
+    let told = Arc::new(AtomicU32::new(0));
+    let (e2, t2) = (effects.clone(), told.clone());
+    let consumer = IdempotentConsumer::new(Arc::new(store), keys(), move |m: ClaimedMessage| {
+        let (effects, told) = (e2.clone(), t2.clone());
+        async move {
+            if m.attempt == 1 {
+                let lease = m.lease.clone();
+                let watcher = tokio::spawn(async move {
+                    lease.lost().await;
+                    told.fetch_add(1, Ordering::SeqCst);
+                });
+                tokio::time::sleep(Duration::from_millis(1500)).await;
+                watcher.abort();
+            }
+            effects.fetch_add(1, Ordering::SeqCst);
+            Ok(None)
+        }
+    })
+    .with_config(ConsumerConfig {
+        lease: Duration::from_millis(400),
+        heartbeat: Some(Duration::from_millis(100)),
+        heartbeat_timeout,
+        ..quick()
+    });
+    let mut src = broker.subscribe();
+    tokio::time::timeout(Duration::from_secs(20), consumer.run_until_idle(&mut src))
+        .await
+        .expect("finishes")
+        .expect("run");
+    (told.load(Ordering::SeqCst), effects.load(Ordering::SeqCst))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_are_split_by_bytes_as_well_as_count() {
+    // 64 results of 60 KiB (under max_result_bytes) are 3.8 MiB: more than one round trip
+    // may carry (1 MiB), fewer than the batch's count limit.
+    let broker = MemoryBroker::new();
+    for i in 0..64 {
+        broker.publish(
+            Envelope::new(BrokerKind::Memory, "orders", format!("o-{i}"))
+                .with_header("x-idempotency-key", format!("o-{i}")),
+        );
+    }
+    let store = Arc::new(Faulty::default());
+    let consumer =
+        IdempotentConsumer::new(store.clone(), keys(), |_m: ClaimedMessage| async move {
+            Ok::<_, HandlerError>(Some(Bytes::from(vec![b'r'; 60 * 1024])))
+        })
+        .with_config(ConsumerConfig {
+            max_batch: 64,
+            ..quick()
+        });
+    let mut src = broker.subscribe();
+    tokio::time::timeout(Duration::from_secs(20), consumer.run_until_idle(&mut src))
+        .await
+        .expect("finishes")
+        .expect("run");
+    assert_eq!(consumer.stats().processed, 64);
+    let calls = store.completion_calls.lock().expect("calls").clone();
+    assert_eq!(calls.iter().map(|(n, _)| n).sum::<usize>(), 64, "{calls:?}");
+    assert!(
+        calls.iter().all(|(_, bytes)| *bytes <= 1 << 20),
+        "no round trip carries more than 1 MiB: {calls:?}"
+    );
+    assert!(
+        calls.len() >= 4,
+        "3.8 MiB needs at least 4 round trips: {calls:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_hanging_on_the_store_does_not_delay_the_lease_watch() {
+    // The heartbeat's own bound (60 s) is far past the handler: only a watch on its own
+    // timer cuts the first attempt off before its effect.
+    let store = Faulty {
+        extends_hang: true,
+        ..Faulty::default()
+    };
+    let (told, effects) = slow_handler_under_heartbeat_fault(store, Duration::from_secs(60)).await;
+    assert_eq!(told, 1, "the lease watch fires while the heartbeat hangs");
+    assert_eq!(
+        effects, 1,
+        "the first attempt is cut off before its effect; the retry applies it"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_heartbeat_marks_the_lease_lost_and_cuts_the_handler_off() {
+    let store = Faulty {
+        extends_fenced: true,
+        ..Faulty::default()
+    };
+    let (told, effects) = slow_handler_under_heartbeat_fault(store, Duration::from_secs(5)).await;
+    assert_eq!(told, 1, "a Fenced heartbeat is a lost lease");
+    assert_eq!(
+        effects, 1,
+        "the fenced attempt is cut off before its effect"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_timeout_the_redelivery_says_takeover_and_after_a_clean_failure_it_does_not() {
     let broker = MemoryBroker::new();
@@ -527,6 +639,12 @@ struct Faulty {
     poison_completions: Option<bool>,
     /// Every heartbeat fails (the lease runs out while a handler works).
     extends_fail: bool,
+    /// Every heartbeat hangs: the store never answers it.
+    extends_hang: bool,
+    /// Every heartbeat answers `Fenced` (another worker took the key over).
+    extends_fenced: bool,
+    /// (completions, bytes of keys and results) of every `complete_batch` call.
+    completion_calls: std::sync::Mutex<Vec<(usize, usize)>>,
     /// The store's clock runs this far behind ours: every lease end it reports is earlier.
     clock_behind_ms: i64,
 }
@@ -551,6 +669,13 @@ impl DedupStore for Faulty {
             .collect())
     }
     async fn complete_batch(&self, cs: &[Completion]) -> Result<Vec<CompleteOutcome>, StoreError> {
+        let bytes = cs
+            .iter()
+            .map(|c| c.key.as_str().len() + c.result.as_ref().map_or(0, |r| r.len()))
+            .sum();
+        if let Ok(mut calls) = self.completion_calls.lock() {
+            calls.push((cs.len(), bytes));
+        }
         if let Some(alone) = self.poison_completions {
             if cs.iter().any(is_poison) && (cs.len() > 1 || alone) {
                 return Err(StoreError::Backend(
@@ -571,6 +696,12 @@ impl DedupStore for Faulty {
     ) -> Result<ExtendOutcome, StoreError> {
         if self.extends_fail {
             return Err(StoreError::Unavailable("connection reset".into()));
+        }
+        if self.extends_hang {
+            return std::future::pending().await;
+        }
+        if self.extends_fenced {
+            return Ok(ExtendOutcome::Fenced);
         }
         Ok(match self.inner.extend(k, t, l).await? {
             ExtendOutcome::Extended { until_ms } => ExtendOutcome::Extended {

@@ -431,10 +431,20 @@ impl<H: Handler> IdempotentConsumer<H> {
                 Ok(ClaimOutcome::Duplicate(record)) => {
                     let n = 1 + item.followers.len() as u64;
                     metrics::counter!(m::DUPLICATES, "topic" => item.delivery.envelope.source.name.clone(), "group" => self.keys.group().as_str().to_string()).increment(n);
-                    tracing::debug!(key = %item.key, "duplicate skipped");
-                    self.handler
-                        .on_duplicate(&item.delivery.envelope, &record)
-                        .await;
+                    // The duplicate's own trace context: a producer resend carries the
+                    // original's, so the trace shows the resend next to the first run.
+                    let span = tracing::info_span!("idemq.duplicate", key = %item.key, traceparent = tracing::field::Empty, first_worker = record.worker.as_deref().unwrap_or("-"), attempts = record.attempts);
+                    if let Some(tp) = item.delivery.envelope.traceparent() {
+                        span.record("traceparent", tp);
+                    }
+                    async {
+                        tracing::debug!("duplicate skipped");
+                        self.handler
+                            .on_duplicate(&item.delivery.envelope, &record)
+                            .await;
+                    }
+                    .instrument(span)
+                    .await;
                     self.settle_item(item, Settlement::Ack, Outcome::DUPLICATE)
                         .await;
                     None
@@ -520,7 +530,10 @@ impl<H: Handler> IdempotentConsumer<H> {
                         continue;
                     }
                     let attempt = msg.attempt;
-                    let span = tracing::info_span!("idemq.handle", broker = %msg.envelope.broker, source = %msg.envelope.source.name, key = %msg.key, attempt);
+                    let span = tracing::info_span!("idemq.handle", broker = %msg.envelope.broker, source = %msg.envelope.source.name, key = %msg.key, attempt, traceparent = tracing::field::Empty);
+                    if let Some(tp) = msg.envelope.traceparent() {
+                        span.record("traceparent", tp);
+                    }
                     let res = run_handler(handler, msg, limit).instrument(span).await;
                     let v = verdict(res, attempt, retry, max_result);
                     if let Verdict::Failed(Settlement::Nack(d), _)

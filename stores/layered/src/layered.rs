@@ -7,6 +7,7 @@ use idemq_core::store::{check_distinct_keys, duration_ms};
 use idemq_core::{
     now_ms, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupKey, DedupRecord,
     DedupStore, ExtendOutcome, FencingToken, PayloadHash, RecordStatus, ReleaseOutcome, StoreError,
+    StoreStats,
 };
 use moka::sync::Cache;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -833,6 +834,12 @@ impl DedupStore for LayeredStore {
             _ => 0,
         };
         Ok(n + m)
+    }
+
+    /// The primary's counts: the cache and the filter only mirror its state. Records a
+    /// fallback store took during an outage are not included.
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        self.primary.stats().await
     }
 
     async fn list_stuck(

@@ -10,6 +10,7 @@ use idemq_core::{
     evaluate_claim_request, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict, ClaimedMessage,
     CompleteOutcome, Completion, DedupKey, DedupRecord, DedupStore, ExtendOutcome, FencingToken,
     HandlerError, HandlerResult, Lease, LeaseLost, RecordStatus, ReleaseOutcome, StoreError,
+    StoreStats,
 };
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster_async::ClusterConnection;
@@ -1942,30 +1943,50 @@ impl DedupStore for RedisStore {
         token: FencingToken,
         lease: Duration,
     ) -> Result<ExtendOutcome, StoreError> {
-        let rk = self.redis_key(key);
-        let mut c = redis::cmd("EVALSHA");
-        c.arg(&lua::EXTEND.sha)
-            .arg(1)
-            .arg(&rk)
-            .arg(0)
-            .arg(token.0)
-            .arg(clamp_ms(lease))
-            .arg(self.cfg.in_progress_grace_ms);
+        let mut out = self.extend_batch(&[(key.clone(), token)], lease).await?;
+        out.pop()
+            .ok_or_else(|| Self::corrupt(key, "no answer to extend"))
+    }
+
+    /// One pipelined round trip per master for the whole batch (the heartbeat's call).
+    async fn extend_batch(
+        &self,
+        leases: &[(DedupKey, FencingToken)],
+        lease: Duration,
+    ) -> Result<Vec<ExtendOutcome>, StoreError> {
+        let mut cmds = Vec::with_capacity(leases.len());
+        let mut slots = Vec::with_capacity(leases.len());
+        for (key, token) in leases {
+            let rk = self.redis_key(key);
+            let mut c = redis::cmd("EVALSHA");
+            c.arg(&lua::EXTEND.sha)
+                .arg(1)
+                .arg(&rk)
+                .arg(0)
+                .arg(token.0)
+                .arg(clamp_ms(lease))
+                .arg(self.cfg.in_progress_grace_ms);
+            slots.push(self.slot_of(rk.as_bytes()));
+            cmds.push(c);
+        }
         // Waited for: an extension lost in a failover would let another worker take the
         // key over while this one still works on it.
-        let v = self
-            .eval_many(
-                &lua::EXTEND,
-                std::slice::from_ref(&c),
-                &[self.slot_of(rk.as_bytes())],
-                true,
-            )
-            .await?;
-        match v.first().map(Self::int).transpose()? {
-            Some(0) => Ok(ExtendOutcome::Fenced),
-            Some(until_ms) if until_ms > 0 => Ok(ExtendOutcome::Extended { until_ms }),
-            _ => Err(Self::corrupt(key, "not an idemq record")),
+        let vals = self.eval_many(&lua::EXTEND, &cmds, &slots, true).await?;
+        if vals.len() != leases.len() {
+            return Err(StoreError::Backend(format!(
+                "extend_batch: {} answers for {} leases",
+                vals.len(),
+                leases.len()
+            )));
         }
+        vals.iter()
+            .zip(leases)
+            .map(|(v, (key, _))| match Self::int(v)? {
+                0 => Ok(ExtendOutcome::Fenced),
+                until_ms if until_ms > 0 => Ok(ExtendOutcome::Extended { until_ms }),
+                _ => Err(Self::corrupt(key, "not an idemq record")),
+            })
+            .collect()
     }
 
     async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
@@ -2082,6 +2103,42 @@ impl DedupStore for RedisStore {
         found.sort_by(|a, b| (a.lease_until_ms, &a.key).cmp(&(b.lease_until_ms, &b.key)));
         found.truncate(limit);
         Ok(found)
+    }
+
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        let mut con = self.conn.clone();
+        let now = self.server_now_ms().await?;
+        let mut stats = StoreStats::default();
+        for node in self.scan_nodes().await? {
+            let mut cursor = 0u64;
+            loop {
+                let (next, keys) = self.scan_chunk(node.as_ref(), cursor).await?;
+                if !keys.is_empty() {
+                    let vals: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
+                        .arg(&keys)
+                        .query_async(&mut con)
+                        .await
+                        .map_err(store_err)?;
+                    for (k, v) in keys.iter().zip(vals) {
+                        // A key that expired between SCAN and MGET is simply gone.
+                        let (Some(dk), Some(v)) = (self.dedup_key_of(k), v) else {
+                            continue;
+                        };
+                        match decode_record(dk.clone(), &v) {
+                            Ok(r) => stats.count(&r, now),
+                            Err(e) => {
+                                tracing::warn!(key = %dk, error = %e, "skipping unreadable record")
+                            }
+                        }
+                    }
+                }
+                cursor = next;
+                if next == 0 {
+                    break;
+                }
+            }
+        }
+        Ok(stats)
     }
 
     async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {

@@ -196,6 +196,8 @@ pub(crate) struct Queries {
     pub purge: String,
     /// `?stale_for_ms ?limit` → records.
     pub list_stuck: String,
+    /// → (in progress, abandoned, completed, expired) counts on the database's clock.
+    pub stats: String,
     /// `?key` → rows affected (1 inserted, 0 duplicate).
     pub insert_key: String,
     /// `?age_ms ?limit` → rows affected.
@@ -408,6 +410,12 @@ impl Queries {
             list_stuck: p(format!(
                 "SELECT {RECORD_COLS} FROM {t} WHERE status = 0 AND lease_until_ms <= {now} - ?\
                  {not_in_fence} ORDER BY lease_until_ms, dedup_key LIMIT ?"
+            )),
+            stats: p(format!(
+                "SELECT COUNT(CASE WHEN status = 0 AND lease_until_ms > {now} THEN 1 END), \
+                 COUNT(CASE WHEN status = 0 AND lease_until_ms <= {now} THEN 1 END), \
+                 COUNT(CASE WHEN status = 1 AND (expires_ms IS NULL OR expires_ms > {now}) THEN 1 END), \
+                 COUNT(CASE WHEN status = 1 AND expires_ms <= {now} THEN 1 END) FROM {t}"
             )),
             insert_key: p(insert_key),
             purge_keys: p(purge_keys),

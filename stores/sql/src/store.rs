@@ -15,7 +15,7 @@ use idemq_core::store::{check_distinct_keys, duration_ms};
 use idemq_core::{
     evaluate_claim, ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome, Completion,
     DedupKey, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease, RecordStatus,
-    ReleaseOutcome, StoreError,
+    ReleaseOutcome, StoreError, StoreStats,
 };
 use sqlx::Pool;
 use std::collections::{HashMap, HashSet};
@@ -1205,6 +1205,120 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
         })
     }
 
+    /// One statement per chunk of leases (the heartbeat's call): PostgreSQL joins the keys
+    /// and tokens as arrays, SQLite and MySQL match `(dedup_key, token)` row values. MySQL,
+    /// without `UPDATE … RETURNING`, binds the end read from its clock and reads back which
+    /// rows carry it.
+    async fn extend_batch(
+        &self,
+        leases: &[(DedupKey, FencingToken)],
+        lease: Duration,
+    ) -> Result<Vec<ExtendOutcome>, StoreError> {
+        for (key, _) in leases {
+            check_key(key)?;
+        }
+        let lease_ms = duration_ms(lease);
+        let mut conn = self
+            .heartbeat_pool
+            .acquire()
+            .await
+            .map_err(|e| map_sqlx_error::<DB>("acquire heartbeat connection", e))?;
+        let t = &self.q.table;
+        let mut extended: HashMap<String, i64> = HashMap::with_capacity(leases.len());
+        // Chunks keep every statement far below SQLite's and MySQL's parameter limits.
+        for chunk in leases.chunks(EXTEND_CHUNK) {
+            match self.q.dialect {
+                Dialect::Postgres => {
+                    let sql = format!(
+                        "UPDATE {t} SET lease_until_ms = {now} + $1 \
+                         FROM UNNEST($2::text[], $3::bigint[]) AS v(k, tok) \
+                         WHERE {t}.dedup_key = v.k AND {t}.token = v.tok AND {t}.status = 0 \
+                         AND {t}.lease_until_ms > 0 RETURNING {t}.dedup_key, {t}.lease_until_ms",
+                        now = self.q.dialect.now_ms_sql()
+                    );
+                    let args = vec![
+                        Val::I64(Some(lease_ms)),
+                        Val::TextArray(
+                            chunk
+                                .iter()
+                                .map(|(k, _)| Some(k.as_str().to_owned()))
+                                .collect(),
+                        ),
+                        Val::I64Array(chunk.iter().map(|(_, tok)| tok.0).collect()),
+                    ];
+                    let rows = retry_now!(
+                        "extend_batch",
+                        DB::fetch(&mut conn, &sql, args.clone(), &[Kind::Text, Kind::I64])
+                    )?;
+                    collect_extended(&rows, &mut extended)?;
+                }
+                Dialect::Sqlite => {
+                    let pairs = vec!["(?, ?)"; chunk.len()].join(", ");
+                    let sql = format!(
+                        "UPDATE {t} SET lease_until_ms = {now} + ? WHERE status = 0 \
+                         AND lease_until_ms > 0 AND (dedup_key, token) IN (VALUES {pairs}) \
+                         RETURNING dedup_key, lease_until_ms",
+                        now = self.q.dialect.now_ms_sql()
+                    );
+                    let mut args = vec![Val::I64(Some(lease_ms))];
+                    for (k, tok) in chunk {
+                        args.push(Val::Key(k.as_str().to_owned()));
+                        args.push(Val::I64(Some(tok.0)));
+                    }
+                    let rows = retry_now!(
+                        "extend_batch",
+                        DB::fetch(&mut conn, &sql, args.clone(), &[Kind::Text, Kind::I64])
+                    )?;
+                    collect_extended(&rows, &mut extended)?;
+                }
+                Dialect::MySql => {
+                    let now = retry_now!(
+                        "extend clock",
+                        DB::fetch(&mut conn, &self.q.now, vec![], &[Kind::I64])
+                    )?
+                    .first()
+                    .map(|r| r.i64(0))
+                    .transpose()
+                    .map_err(|e| StoreError::Backend(format!("mysql clock: {e}")))?
+                    .ok_or_else(|| StoreError::Backend("mysql clock: no row".into()))?;
+                    let until_ms = now.saturating_add(lease_ms);
+                    let pairs = vec!["(?, ?)"; chunk.len()].join(", ");
+                    let update = format!(
+                        "UPDATE {t} SET lease_until_ms = ? WHERE status = 0 AND lease_until_ms > 0 \
+                         AND (dedup_key, token) IN ({pairs})"
+                    );
+                    let mut args = vec![Val::I64(Some(until_ms))];
+                    for (k, tok) in chunk {
+                        args.push(Val::Key(k.as_str().to_owned()));
+                        args.push(Val::I64(Some(tok.0)));
+                    }
+                    retry_now!(
+                        "extend_batch",
+                        DB::execute(&mut conn, &update, args.clone())
+                    )?;
+                    // Which of them now carry this end under their token: those were extended
+                    // (a row another worker owns, or completed, does not match the token).
+                    let read = format!(
+                        "SELECT dedup_key, lease_until_ms FROM {t} WHERE status = 0 \
+                         AND lease_until_ms = ? AND (dedup_key, token) IN ({pairs})"
+                    );
+                    let rows = retry_now!(
+                        "extend_batch read-back",
+                        DB::fetch(&mut conn, &read, args.clone(), &[Kind::Text, Kind::I64])
+                    )?;
+                    collect_extended(&rows, &mut extended)?;
+                }
+            }
+        }
+        Ok(leases
+            .iter()
+            .map(|(k, _)| match extended.get(k.as_str()) {
+                Some(&until_ms) => ExtendOutcome::Extended { until_ms },
+                None => ExtendOutcome::Fenced,
+            })
+            .collect())
+    }
+
     async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
         check_key(key)?;
         let mut conn = self.acquire().await?;
@@ -1277,6 +1391,29 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
         rows.iter()
             .map(|r| decode_record(r).map(|s| s.rec))
             .collect()
+    }
+
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        let mut conn = self.acquire().await?;
+        let rows = retry_now!(
+            "stats",
+            DB::fetch(&mut conn, &self.q.stats, vec![], &[Kind::I64; 4])
+        )?;
+        let row = rows
+            .first()
+            .ok_or_else(|| StoreError::Backend("stats: no row".into()))?;
+        let count = |i: usize| -> Result<u64, StoreError> {
+            let n = row
+                .i64(i)
+                .map_err(|e| StoreError::Backend(format!("stats: {e}")))?;
+            Ok(u64::try_from(n).unwrap_or(0))
+        };
+        let mut stats = StoreStats::default();
+        stats.in_progress = count(0)?;
+        stats.abandoned = count(1)?;
+        stats.completed = count(2)?;
+        stats.expired = count(3)?;
+        Ok(stats)
     }
 
     async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
@@ -1459,6 +1596,27 @@ const OTHER_STORES: &str = "PostgreSQL: PgStore with postgres://, MySQL/MariaDB:
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 use idemq_core::secrets::redact_url as redact;
+
+/// Leases per `extend_batch` statement: two parameters each, far below SQLite's 32766 and
+/// MySQL's 65535 placeholders.
+const EXTEND_CHUNK: usize = 500;
+
+/// `(dedup_key, lease_until_ms)` rows of an extension into `out`.
+fn collect_extended(
+    rows: &[crate::backend::Row],
+    out: &mut HashMap<String, i64>,
+) -> Result<(), StoreError> {
+    for r in rows {
+        let key = r
+            .text(0)
+            .map_err(|e| StoreError::Backend(format!("extend_batch: {e}")))?;
+        let until = r
+            .i64(1)
+            .map_err(|e| StoreError::Backend(format!("extend_batch: {e}")))?;
+        out.insert(key.to_owned(), until);
+    }
+    Ok(())
+}
 
 #[cfg(test)]
 mod tests {
