@@ -36,6 +36,8 @@
 //! # let _ = consumer;
 //! ```
 
+#![warn(missing_docs)]
+
 pub use idemq_core::*;
 
 /// The core crate, by name.

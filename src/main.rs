@@ -4,6 +4,7 @@
 #![recursion_limit = "512"]
 
 mod bench;
+mod consume;
 mod demo;
 #[cfg(feature = "kafka")]
 mod kafka_cli;
@@ -30,6 +31,12 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Measure the engine against the bare broker consumer (ratios, same run).
     Bench(bench::BenchArgs),
+    /// Consume a Kafka topic, RabbitMQ queue or RocketMQ topic idempotently and print each
+    /// message processed as a JSON line (duplicates are skipped).
+    ///
+    /// Example: idemq consume --broker kafka://127.0.0.1:9092/payments
+    /// --store sqlite://dedup.db?mode=rwc --key json:/payment_id --idle-exit 5
+    Consume(consume::ConsumeArgs),
     /// Kafka tools (build with feature `kafka`).
     #[cfg(feature = "kafka")]
     Kafka {
@@ -50,6 +57,8 @@ enum Command {
 enum StoreOp {
     /// Create or upgrade the store's tables (opening a store migrates it).
     Migrate,
+    /// Count the records by state: in progress, abandoned (lease ended), completed, expired.
+    Stats,
     /// Delete completed records past their retention, in chunks.
     Purge {
         /// Rows per chunk.
@@ -65,8 +74,19 @@ enum StoreOp {
         #[arg(long, default_value_t = 100)]
         limit: usize,
     },
-    /// Show one record.
-    Get {
+    /// Show one record: status, lease, attempts, worker, retention, stored result.
+    #[command(visible_alias = "get")]
+    Inspect {
+        /// The full dedup key, `<group>:<key>`.
+        key: String,
+        /// Print the record's every field (Rust debug form) instead of the summary.
+        #[arg(long)]
+        raw: bool,
+    },
+    /// Give up an in-progress claim now (its worker is known dead), so the next delivery
+    /// is processed without waiting for the lease to end. A completed record is left alone
+    /// (`forget` makes a completed message run again).
+    Release {
         /// The full dedup key, `<group>:<key>`.
         key: String,
     },
@@ -90,6 +110,7 @@ async fn main() -> ExitCode {
     let result = match cli.command {
         Command::Demo(args) => demo::run(args).await,
         Command::Bench(args) => bench::run(args).await,
+        Command::Consume(args) => consume::run(args).await,
         Command::Store { url, op } => store_op(&url, op).await,
         #[cfg(feature = "kafka")]
         Command::Kafka { op } => kafka_cli::run(op),
@@ -107,6 +128,23 @@ async fn store_op(url: &str, op: StoreOp) -> anyhow::Result<ExitCode> {
     let store = idemq::open_store(url).await?;
     match op {
         StoreOp::Migrate => println!("store at {} is migrated", redact(url)),
+        StoreOp::Stats => {
+            let s = store.stats().await?;
+            println!("in progress: {} (live leases)", s.in_progress);
+            println!(
+                "abandoned:   {} (lease ended; the next delivery takes over, `stuck` lists them)",
+                s.abandoned
+            );
+            println!(
+                "completed:   {} (duplicates are acked without running)",
+                s.completed
+            );
+            println!(
+                "expired:     {} (past retention; `purge` deletes them)",
+                s.expired
+            );
+            println!("total:       {}", s.total());
+        }
         StoreOp::Purge { chunk } => {
             let mut total = 0;
             loop {
@@ -133,12 +171,38 @@ async fn store_op(url: &str, op: StoreOp) -> anyhow::Result<ExitCode> {
             }
             println!("{} stuck records", rows.len());
         }
-        StoreOp::Get { key } => {
+        StoreOp::Inspect { key, raw } => {
             let key = idemq::DedupKey::from_stored(key);
             match store.get(&key).await? {
-                Some(r) => println!("{r:#?}"),
+                Some(r) if raw => println!("{r:#?}"),
+                Some(r) => print!("{}", describe(&r, now_ms())),
                 None => {
                     println!("no record for {key}");
+                    return Ok(ExitCode::from(1));
+                }
+            }
+        }
+        StoreOp::Release { key } => {
+            let key = idemq::DedupKey::from_stored(key);
+            let Some(r) = store.get(&key).await? else {
+                println!("no record for {key}");
+                return Ok(ExitCode::from(1));
+            };
+            if r.status == idemq::RecordStatus::Completed {
+                println!(
+                    "{key} is completed, not in progress: nothing to release (`idemq store forget` makes it run again)"
+                );
+                return Ok(ExitCode::from(1));
+            }
+            match store.release(&key, r.token).await? {
+                idemq::ReleaseOutcome::Released => {
+                    println!(
+                        "released {key} (held by {}); the next delivery runs it",
+                        r.worker.as_deref().unwrap_or("an unnamed worker")
+                    )
+                }
+                idemq::ReleaseOutcome::Fenced => {
+                    println!("{key} changed hands while releasing (its worker completed or another took it over); nothing released");
                     return Ok(ExitCode::from(1));
                 }
             }
@@ -157,3 +221,66 @@ async fn store_op(url: &str, op: StoreOp) -> anyhow::Result<ExitCode> {
 }
 
 use idemq::core::secrets::redact_url as redact;
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
+
+/// A record as an operator reads it: times relative to now (this machine's clock; the
+/// store's may differ by its skew), the stored result as text when it is UTF-8.
+fn describe(r: &idemq::DedupRecord, now: i64) -> String {
+    let ago = |ms: i64| {
+        let d = now - ms;
+        if d >= 0 {
+            format!("{:.1}s ago", d as f64 / 1000.0)
+        } else {
+            format!("in {:.1}s", -d as f64 / 1000.0)
+        }
+    };
+    let mut out = format!("key:         {}\n", r.key);
+    match r.status {
+        idemq::RecordStatus::Completed => {
+            out += "status:      completed (duplicates are acked without running)\n";
+            if let Some(c) = r.completed_ms {
+                out += &format!("completed:   {}\n", ago(c));
+            }
+            match r.expires_ms {
+                Some(e) => {
+                    out += &format!(
+                        "expires:     {} (then purged; a later copy runs again)\n",
+                        ago(e)
+                    )
+                }
+                None => out += "expires:     never\n",
+            }
+        }
+        idemq::RecordStatus::InProgress if r.is_released() => {
+            out += "status:      released (the next delivery claims it)\n";
+        }
+        idemq::RecordStatus::InProgress => {
+            let live = r.lease_until_ms > now;
+            out += &format!(
+                "status:      in progress, lease {} {}\n",
+                if live { "ends" } else { "ended" },
+                ago(r.lease_until_ms)
+            );
+            if !live {
+                out += "             (abandoned: the next delivery takes it over; `release` does it now)\n";
+            }
+        }
+    }
+    out += &format!("attempts:    {}\n", r.attempts);
+    out += &format!("first seen:  {}\n", ago(r.first_seen_ms));
+    out += &format!("worker:      {}\n", r.worker.as_deref().unwrap_or("-"));
+    out += &format!("token:       {}\n", r.token.0);
+    match &r.result {
+        None => {}
+        Some(b) => match std::str::from_utf8(b) {
+            Ok(t) => out += &format!("result:      {t}\n"),
+            Err(_) => out += &format!("result:      {} bytes (binary)\n", b.len()),
+        },
+    }
+    out
+}

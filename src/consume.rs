@@ -1,0 +1,323 @@
+//! `idemq consume`: a generic idempotent sink for trying things out. It consumes a Kafka
+//! topic, a RabbitMQ queue or a RocketMQ topic through the idempotent consumer over any
+//! store URL, and prints each message processed (not its duplicates) as one JSON line.
+
+use clap::Args;
+use idemq::{
+    ClaimedMessage, ConsumerConfig, HandlerError, IdempotentConsumer, KeyStrategy, Source,
+};
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Args)]
+pub struct ConsumeArgs {
+    /// What to consume: kafka://HOST:PORT[,HOST:PORT]/TOPIC,
+    /// amqp://USER:PASS@HOST:PORT/VHOST?queue=QUEUE, or rocketmq://NAMESRV:PORT/TOPIC
+    /// (each needs idemq built with that broker's feature).
+    #[arg(long)]
+    broker: String,
+    /// The dedup store: sqlite://file.db?mode=rwc, postgres://…, mysql://…, redis://…, memory://
+    #[arg(long, env = "IDEMQ_STORE_URL")]
+    store: String,
+    /// Where the business key is: header:NAME, json:/POINTER, dedup-header (the
+    /// `idemq-dedup-key` header, else the broker's native id slot), message-key.
+    #[arg(long)]
+    key: String,
+    /// Consumer group: the Kafka/RocketMQ group and the dedup key's namespace.
+    #[arg(long, default_value = "idemq-consume")]
+    group: String,
+    /// Stop after this many seconds without a new message (default: run until Ctrl-C).
+    #[arg(long)]
+    idle_exit: Option<u64>,
+    /// Stop once this many messages have been processed (duplicates not counted).
+    #[arg(long)]
+    max_messages: Option<u64>,
+}
+
+/// Why the broker URL was not usable.
+#[derive(Debug, thiserror::Error)]
+enum BrokerUrlError {
+    #[error("`{0}` is not a broker URL: expected kafka://host:port/topic, amqp://host:port/vhost?queue=q or rocketmq://namesrv:port/topic")]
+    NotAUrl(String),
+    #[error("unknown broker URL scheme `{0}`: use kafka://, amqp:// (or amqps://) or rocketmq://")]
+    UnknownScheme(String),
+    #[error("broker URL scheme `{scheme}` needs idemq built with feature `{feature}` (cargo build --features {feature})")]
+    #[allow(dead_code)] // only built without some broker feature
+    FeatureDisabled {
+        scheme: String,
+        feature: &'static str,
+    },
+    #[error("`{url}` names no {what}: {example}")]
+    #[allow(dead_code)] // only built with some broker feature
+    Missing {
+        url: String,
+        what: &'static str,
+        example: &'static str,
+    },
+}
+
+fn key_strategy(spec: &str, group: &str) -> anyhow::Result<KeyStrategy> {
+    let strategy = if let Some(name) = spec.strip_prefix("header:") {
+        KeyStrategy::header(group, name)?
+    } else if let Some(pointer) = spec.strip_prefix("json:") {
+        KeyStrategy::json_pointer(group, pointer)?
+    } else if spec == "dedup-header" {
+        KeyStrategy::dedup_header(group)?
+    } else if spec == "message-key" {
+        KeyStrategy::message_key(group)?
+    } else {
+        anyhow::bail!(
+            "unknown --key `{spec}`: use header:NAME, json:/POINTER, dedup-header or message-key"
+        )
+    };
+    Ok(strategy)
+}
+
+/// `scheme://authority/path?query` split at the first `/` after the authority, without
+/// touching the authority (which may hold a password).
+#[allow(dead_code)] // only built with some broker feature
+fn split_url(url: &str) -> Option<(&str, &str, &str, Option<&str>)> {
+    let (scheme, rest) = url.split_once("://")?;
+    let (rest, query) = match rest.split_once('?') {
+        Some((r, q)) => (r, Some(q)),
+        None => (rest, None),
+    };
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    Some((scheme, authority, path, query))
+}
+
+#[allow(unused_variables)] // without broker features, only the refusals use the arguments
+async fn open_source(url: &str, group: &str) -> anyhow::Result<Box<dyn Source>> {
+    let shown = idemq::core::secrets::redact_url(url);
+    let scheme = url
+        .split_once("://")
+        .map(|(s, _)| s.to_ascii_lowercase())
+        .ok_or_else(|| BrokerUrlError::NotAUrl(shown.clone()))?;
+    match scheme.as_str() {
+        #[cfg(feature = "kafka")]
+        "kafka" => {
+            let (_, brokers, topic, _) =
+                split_url(url).ok_or_else(|| BrokerUrlError::NotAUrl(shown.clone()))?;
+            if topic.is_empty() {
+                return Err(BrokerUrlError::Missing {
+                    url: shown,
+                    what: "topic",
+                    example: "kafka://127.0.0.1:9092/payments",
+                }
+                .into());
+            }
+            let cfg = idemq::kafka::KafkaSourceConfig::new(brokers, group, &[topic]);
+            Ok(Box::new(idemq::kafka::KafkaSource::new(cfg)?))
+        }
+        #[cfg(feature = "rabbitmq")]
+        "amqp" | "amqps" => {
+            let (_, _, _, query) =
+                split_url(url).ok_or_else(|| BrokerUrlError::NotAUrl(shown.clone()))?;
+            let params: Vec<(&str, &str)> = query
+                .unwrap_or("")
+                .split('&')
+                .filter_map(|p| p.split_once('='))
+                .collect();
+            let Some(queue) = params.iter().find(|(k, _)| *k == "queue").map(|(_, v)| *v) else {
+                return Err(BrokerUrlError::Missing {
+                    url: shown,
+                    what: "queue",
+                    example: "amqp://guest:guest@127.0.0.1:5672/%2f?queue=payments",
+                }
+                .into());
+            };
+            // The AMQP URL lapin sees keeps its own parameters, without ours.
+            let rest: Vec<String> = params
+                .iter()
+                .filter(|(k, _)| *k != "queue")
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect();
+            let base = url.split_once('?').map_or(url, |(b, _)| b);
+            let amqp = if rest.is_empty() {
+                base.to_string()
+            } else {
+                format!("{base}?{}", rest.join("&"))
+            };
+            let cfg = idemq::rabbitmq::RabbitSourceConfig::new(amqp, queue);
+            Ok(Box::new(idemq::rabbitmq::RabbitSource::connect(cfg).await?))
+        }
+        #[cfg(feature = "rocketmq")]
+        "rocketmq" => {
+            let (_, namesrv, topic, _) =
+                split_url(url).ok_or_else(|| BrokerUrlError::NotAUrl(shown.clone()))?;
+            if topic.is_empty() {
+                return Err(BrokerUrlError::Missing {
+                    url: shown,
+                    what: "topic",
+                    example: "rocketmq://127.0.0.1:9876/payments",
+                }
+                .into());
+            }
+            let cfg = idemq::rocketmq::SourceConfig::new(namesrv, group, topic);
+            Ok(Box::new(idemq::rocketmq::RocketSource::connect(cfg).await?))
+        }
+        #[cfg(not(feature = "kafka"))]
+        "kafka" => Err(disabled(scheme, "kafka")),
+        #[cfg(not(feature = "rabbitmq"))]
+        "amqp" | "amqps" => Err(disabled(scheme, "rabbitmq")),
+        #[cfg(not(feature = "rocketmq"))]
+        "rocketmq" => Err(disabled(scheme, "rocketmq")),
+        _ => Err(BrokerUrlError::UnknownScheme(scheme).into()),
+    }
+}
+
+#[allow(dead_code)] // only built without some broker feature
+fn disabled(scheme: String, feature: &'static str) -> anyhow::Error {
+    BrokerUrlError::FeatureDisabled { scheme, feature }.into()
+}
+
+/// One processed message as a JSON line.
+fn line(m: &ClaimedMessage) -> String {
+    let env = &m.envelope;
+    let mut v = serde_json::json!({
+        "key": m.key.business_key(),
+        "source": env.source.name,
+        "partition": env.source.partition,
+        "position": env.source.position.as_ref().map(|p| match p {
+            idemq::Position::Offset(o) | idemq::Position::QueueOffset(o) => *o,
+            // A delivery tag numbers deliveries on one channel, not messages.
+            idemq::Position::DeliveryTag(t) => i64::try_from(*t).unwrap_or(i64::MAX),
+        }),
+        "attempt": m.attempt,
+    });
+    match std::str::from_utf8(&env.payload) {
+        Ok(text) => v["payload"] = text.into(),
+        Err(_) => {
+            let hex: String = env.payload.iter().map(|b| format!("{b:02x}")).collect();
+            v["payload_hex"] = hex.into();
+        }
+    }
+    v.to_string()
+}
+
+pub async fn run(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
+    let keys = key_strategy(&args.key, &args.group)?;
+    let store = idemq::open_store(&args.store).await?;
+    let mut source = open_source(&args.broker, &args.group).await?;
+    let out = Arc::new(std::sync::Mutex::new(std::io::stdout()));
+    let consumer = IdempotentConsumer::new(store, keys, move |m: ClaimedMessage| {
+        let out = out.clone();
+        async move {
+            let text = line(&m);
+            let mut out = out
+                .lock()
+                .map_err(|_| HandlerError::permanent("stdout lock poisoned"))?;
+            // A closed stdout (`| head`) fails the message: it is retried, not lost.
+            writeln!(out, "{text}")
+                .and_then(|()| out.flush())
+                .map_err(HandlerError::retryable)?;
+            Ok(None)
+        }
+    })
+    .with_config(ConsumerConfig {
+        max_batch: 64,
+        ..ConsumerConfig::default()
+    });
+    let idle = args.idle_exit.map(Duration::from_secs);
+    let stop = async {
+        let watch = async {
+            if idle.is_none() && args.max_messages.is_none() {
+                return std::future::pending().await;
+            }
+            let (mut seen, mut since) = (0, Instant::now());
+            loop {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let s = consumer.stats();
+                if args.max_messages.is_some_and(|max| s.processed >= max) {
+                    return;
+                }
+                let now = s.processed + s.duplicates + s.rejected;
+                if now != seen {
+                    (seen, since) = (now, Instant::now());
+                } else if idle.is_some_and(|idle| since.elapsed() >= idle) {
+                    return;
+                }
+            }
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            () = watch => {}
+        }
+    };
+    consumer.run(&mut *source, stop).await?;
+    let s = consumer.stats();
+    eprintln!(
+        "consumed: processed={} duplicates_skipped={} dead_lettered={} retried={}",
+        s.processed, s.duplicates, s.rejected, s.retried
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn key_specs_are_parsed_or_refused_with_the_choices() {
+        for ok in [
+            "header:order-id",
+            "json:/payment_id",
+            "dedup-header",
+            "message-key",
+        ] {
+            assert!(key_strategy(ok, "g").is_ok(), "{ok}");
+        }
+        let e = key_strategy("xpath://id", "g")
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("header:NAME, json:/POINTER"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn broker_urls_name_what_is_wrong_without_the_password() {
+        let e = open_source("payments", "g")
+            .await
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("is not a broker URL"), "{e}");
+        let e = open_source("mqtt://u:hunter2@h/t", "g")
+            .await
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown broker URL scheme `mqtt`"), "{e}");
+        assert!(!e.contains("hunter2"), "{e}");
+        #[cfg(feature = "kafka")]
+        {
+            let e = open_source("kafka://127.0.0.1:1", "g")
+                .await
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("names no topic"), "{e}");
+        }
+        #[cfg(feature = "rabbitmq")]
+        {
+            let e = open_source("amqp://u:hunter2@127.0.0.1:1/%2f", "g")
+                .await
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("names no queue"), "{e}");
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+        #[cfg(not(feature = "kafka"))]
+        {
+            let e = open_source("kafka://h:1/t", "g")
+                .await
+                .map(|_| ())
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("feature `kafka`"), "{e}");
+        }
+    }
+}
