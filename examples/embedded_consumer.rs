@@ -6,14 +6,11 @@
 //! ```
 
 use idemq::broker::MemoryBroker;
+use idemq::handler::with_state;
 use idemq::sql::sqlx::{self, sqlite::SqlitePoolOptions};
-use idemq::sql::{SqlStoreOptions, SqliteStore};
-use idemq::{
-    BrokerKind, ClaimedMessage, CompleteOutcome, Envelope, HandlerError, IdempotentConsumer,
-    KeyStrategy,
-};
+use idemq::sql::{SqlResultExt, SqlStoreOptions, SqliteStore};
+use idemq::{BrokerKind, ClaimedMessage, Envelope, IdempotentConsumer, KeyStrategy};
 use std::sync::Arc;
-use std::time::Duration;
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -38,42 +35,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         );
     }
 
-    let effect_store = store.clone();
+    // The effect and the dedup record commit in one transaction: `begin_for` opens it on the
+    // store's pool, `commit` completes the record with the engine's own key, token and
+    // retention (a lease lost meanwhile rolls the effect back and asks for a retry).
     let consumer = IdempotentConsumer::new(
         store.clone(),
         KeyStrategy::header("shipping", "x-idempotency-key")?,
-        move |m: ClaimedMessage| {
-            let store = effect_store.clone();
-            async move {
-                let order = m
-                    .envelope
-                    .headers
-                    .get_str("x-idempotency-key")
-                    .unwrap_or("?")
-                    .to_string();
-                let mut tx = store
-                    .pool()
-                    .begin()
-                    .await
-                    .map_err(HandlerError::retryable)?;
-                sqlx::query("INSERT INTO shipments (order_id) VALUES (?)")
-                    .bind(&order)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(HandlerError::retryable)?;
-                match store
-                    .complete_in_tx(&mut tx, &m.key, m.token, None, Duration::from_secs(86_400))
-                    .await
-                    .map_err(HandlerError::retryable)?
-                {
-                    CompleteOutcome::Completed => {
-                        tx.commit().await.map_err(HandlerError::retryable)?;
-                        Ok(None)
-                    }
-                    CompleteOutcome::Fenced => Err(HandlerError::retryable("lease lost")),
-                }
-            }
-        },
+        with_state(store, |store, m: ClaimedMessage| async move {
+            let mut tx = store.begin_for(&m).await?;
+            sqlx::query("INSERT INTO shipments (order_id) VALUES (?)")
+                .bind(m.key.business_key())
+                .execute(&mut *tx)
+                .await
+                .classify()?;
+            tx.commit().await
+        }),
     );
     consumer.run_until_idle(&mut broker.subscribe()).await?;
     let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM shipments")

@@ -1,5 +1,7 @@
 //! Payment callbacks with a Redis dedup store: the in-memory broker publishes every payment
-//! twice or more and loses acks; each payment is applied (pushed to a Redis list) once.
+//! twice or more and loses acks; each payment is applied (pushed to a Redis list) once. The
+//! push and the dedup record's completion run in one script (`complete_with`), so a crash
+//! between them cannot leave one without the other.
 //!
 //! ```sh
 //! REDIS_URL=redis://127.0.0.1:22379/ cargo run --example redis_payments --features redis
@@ -7,8 +9,8 @@
 
 use idemq::broker::{Faults, MemoryBroker};
 use idemq::handler::json;
-use idemq::redis::redis::AsyncCommands;
-use idemq::redis::{RedisResultExt, RedisStore};
+use idemq::redis::redis::{cmd, AsyncCommands};
+use idemq::redis::RedisStore;
 use idemq::{BrokerKind, Envelope, IdempotentConsumer, KeyStrategy};
 use std::sync::Arc;
 
@@ -53,13 +55,14 @@ pub async fn run(url: &str, payments: usize) -> Result<Report, Box<dyn std::erro
     // --- idemq: the store, the key, a typed handler, the consumer (8 lines) ---
     let store = RedisStore::connect(url, Default::default()).await?;
     let keys = KeyStrategy::json_pointer(&format!("payments-{run_id}"), "/payment_id")?;
-    let state = (store.connection()?, applied.clone());
-    let handler = json(state, |(mut conn, list), _msg, p: Payment| async move {
-        conn.rpush::<_, _, i64>(&list, p.payment_id)
-            .await
-            .classify()?;
-        Ok(None)
-    });
+    let handler = json(
+        (store.clone(), applied.clone()),
+        |(db, list), msg, p: Payment| async move {
+            // The effect and the completion run in one server-side script: both or neither.
+            let push = cmd("RPUSH").arg(&list).arg(p.payment_id).to_owned();
+            db.complete_with(&msg, &[push], None).await
+        },
+    );
     let consumer = IdempotentConsumer::new(Arc::new(store), keys, handler);
     consumer.run_until_idle(&mut broker.subscribe()).await?;
 
