@@ -44,6 +44,7 @@
 //! let src = RocketSource::connect(SourceConfig::new("127.0.0.1:9876", "billing", "payments")).await?;
 //! # drop(src); Ok(()) }
 //! ```
+#![warn(missing_docs)]
 
 mod client;
 mod fields;
