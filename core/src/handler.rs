@@ -4,7 +4,7 @@
 //! performs the effect. Any `Fn(ClaimedMessage) -> impl Future<Output = HandlerResult>`
 //! closure is a handler.
 //!
-//! Struct handlers implement [`Handler`] with the re-exported [`async_trait`] attribute; no
+//! Struct handlers implement [`Handler`] with the re-exported [`macro@async_trait`] attribute; no
 //! dependency of your own is needed:
 //!
 //! ```

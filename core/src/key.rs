@@ -300,8 +300,9 @@ impl KeyStrategy {
         Self::new(group, KeySource::BrokerMessageId)
     }
     /// Key from what an idemq publisher wrote (see [`KeySource::DedupHeader`]): the right
-    /// choice for messages produced with [`OutgoingMessage::with_dedup_key`]
-    /// (crate::publish::OutgoingMessage::with_dedup_key), and for relays across brokers.
+    /// choice for messages produced with
+    /// [`OutgoingMessage::with_dedup_key`](crate::publish::OutgoingMessage::with_dedup_key),
+    /// and for relays across brokers.
     pub fn dedup_header(group: &str) -> Result<Self, KeyError> {
         Self::new(group, KeySource::DedupHeader)
     }

@@ -16,8 +16,9 @@
 //! Every adapter writes [`OutgoingMessage::dedup_key`] into the well-known header
 //! [`DEDUP_HEADER`] *and* into the broker's native slot (AMQP `message_id` plus the
 //! deduplication plugin's `x-deduplication-header`, RocketMQ `KEYS`), so a message relayed
-//! from one broker to another keeps its key, and [`KeySource::DedupHeader`]
-//! (crate::key::KeySource::DedupHeader) reads it back on any broker.
+//! from one broker to another keeps its key, and
+//! [`KeySource::DedupHeader`](crate::key::KeySource::DedupHeader) reads it back on any
+//! broker.
 
 use crate::envelope::{Headers, Position};
 use async_trait::async_trait;

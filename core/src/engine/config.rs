@@ -15,9 +15,9 @@ pub enum DeliveryOrder {
     Unordered,
     /// One lane per partition / queue (Kafka partition, RocketMQ queue, AMQP queue).
     PerPartition,
-    /// One lane per ordering key ([`Envelope::effective_ordering_key`]
-    /// (crate::Envelope::effective_ordering_key): RocketMQ sharding key, Kafka record key);
-    /// messages without one are unordered.
+    /// One lane per ordering key
+    /// ([`Envelope::effective_ordering_key`](crate::Envelope::effective_ordering_key):
+    /// RocketMQ sharding key, Kafka record key); messages without one are unordered.
     PerKey,
 }
 

@@ -125,8 +125,8 @@ impl<DB: SqlBackend> MessageTx<DB> {
 
 impl<DB: SqlBackend> SqlStore<DB> {
     /// Opens a transaction on this store's pool for `msg`, to be completed with `msg`'s own
-    /// key, token and retention by [`MessageTx::commit`] (see the [module](self) docs for
-    /// the lost-lease case). The store handed to the consumer and the one the handler uses
+    /// key, token and retention by [`MessageTx::commit`] (a lost lease rolls the effect
+    /// back: see [`MessageTx::commit`]). The store handed to the consumer and the one the handler uses
     /// may be clones of each other (cloning shares the pool).
     pub async fn begin_for(&self, msg: &ClaimedMessage) -> Result<MessageTx<DB>, StoreError> {
         let tx = self

@@ -108,8 +108,8 @@ pub struct StoredOffset {
     pub next_offset: i64,
 }
 
-/// Consumed offsets in a database table, written in the business transaction (see the
-/// [module](self) docs).
+/// Consumed offsets in a database table, written in the business transaction (the Kafka
+/// adapter's Kafka-to-database flow keeps its offsets here; docs/adapters.md).
 ///
 /// ```no_run
 /// # async fn demo(pool: idemq_sql::sqlx::PgPool) -> Result<(), idemq_core::StoreError> {

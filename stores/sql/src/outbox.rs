@@ -380,7 +380,7 @@ fn id_set(d: Dialect, ids: &[i64]) -> (String, Vec<Val>) {
 /// A transactional outbox on one table. Cloning is cheap (the pool is shared).
 ///
 /// Use the pool your business code writes with, so [`Outbox::enqueue`] joins its
-/// transactions. See the [module docs](self) for the guarantees.
+/// transactions. The guarantees are in docs/stores-sql.md, "Transactional outbox".
 ///
 /// ```no_run
 /// # async fn demo(pool: idemq_sql::sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
@@ -908,7 +908,8 @@ struct Claimed {
     msg: OutgoingMessage,
 }
 
-/// Publishes an [`Outbox`]'s rows through a [`Publisher`] (see the [module docs](self)).
+/// Publishes an [`Outbox`]'s rows through a [`Publisher`] (docs/stores-sql.md,
+/// "Transactional outbox").
 /// Any number of relays may run on one table, in any processes.
 ///
 /// ```no_run
