@@ -9,6 +9,14 @@ msrv=$(sed -n 's/^rust-version = "\([0-9.]*\)"/\1/p' Cargo.toml | head -n 1)
 [[ -n $msrv ]] || { echo "msrv: no rust-version in Cargo.toml" >&2; exit 1; }
 # rustup names a toolchain by its full version.
 [[ $msrv =~ ^[0-9]+\.[0-9]+$ ]] && msrv="$msrv.0"
+# When the default toolchain *is* that version, the clippy and test builds of CI already
+# compiled everything with it: a second build under rustup's other name for the same
+# compiler would only redo the work.
+default=$(rustc --version | awk '{print $2}')
+if [[ $default == "$msrv" ]]; then
+  echo "msrv: the default toolchain is Rust $msrv itself (rustc $default): the CI build checks it"
+  exit 0
+fi
 if ! rustup run "$msrv" rustc --version >/dev/null 2>&1; then
   rustup toolchain install "$msrv" --profile minimal
 fi
