@@ -297,62 +297,6 @@ async fn a_completion_the_store_always_refuses_is_dead_lettered_after_max_attemp
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_handler_whose_lease_runs_out_is_told_and_cancelled_before_its_effect() {
-    let broker = MemoryBroker::new();
-    broker.publish(
-        Envelope::new(BrokerKind::Memory, "orders", "slow")
-            .with_header("x-idempotency-key", "slow"),
-    );
-    let effects = Arc::new(AtomicU32::new(0));
-    let told = Arc::new(AtomicU32::new(0));
-    let (e2, t2) = (effects.clone(), told.clone());
-    let consumer = IdempotentConsumer::new(
-        Arc::new(Faulty {
-            extends_fail: true,
-            ..Faulty::default()
-        }),
-        keys(),
-        move |m: ClaimedMessage| {
-            let (effects, told) = (e2.clone(), t2.clone());
-            async move {
-                if m.attempt == 1 {
-                    // Longer than the lease; heartbeats fail meanwhile.
-                    let lease = m.lease.clone();
-                    let watcher = tokio::spawn(async move {
-                        lease.lost().await;
-                        told.fetch_add(1, Ordering::SeqCst);
-                    });
-                    tokio::time::sleep(Duration::from_millis(1500)).await;
-                    watcher.abort();
-                }
-                effects.fetch_add(1, Ordering::SeqCst);
-                Ok(None)
-            }
-        },
-    )
-    .with_config(ConsumerConfig {
-        lease: Duration::from_millis(400),
-        heartbeat: Some(Duration::from_millis(100)),
-        ..quick()
-    });
-    let mut src = broker.subscribe();
-    tokio::time::timeout(Duration::from_secs(20), consumer.run_until_idle(&mut src))
-        .await
-        .expect("finishes")
-        .expect("run");
-    assert_eq!(
-        told.load(Ordering::SeqCst),
-        1,
-        "the handler's lease watch must fire"
-    );
-    assert_eq!(
-        effects.load(Ordering::SeqCst),
-        1,
-        "the first attempt is cut off before its effect; the retry applies it once"
-    );
-}
-
 /// A handler of 1.5 s on a 400 ms lease whose heartbeats meet `store`'s fault: returns (times
 /// the first attempt's lease watch fired, effects applied).
 async fn slow_handler_under_heartbeat_fault(
@@ -395,6 +339,23 @@ async fn slow_handler_under_heartbeat_fault(
         .expect("finishes")
         .expect("run");
     (told.load(Ordering::SeqCst), effects.load(Ordering::SeqCst))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_whose_lease_runs_out_is_told_and_cancelled_before_its_effect() {
+    // Longer than the lease; heartbeats fail meanwhile.
+    let store = Faulty {
+        extends_fail: true,
+        ..Faulty::default()
+    };
+    let (told, effects) =
+        slow_handler_under_heartbeat_fault(store, ConsumerConfig::default().heartbeat_timeout)
+            .await;
+    assert_eq!(told, 1, "the handler's lease watch must fire");
+    assert_eq!(
+        effects, 1,
+        "the first attempt is cut off before its effect; the retry applies it once"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

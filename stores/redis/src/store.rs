@@ -1511,6 +1511,43 @@ impl RedisStore {
         redis::from_owned_redis_value(v).map_err(store_err)
     }
 
+    /// Every record under the prefix, on every master, handed to `each` (one SCAN chunk and
+    /// one MGET at a time; on a cluster MGET is split per slot by the client). A key that
+    /// expired between SCAN and MGET is simply gone; an unreadable value is logged and
+    /// skipped.
+    async fn scan_records(&self, mut each: impl FnMut(DedupRecord)) -> Result<(), StoreError> {
+        let mut con = self.conn.clone();
+        for node in self.scan_nodes().await? {
+            let mut cursor = 0u64;
+            loop {
+                let (next, keys) = self.scan_chunk(node.as_ref(), cursor).await?;
+                if !keys.is_empty() {
+                    let vals: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
+                        .arg(&keys)
+                        .query_async(&mut con)
+                        .await
+                        .map_err(store_err)?;
+                    for (k, v) in keys.iter().zip(vals) {
+                        let (Some(dk), Some(v)) = (self.dedup_key_of(k), v) else {
+                            continue;
+                        };
+                        match decode_record(dk.clone(), &v) {
+                            Ok(r) => each(r),
+                            Err(e) => {
+                                tracing::warn!(key = %dk, error = %e, "skipping unreadable record")
+                            }
+                        }
+                    }
+                }
+                cursor = next;
+                if next == 0 {
+                    break;
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The nodes a scan must visit: every master of a cluster, asked now (a failover
     /// moves them); `[None]` on a standalone server.
     async fn scan_nodes(&self) -> Result<Vec<Option<Master>>, StoreError> {
@@ -2050,94 +2087,35 @@ impl DedupStore for RedisStore {
         stale_for: Duration,
         limit: usize,
     ) -> Result<Vec<DedupRecord>, StoreError> {
-        let mut con = self.conn.clone();
         // Leases end on the server's clock: ask it.
         let cutoff = self
             .server_now_ms()
             .await?
             .saturating_sub(duration_ms(stale_for));
         let mut found: Vec<DedupRecord> = Vec::new();
-        let nodes = self.scan_nodes().await?;
-        let (mut node, mut cursor) = (0usize, 0u64);
-        loop {
-            // On a cluster MGET is split per slot by the client.
-            let (next, keys) = self.scan_chunk(nodes[node].as_ref(), cursor).await?;
-            if !keys.is_empty() {
-                let vals: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
-                    .arg(&keys)
-                    .query_async(&mut con)
-                    .await
-                    .map_err(store_err)?;
-                for (k, v) in keys.iter().zip(vals) {
-                    let (Some(dk), Some(v)) = (self.dedup_key_of(k), v) else {
-                        continue;
-                    };
-                    match decode_record(dk.clone(), &v) {
-                        Ok(r)
-                            if r.status == RecordStatus::InProgress
-                                && r.lease_until_ms <= cutoff =>
-                        {
-                            found.push(r)
-                        }
-                        Ok(_) => {}
-                        Err(e) => {
-                            tracing::warn!(key = %dk, error = %e, "skipping unreadable record")
-                        }
-                    }
-                }
+        let order = |a: &DedupRecord, b: &DedupRecord| {
+            (a.lease_until_ms, &a.key).cmp(&(b.lease_until_ms, &b.key))
+        };
+        self.scan_records(|r| {
+            if r.status == RecordStatus::InProgress && r.lease_until_ms <= cutoff {
+                found.push(r);
+                // Bounded memory on a large keyspace: keep the oldest `limit` as we go.
                 if found.len() > limit.saturating_mul(2).max(1024) {
-                    found.sort_by(|a, b| {
-                        (a.lease_until_ms, &a.key).cmp(&(b.lease_until_ms, &b.key))
-                    });
+                    found.sort_by(order);
                     found.truncate(limit);
                 }
             }
-            cursor = next;
-            if next == 0 {
-                node += 1;
-                if node == nodes.len() {
-                    break;
-                }
-            }
-        }
-        found.sort_by(|a, b| (a.lease_until_ms, &a.key).cmp(&(b.lease_until_ms, &b.key)));
+        })
+        .await?;
+        found.sort_by(order);
         found.truncate(limit);
         Ok(found)
     }
 
     async fn stats(&self) -> Result<StoreStats, StoreError> {
-        let mut con = self.conn.clone();
         let now = self.server_now_ms().await?;
         let mut stats = StoreStats::default();
-        for node in self.scan_nodes().await? {
-            let mut cursor = 0u64;
-            loop {
-                let (next, keys) = self.scan_chunk(node.as_ref(), cursor).await?;
-                if !keys.is_empty() {
-                    let vals: Vec<Option<Vec<u8>>> = redis::cmd("MGET")
-                        .arg(&keys)
-                        .query_async(&mut con)
-                        .await
-                        .map_err(store_err)?;
-                    for (k, v) in keys.iter().zip(vals) {
-                        // A key that expired between SCAN and MGET is simply gone.
-                        let (Some(dk), Some(v)) = (self.dedup_key_of(k), v) else {
-                            continue;
-                        };
-                        match decode_record(dk.clone(), &v) {
-                            Ok(r) => stats.count(&r, now),
-                            Err(e) => {
-                                tracing::warn!(key = %dk, error = %e, "skipping unreadable record")
-                            }
-                        }
-                    }
-                }
-                cursor = next;
-                if next == 0 {
-                    break;
-                }
-            }
-        }
+        self.scan_records(|r| stats.count(&r, now)).await?;
         Ok(stats)
     }
 

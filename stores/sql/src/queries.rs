@@ -177,10 +177,6 @@ pub(crate) struct Queries {
     pub get: String,
     /// `?key ?token` → rows affected.
     pub release: String,
-    /// SQLite/PostgreSQL: `?lease_ms ?key ?token` → the new lease end (`RETURNING`).
-    /// MySQL: `?lease_until ?key ?token` → rows affected (with `until` computed from
-    /// [`Queries::now`], read first on the same connection: MySQL has no `UPDATE … RETURNING`).
-    pub extend: String,
     /// `SELECT <the database's clock>` → one row, one integer.
     pub now: String,
     /// `?result ?retention_ms ?key ?token` → rows affected.
@@ -385,16 +381,6 @@ impl Queries {
                 "UPDATE {t} SET lease_until_ms = 0 WHERE dedup_key = ? AND token = ? AND status = 0 \
                  AND lease_until_ms > 0"
             )),
-            extend: p(match dialect {
-                Dialect::MySql => format!(
-                    "UPDATE {t} SET lease_until_ms = ? WHERE dedup_key = ? AND token = ? \
-                     AND status = 0 AND lease_until_ms > 0"
-                ),
-                Dialect::Postgres | Dialect::Sqlite => format!(
-                    "UPDATE {t} SET lease_until_ms = {now} + ? WHERE dedup_key = ? AND token = ? \
-                     AND status = 0 AND lease_until_ms > 0 RETURNING lease_until_ms"
-                ),
-            }),
             now: format!("SELECT {now}"),
             complete_one: p(complete_one("?")),
             complete_one_fold: p(complete_one(&match &fence {

@@ -1153,56 +1153,11 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
         token: FencingToken,
         lease: Duration,
     ) -> Result<ExtendOutcome, StoreError> {
-        check_key(key)?;
-        let lease_ms = duration_ms(lease);
-        // The heartbeat's own pool: never queued behind handler transactions.
-        let mut conn = self
-            .heartbeat_pool
-            .acquire()
-            .await
-            .map_err(|e| map_sqlx_error::<DB>("acquire heartbeat connection", e))?;
-        // The new end is the database's clock plus the lease, never this process's clock.
-        let args = |lease_or_until: i64| {
-            vec![
-                Val::I64(Some(lease_or_until)),
-                Val::Key(key.as_str().to_owned()),
-                Val::I64(Some(token.0)),
-            ]
-        };
-        let until = if self.q.dialect == Dialect::MySql {
-            // No `UPDATE … RETURNING`: read the server's clock first, then bind the end.
-            let now = retry_now!(
-                "extend clock",
-                DB::fetch(&mut conn, &self.q.now, vec![], &[Kind::I64])
-            )?
-            .first()
-            .map(|r| r.i64(0))
-            .transpose()
-            .map_err(|e| StoreError::Backend(format!("mysql clock: {e}")))?
-            .ok_or_else(|| StoreError::Backend("mysql clock: no row".into()))?;
-            let until_ms = now.saturating_add(lease_ms);
-            let n = retry_now!(
-                "extend",
-                DB::execute(&mut conn, &self.q.extend, args(until_ms))
-            )?;
-            (n > 0).then_some(until_ms)
-        } else {
-            let rows = retry_now!(
-                "extend",
-                DB::fetch(&mut conn, &self.q.extend, args(lease_ms), &[Kind::I64])
-            )?;
-            rows.first()
-                .map(|r| r.i64(0))
-                .transpose()
-                .map_err(|reason| StoreError::Corrupt {
-                    key: key.as_str().to_owned(),
-                    reason,
-                })?
-        };
-        Ok(match until {
-            Some(until_ms) => ExtendOutcome::Extended { until_ms },
-            None => ExtendOutcome::Fenced,
-        })
+        // The batch statement with one lease: one code path for a heartbeat of any size.
+        self.extend_batch(&[(key.clone(), token)], lease)
+            .await?
+            .pop()
+            .ok_or_else(|| StoreError::Backend("extend: no answer".into()))
     }
 
     /// One statement per chunk of leases (the heartbeat's call): PostgreSQL joins the keys
