@@ -313,6 +313,9 @@ pub struct BrokerRun {
     pub rounds: usize,
     /// PostgreSQL for the effect table and the PostgreSQL store (skipped when `None`).
     pub postgres_url: Option<String>,
+    /// Redis for the engine over the Redis store (effect rows still in PostgreSQL; skipped
+    /// when `None` or without the `redis` feature).
+    pub redis_url: Option<String>,
 }
 
 /// Best times of one broker's consumers.
@@ -326,11 +329,54 @@ pub struct BrokerFigures {
     pub handwritten: Option<Duration>,
     /// Engine + PostgreSQL store + effect row per message.
     pub postgres: Option<Duration>,
+    /// Engine + Redis store + effect row per message (in PostgreSQL).
+    pub redis: Option<Duration>,
     /// Unique-index consumer with a batch handler: keys and effect rows of a batch in one
     /// PostgreSQL transaction (one key insert, one effect insert, one commit).
     pub unique: Option<Duration>,
     /// Unique-index consumer whose effect rows carry the keys: one insert, one commit.
     pub unique_keyed: Option<Duration>,
+}
+
+/// The Redis store of the run (its own key prefix), when a URL is given and the binary has
+/// the `redis` feature.
+async fn redis_store(run: &BrokerRun) -> anyhow::Result<Option<Arc<dyn DedupStore>>> {
+    #[cfg(feature = "redis")]
+    if let Some(url) = &run.redis_url {
+        let store = idemq::redis::RedisStore::builder(url)
+            .prefix(format!("bench-broker-{:08x}", rand::random::<u32>()))
+            .connect()
+            .await?;
+        return Ok(Some(Arc::new(store)));
+    }
+    let _ = run;
+    Ok(None)
+}
+
+/// Empties the effect table, fills a destination, runs the engine over `store` with a
+/// handler writing each effect row, and checks that `n` rows were written.
+async fn engine_into(
+    bench: &dyn BrokerBench,
+    sink: &EffectSink,
+    store: Arc<dyn DedupStore>,
+    n: usize,
+    batch: usize,
+    what: &str,
+) -> anyhow::Result<Duration> {
+    sink.clear().await?;
+    let dest = bench.fill(n).await?;
+    let mut src = bench.source(&dest).await?;
+    let t = run_engine(
+        src.as_mut(),
+        bench.keys()?,
+        store,
+        Some(sink.clone()),
+        n,
+        batch,
+    )
+    .await?;
+    anyhow::ensure!(sink.count().await? == n as i64, "{what} effects");
+    Ok(t)
 }
 
 fn keep_best(slot: &mut Option<Duration>, t: Duration) {
@@ -351,6 +397,7 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
         }
         None => None,
     };
+    let redis = redis_store(run).await?;
     let mut f = BrokerFigures::default();
     for round in 0..run.rounds.max(1) {
         tracing::info!(broker = bench.name(), round, "bench round");
@@ -368,21 +415,14 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
             let dest = bench.fill(n).await?;
             keep_best(&mut f.handwritten, bench.handwritten(&dest, n, sink).await?);
             anyhow::ensure!(sink.count().await? == n as i64, "hand-written effects");
-            sink.clear().await?;
-            let dest = bench.fill(n).await?;
-            let mut src = bench.source(&dest).await?;
             let store: Arc<dyn DedupStore> = pg_store.clone();
-            let t = run_engine(
-                src.as_mut(),
-                bench.keys()?,
-                store,
-                Some(sink.clone()),
-                n,
-                run.batch,
-            )
-            .await?;
-            anyhow::ensure!(sink.count().await? == n as i64, "idemq effects");
+            let t = engine_into(bench, sink, store, n, run.batch, "idemq + PostgreSQL").await?;
             keep_best(&mut f.postgres, t);
+            if let Some(redis) = &redis {
+                let t =
+                    engine_into(bench, sink, redis.clone(), n, run.batch, "idemq + Redis").await?;
+                keep_best(&mut f.redis, t);
+            }
             for (mode, slot) in [
                 (UniqueMode::KeysTable, &mut f.unique),
                 (UniqueMode::KeyedEffects, &mut f.unique_keyed),
@@ -454,6 +494,14 @@ fn print_report(name: &str, n: usize, run: &BrokerRun, f: &BrokerFigures) {
         format!(
             "{} of hand-written (target >= 0.80)",
             ratio(f.postgres, f.handwritten)
+        ),
+    );
+    line(
+        "idemq + Redis store",
+        f.redis,
+        format!(
+            "{} of hand-written (target >= 0.80)",
+            ratio(f.redis, f.handwritten)
         ),
     );
     line(

@@ -226,10 +226,16 @@ async fn delete_topic(brokers: &str, topic: &str) {
     }
 }
 
-/// Sends `n` records of about 64 bytes; with `transactional`, one transaction per
-/// [`COMMIT_INTERVAL`] (the last one committed before the clock stops), otherwise every
-/// delivery report is awaited at the end.
-async fn produce_run(brokers: &str, n: usize, transactional: bool) -> anyhow::Result<Duration> {
+/// Sends `n` records of about 64 bytes; with a commit interval, transactionally, one
+/// transaction per interval (the last one committed before the clock stops), otherwise
+/// with the idempotent producer; every delivery report is awaited at the end.
+async fn produce_run(
+    brokers: &str,
+    n: usize,
+    interval: Option<Duration>,
+) -> anyhow::Result<Duration> {
+    let transactional = interval.is_some();
+    let interval = interval.unwrap_or(COMMIT_INTERVAL);
     let topic = create_topic(brokers, "bench-produce").await?;
     let cfg = if transactional {
         KafkaProducerConfig::transactional(brokers, &KafkaBench::unique("bench-txn"))
@@ -273,7 +279,7 @@ async fn produce_run(brokers: &str, n: usize, transactional: bool) -> anyhow::Re
                 Err((e, _)) => return Err(e.into()),
             }
         }
-        if transactional && txn_started.elapsed() >= COMMIT_INTERVAL {
+        if transactional && txn_started.elapsed() >= interval {
             blocking(&producer, |p| p.commit_transaction(Duration::from_secs(30))).await??;
             producer.begin_transaction()?;
             txn_started = Instant::now();
@@ -297,8 +303,8 @@ pub async fn producer_comparison(run: &BrokerRun) -> anyhow::Result<(Duration, D
     let n = (run.messages * 2).max(1);
     let (mut idem, mut txn) = (Duration::MAX, Duration::MAX);
     for _ in 0..run.rounds.max(1) {
-        idem = idem.min(produce_run(&bench.brokers, n, false).await?);
-        txn = txn.min(produce_run(&bench.brokers, n, true).await?);
+        idem = idem.min(produce_run(&bench.brokers, n, None).await?);
+        txn = txn.min(produce_run(&bench.brokers, n, Some(COMMIT_INTERVAL)).await?);
     }
     let rate = |d: Duration| n as f64 / d.as_secs_f64().max(1e-9);
     println!(
@@ -317,4 +323,111 @@ pub async fn producer_comparison(run: &BrokerRun) -> anyhow::Result<(Duration, D
         idem.as_secs_f64() / txn.as_secs_f64().max(1e-9)
     );
     Ok((idem, txn))
+}
+
+/// The transactional producer at each commit interval against the idempotent producer,
+/// `n` records per run, best of `rounds` interleaved rounds: `(interval, idempotent
+/// records/s, transactional records/s)` per interval.
+pub async fn producer_intervals(
+    n: usize,
+    rounds: usize,
+    intervals: &[Duration],
+) -> anyhow::Result<Vec<(Duration, f64, f64)>> {
+    let bench = KafkaBench::from_env()?;
+    let n = n.max(1);
+    let mut idem = Duration::MAX;
+    let mut txn = vec![Duration::MAX; intervals.len()];
+    for _ in 0..rounds.max(1) {
+        idem = idem.min(produce_run(&bench.brokers, n, None).await?);
+        for (slot, iv) in txn.iter_mut().zip(intervals) {
+            *slot = (*slot).min(produce_run(&bench.brokers, n, Some(*iv)).await?);
+        }
+    }
+    let rate = |d: Duration| n as f64 / d.as_secs_f64().max(1e-9);
+    Ok(intervals
+        .iter()
+        .zip(txn)
+        .map(|(iv, t)| (*iv, rate(idem), rate(t)))
+        .collect())
+}
+
+/// `consumers` idempotent consumers in one group over one topic of [`PARTITIONS`]
+/// partitions holding `n` messages, sharing one PostgreSQL store (a table of its own):
+/// messages/s from the moment the consumers are created (group joins and the rebalances
+/// of a group growing to its size included) until every message has been handled once.
+pub async fn group_scaling(
+    postgres_url: &str,
+    n: usize,
+    counts: &[usize],
+    batch: usize,
+) -> anyhow::Result<Vec<(usize, f64)>> {
+    use idemq::sql::{PgStore, SqlStoreOptions, TableName};
+    use idemq::{ClaimedMessage, ConsumerConfig, DedupStore, HandlerError, IdempotentConsumer};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    let bench = KafkaBench::from_env()?;
+    let table = TableName::new(&format!("bench_grp_{:08x}", rand::random::<u32>()))?;
+    let pg = PgStore::connect(postgres_url, SqlStoreOptions::with_table(table)).await?;
+    let store: Arc<dyn DedupStore> = Arc::new(pg.clone());
+    let mut out = Vec::new();
+    for &c in counts {
+        let topic = bench.fill(n).await?;
+        let keys = bench.keys()?;
+        let group = KafkaBench::unique("bench-group");
+        let done = Arc::new(AtomicUsize::new(0));
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let started = Instant::now();
+        let mut runs = Vec::new();
+        for _ in 0..c {
+            let mut src =
+                KafkaSource::new(KafkaSourceConfig::new(&bench.brokers, &group, &[&topic]))?;
+            let count = done.clone();
+            let consumer =
+                IdempotentConsumer::new(store.clone(), keys.clone(), move |_m: ClaimedMessage| {
+                    let count = count.clone();
+                    async move {
+                        count.fetch_add(1, Ordering::AcqRel);
+                        Ok::<_, HandlerError>(None)
+                    }
+                })
+                .with_config(ConsumerConfig {
+                    max_batch: batch,
+                    ..ConsumerConfig::default()
+                });
+            let mut stop = stop_rx.clone();
+            runs.push(async move {
+                consumer
+                    .run(&mut src, async move {
+                        let _ = stop.wait_for(|s| *s).await;
+                    })
+                    .await
+            });
+        }
+        let watch = async {
+            let limit = Instant::now() + Duration::from_secs(300);
+            while done.load(Ordering::Acquire) < n && Instant::now() < limit {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            let el = started.elapsed();
+            let _ = stop_tx.send(true);
+            el
+        };
+        let (elapsed, results) = tokio::join!(watch, futures::future::join_all(runs));
+        for r in results {
+            r?;
+        }
+        let handled = done.load(Ordering::Acquire);
+        anyhow::ensure!(
+            handled >= n,
+            "{c} consumers handled {handled} of {n} within 300 s"
+        );
+        out.push((c, n as f64 / elapsed.as_secs_f64().max(1e-9)));
+        delete_topic(&bench.brokers, &topic).await;
+    }
+    for t in pg.tables() {
+        idemq::sql::sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
+            .execute(pg.pool())
+            .await?;
+    }
+    Ok(out)
 }

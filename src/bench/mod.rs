@@ -19,6 +19,28 @@ mod rocketmq;
 #[cfg(feature = "postgres")]
 mod unique;
 
+// The suite's scenarios against servers compile with their stores' and brokers' features
+// only; in a lighter build (the CLI alone) the helpers they share go unused.
+#[cfg_attr(
+    not(all(feature = "postgres", feature = "redis", feature = "layered")),
+    allow(dead_code, unused_imports)
+)]
+mod growth;
+mod report;
+#[cfg_attr(
+    not(all(feature = "postgres", feature = "redis", feature = "layered")),
+    allow(dead_code, unused_imports)
+)]
+mod scenarios;
+#[cfg_attr(
+    not(all(feature = "postgres", feature = "redis", feature = "layered")),
+    allow(dead_code, unused_imports)
+)]
+mod stores;
+#[cfg_attr(not(all(feature = "postgres", feature = "kafka")), allow(dead_code))]
+pub mod suite;
+mod svg;
+
 use idemq::broker::MemoryBroker;
 use idemq::sql::{SqlStoreOptions, SqliteStore};
 use idemq::{
@@ -31,7 +53,11 @@ use std::time::{Duration, Instant};
 
 /// Options of `idemq bench`.
 #[derive(clap::Args, Debug)]
+#[command(args_conflicts_with_subcommands = true)]
 pub struct BenchArgs {
+    /// The suite and its report (without one, the single engine/broker comparison below).
+    #[command(subcommand)]
+    op: Option<BenchOp>,
     /// Messages per run.
     #[arg(long, default_value_t = 50_000)]
     messages: usize,
@@ -54,6 +80,23 @@ pub struct BenchArgs {
     /// PostgreSQL for the broker benchmarks' effect table and store.
     #[arg(long, env = "IDEMQ_TEST_POSTGRES_URL")]
     postgres_url: Option<String>,
+    /// Redis for the broker benchmarks' Redis store (the engine over it is skipped without).
+    #[arg(long, env = "IDEMQ_TEST_REDIS_URL")]
+    redis_url: Option<String>,
+}
+
+/// `idemq bench suite | scenario | report`.
+#[derive(clap::Subcommand, Debug)]
+enum BenchOp {
+    /// Run every scenario (one process each) against the local servers, write the results
+    /// (JSON) and regenerate docs/performance.md with its plots.
+    ///
+    /// Example: eval "$(scripts/servers.sh env)"; idemq bench suite --profile full
+    Suite(suite::SuiteArgs),
+    /// Run one scenario in this process and print its JSON object (what the suite runs).
+    Scenario(suite::ScenarioArgs),
+    /// Regenerate the report and plots from a results file, measuring nothing.
+    Report(suite::ReportArgs),
 }
 
 fn fill(n: usize) -> MemoryBroker {
@@ -153,6 +196,12 @@ async fn duplicates_meeting_local_claims() -> anyhow::Result<(Duration, u64)> {
 
 /// Runs the benchmark and prints one line per configuration.
 pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
+    match args.op {
+        Some(BenchOp::Suite(a)) => return suite::run(a).await.map(|()| ExitCode::SUCCESS),
+        Some(BenchOp::Scenario(a)) => return suite::scenario(a).await.map(|()| ExitCode::SUCCESS),
+        Some(BenchOp::Report(a)) => return suite::report(a).map(|()| ExitCode::SUCCESS),
+        None => {}
+    }
     if !args.brokers.is_empty() {
         return run_brokers(&args).await;
     }
@@ -269,24 +318,10 @@ async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         batch: args.batch,
         rounds: args.rounds,
         postgres_url: args.postgres_url.clone(),
+        redis_url: args.redis_url.clone(),
     };
     for name in &args.brokers {
-        // Each broker module adds its arm here.
-        let bench: Option<Box<dyn broker::BrokerBench>> = match name.as_str() {
-            #[cfg(feature = "rabbitmq")]
-            "rabbitmq" => Some(Box::new(rabbitmq::RabbitBench::from_env(args.batch)?)),
-            #[cfg(feature = "rocketmq")]
-            "rocketmq" => Some(Box::new(rocketmq::RocketBench::from_env()?)),
-            #[cfg(feature = "kafka")]
-            "kafka" => Some(Box::new(kafka::KafkaBench::from_env()?)),
-            _ => None,
-        };
-        let Some(bench) = bench else {
-            anyhow::bail!(
-                "unknown broker {name:?} for --brokers (built with: {})",
-                built_brokers().join(", ")
-            );
-        };
+        let bench = make_broker(name, args.batch)?;
         broker::measure(bench.as_ref(), &run).await?;
         #[cfg(feature = "kafka")]
         if name == "kafka" {
@@ -294,6 +329,106 @@ async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The benchmark of broker `name`.
+#[cfg(all(
+    feature = "postgres",
+    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+))]
+fn make_broker(name: &str, batch: usize) -> anyhow::Result<Box<dyn broker::BrokerBench>> {
+    // Each broker module adds its arm here.
+    let bench: Option<Box<dyn broker::BrokerBench>> = match name {
+        #[cfg(feature = "rabbitmq")]
+        "rabbitmq" => Some(Box::new(rabbitmq::RabbitBench::from_env(batch)?)),
+        #[cfg(feature = "rocketmq")]
+        "rocketmq" => Some(Box::new(rocketmq::RocketBench::from_env()?)),
+        #[cfg(feature = "kafka")]
+        "kafka" => Some(Box::new(kafka::KafkaBench::from_env()?)),
+        _ => None,
+    };
+    let _ = batch;
+    bench.ok_or_else(|| {
+        anyhow::anyhow!(
+            "unknown broker {name:?} (built with: {})",
+            built_brokers().join(", ")
+        )
+    })
+}
+
+/// The broker scenarios of the suite: `broker-<name>` (every consumer of
+/// [`broker::measure`]), `kafka-producer` (transactional at 10, 100, 1000 ms against
+/// idempotent), `kafka-group` (1, 2, 4 consumers of one group).
+#[cfg(all(
+    feature = "postgres",
+    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+))]
+async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_json::Value> {
+    use serde_json::json;
+    const BATCH: usize = 256;
+    let n = sizes.broker_messages.max(1);
+    let postgres_url = scenarios::env_url("IDEMQ_TEST_POSTGRES_URL")?;
+    match name {
+        #[cfg(feature = "kafka")]
+        "kafka-producer" => {
+            let intervals = [10, 100, 1000].map(Duration::from_millis);
+            let rows =
+                kafka::producer_intervals(sizes.producer_messages, sizes.broker_rounds, &intervals)
+                    .await?;
+            let rows: Vec<serde_json::Value> = rows
+                .into_iter()
+                .map(|(iv, idem, txn)| {
+                    json!({"interval_ms": iv.as_millis() as u64, "idempotent_rate": idem, "transactional_rate": txn})
+                })
+                .collect();
+            Ok(
+                json!({"broker": "kafka", "records": sizes.producer_messages, "rounds": sizes.broker_rounds, "intervals": rows}),
+            )
+        }
+        #[cfg(feature = "kafka")]
+        "kafka-group" => {
+            let rows = kafka::group_scaling(&postgres_url, n * 2, &[1, 2, 4], BATCH).await?;
+            let rows: Vec<serde_json::Value> = rows
+                .into_iter()
+                .map(|(c, rate)| json!({"consumers": c, "rate": rate}))
+                .collect();
+            Ok(json!({"broker": "kafka", "messages": n * 2, "store": "postgres", "points": rows}))
+        }
+        _ => {
+            let broker_name = name.trim_start_matches("broker-");
+            let bench = make_broker(broker_name, BATCH)?;
+            let run = broker::BrokerRun {
+                messages: n,
+                batch: BATCH,
+                rounds: sizes.broker_rounds,
+                postgres_url: Some(postgres_url),
+                redis_url: scenarios::env_url("IDEMQ_TEST_REDIS_URL").ok(),
+            };
+            let f = broker::measure(bench.as_ref(), &run).await?;
+            let rate = |d: Option<Duration>| d.map(|d| n as f64 / d.as_secs_f64().max(1e-9));
+            Ok(json!({
+                "broker": broker_name,
+                "messages": n,
+                "batch": BATCH,
+                "rounds": sizes.broker_rounds,
+                "bare": rate(f.bare),
+                "memory": rate(f.memory),
+                "handwritten": rate(f.handwritten),
+                "postgres": rate(f.postgres),
+                "redis": rate(f.redis),
+                "unique": rate(f.unique),
+                "unique_keyed": rate(f.unique_keyed),
+            }))
+        }
+    }
+}
+
+#[cfg(not(all(
+    feature = "postgres",
+    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+)))]
+async fn brokers_json(_name: &str, _sizes: &suite::Sizes) -> anyhow::Result<serde_json::Value> {
+    anyhow::bail!("the broker scenarios need a build with the postgres feature and the broker's (--all-features)")
 }
 
 #[cfg(not(all(
