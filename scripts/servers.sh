@@ -7,6 +7,7 @@
 #   scripts/servers.sh status             show what runs; exit 0 only if all of them do
 #   scripts/servers.sh env                export lines: eval "$(scripts/servers.sh env)"
 #   scripts/servers.sh restart-postgres   crash (pg_ctl -m immediate) + start PostgreSQL, same data
+#   scripts/servers.sh restart-mariadb    crash (SIGKILL) + start MariaDB, same data
 #   scripts/servers.sh restart-redis      stop + start Redis only (same port, same module, same data)
 #   scripts/servers.sh restart-redis-cluster-node PORT
 #                                         start a cluster node again (e.g. after a test killed it):
@@ -21,8 +22,9 @@
 # Every server gets a private data dir under $IDEMQ_STATE_DIR, listens on
 # 127.0.0.1 only, on a non-default port, so it never collides with a
 # system-wide instance or another checkout's defaults. Data is thrown away on
-# every start (restart-redis keeps Redis's AOF, restart-kafka Kafka's logs,
-# restart-rabbitmq RabbitMQ's mnesia dir): tests create their own tables,
+# every start (restart-postgres and restart-mariadb keep their data dirs,
+# restart-redis Redis's AOF, restart-kafka Kafka's logs, restart-rabbitmq
+# RabbitMQ's mnesia dir): tests create their own tables,
 # topics and queues. Kafka's jars come from Maven Central once, into
 # $IDEMQ_CACHE_DIR/kafka; RabbitMQ is Debian's rabbitmq-server, run without
 # systemd as its own Erlang node (with its own epmd) under our state dir.
@@ -382,6 +384,26 @@ my_tcp_ok() {
   mariadb --no-defaults -h 127.0.0.1 -P "$MY_PORT" -u "$MY_USER" -p"$MY_PASSWORD" idemq -e 'select 1'
 }
 
+# Run mariadbd on the data dir $MY_DIR/data (as it is) and wait until it answers.
+launch_mariadb() {
+  local user
+  user=$(id -un)
+  is_root && user=mysql
+  # setsid: own session, so the server outlives this script and its terminal.
+  # skip-name-resolve: no DNS lookups per connection; users are matched by IP.
+  # utf8mb4: the compiled-in default is latin1 (Debian sets utf8mb4 in /etc/mysql).
+  setsid mariadbd --no-defaults --user="$user" --datadir="$MY_DIR/data" \
+    --socket="$MY_SOCK" --port="$MY_PORT" --bind-address=127.0.0.1 \
+    --pid-file="$MY_PID" --log-error="$MY_LOG" --skip-name-resolve \
+    --character-set-server=utf8mb4 --collation-server=utf8mb4_unicode_ci \
+    --max-connections=500 \
+    </dev/null >>"$MY_DIR/mariadbd.out" 2>&1 9>&- &
+  # No job control here, so setsid execs in place: $! is mariadbd itself.
+  MY_LAUNCH_PID=$!
+  wait_ready my_died my_admin ping ||
+    die_with_log "mariadb did not become ready" "$MY_LOG" "$MY_DIR/mariadbd.out"
+}
+
 start_mariadb() {
   if my_running; then
     log "mariadb already running on 127.0.0.1:$MY_PORT"
@@ -405,19 +427,7 @@ start_mariadb() {
   mariadb-install-db --no-defaults --user="$user" --datadir="$MY_DIR/data" \
     --auth-root-authentication-method=normal --skip-test-db \
     >"$MY_DIR/install-db.log" 2>&1 || die_with_log "mariadb-install-db failed" "$MY_DIR/install-db.log"
-  # setsid: own session, so the server outlives this script and its terminal.
-  # skip-name-resolve: no DNS lookups per connection; users are matched by IP.
-  # utf8mb4: the compiled-in default is latin1 (Debian sets utf8mb4 in /etc/mysql).
-  setsid mariadbd --no-defaults --user="$user" --datadir="$MY_DIR/data" \
-    --socket="$MY_SOCK" --port="$MY_PORT" --bind-address=127.0.0.1 \
-    --pid-file="$MY_PID" --log-error="$MY_LOG" --skip-name-resolve \
-    --character-set-server=utf8mb4 --collation-server=utf8mb4_unicode_ci \
-    --max-connections=500 \
-    </dev/null >>"$MY_DIR/mariadbd.out" 2>&1 9>&- &
-  # No job control here, so setsid execs in place: $! is mariadbd itself.
-  MY_LAUNCH_PID=$!
-  wait_ready my_died my_admin ping ||
-    die_with_log "mariadb did not become ready" "$MY_LOG" "$MY_DIR/mariadbd.out"
+  launch_mariadb
   mariadb --no-defaults -S "$MY_SOCK" -uroot <<EOF || die_with_log "mariadb setup SQL failed" "$MY_LOG"
 CREATE DATABASE IF NOT EXISTS idemq;
 CREATE USER IF NOT EXISTS '$MY_USER'@'%' IDENTIFIED BY '$MY_PASSWORD';
@@ -425,6 +435,26 @@ GRANT ALL PRIVILEGES ON *.* TO '$MY_USER'@'%' WITH GRANT OPTION;
 EOF
   my_tcp_ok >/dev/null || die_with_log "mariadb does not accept $MYSQL_URL over TCP" "$MY_LOG"
   log "mariadb started on 127.0.0.1:$MY_PORT"
+}
+
+# A crash and a restart, keeping the data: SIGKILL (no shutdown, no buffer pool flush), so
+# InnoDB recovers from its redo log on start, as after a power cut.
+restart_mariadb() {
+  my_running || die "mariadb is not running (start it first)"
+  local pid
+  pid=$(cat "$MY_PID")
+  kill -KILL "$pid"
+  wait_pid_gone "$pid" || die_with_log "mariadb (pid $pid) survived SIGKILL" "$MY_LOG"
+  # The killed server's leader is reaped before its other threads are gone: its
+  # port can still answer for a moment.
+  local deadline=$((SECONDS + TIMEOUT))
+  while port_open "$MY_PORT"; do
+    ((SECONDS < deadline)) || die "port $MY_PORT still in use ${TIMEOUT}s after mariadb (pid $pid) was killed"
+    sleep 0.1
+  done
+  launch_mariadb
+  my_tcp_ok >/dev/null || die_with_log "mariadb does not accept $MYSQL_URL over TCP after the crash" "$MY_LOG"
+  log "mariadb restarted (crash: SIGKILL) on 127.0.0.1:$MY_PORT"
 }
 
 stop_mariadb() {
@@ -1164,6 +1194,7 @@ cmd_env() {
   cat <<EOF
 export IDEMQ_TEST_POSTGRES_URL=$POSTGRES_URL
 export IDEMQ_TEST_MYSQL_URL=$MYSQL_URL
+export IDEMQ_TEST_MYSQL_RESTART_CMD='$SCRIPT_PATH restart-mariadb'
 export IDEMQ_TEST_POSTGRES_RESTART_CMD='$SCRIPT_PATH restart-postgres'
 export IDEMQ_TEST_REDIS_URL=$REDIS_URL
 export IDEMQ_TEST_REDIS_RESTART_CMD='$SCRIPT_PATH restart-redis'
@@ -1184,7 +1215,7 @@ EOF
 }
 
 usage() {
-  sed -n '2,20s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
+  sed -n '2,21s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
   exit 2
 }
 
@@ -1208,8 +1239,22 @@ select_servers() {
 
 selected() { [[ " ${SELECTED[*]} " == *" $1 "* ]]; }
 
+# A server started here must not inherit the caller's descriptors: run under
+# `flock LOCKFILE scripts/servers.sh restart-…` (as the soak and the benchmarks do), a
+# server started with the lock's descriptor open would hold the lock for its whole life,
+# and every later `flock` would wait forever. Bash's own 255 (the script) stays.
+close_inherited_fds() {
+  local fd
+  for fd in $(ls /proc/$$/fd); do
+    if ((fd > 2 && fd != 255)); then
+      eval "exec $fd>&-" 2>/dev/null || true
+    fi
+  done
+}
+
 main() {
   (($#)) || usage
+  close_inherited_fds
   local cmd=$1 i
   shift
   case $cmd in
@@ -1231,6 +1276,10 @@ main() {
     restart-postgres)
       take_lock
       restart_postgres
+      ;;
+    restart-mariadb)
+      take_lock
+      restart_mariadb
       ;;
     restart-redis)
       take_lock

@@ -1,34 +1,49 @@
-//! The fault-injection soak: broker × store, real servers, consumer **processes** killed and
-//! paused, the store crashed mid-run, checked against an independent effect ledger.
+//! The fault-injection soak: broker (and Kafka flow) × store, real servers, consumer
+//! **processes** killed and paused, the store and the broker restarted mid-run, checked
+//! against an independent effect ledger.
 //!
 //! Each pair publishes `IDEMQ_CHAOS_MESSAGES` business keys through the real broker with
 //! producer duplicates (a resend of every fifth key with the same dedup key) and a replay
-//! of the first tenth, then runs two consumer processes that apply each message as one row
-//! of a ledger table **without** a unique constraint, written in the transaction that
-//! completes the dedup record (`begin_for` … `commit`). Meanwhile the parent
+//! of the first tenth, then runs two consumer processes that apply each message once to a
+//! ledger that has no unique constraint, written together with what makes it "done":
+//!
+//! - Kafka flow 1, RabbitMQ queues, RabbitMQ streams, RocketMQ over a SQL store: a ledger
+//!   row in the transaction that completes the dedup record (`begin_for` … `commit`);
+//! - the same over Redis or the layered store: a ledger list entry written by the script that
+//!   completes the record (`RedisStore::complete_with`);
+//! - Kafka flow 3 (`KafkaToDatabase`): a ledger row, the dedup record and the partition's next
+//!   offset in one database transaction, partitions started at the stored offsets;
+//! - Kafka flow 2 (`TransactionalProcessor`): one output record per input in the Kafka
+//!   transaction that also carries the consumed offsets and the business-dedup changelog;
+//!   the ledger is the output topic read `read_committed`.
+//!
+//! Meanwhile the parent
 //!
 //! - SIGKILLs a consumer `IDEMQ_CHAOS_KILLS` times at random moments and starts a new one;
 //! - has consumers abort themselves at chosen points: after the claim before the effect,
 //!   and after the effect's commit before the ack (an `abort()`: no unwinding, no close);
 //! - SIGSTOPs a consumer past its lease, then SIGCONTs it (seed 002's GC pause): its
 //!   messages are taken over by the other consumer, and its late commits are fenced;
-//! - crashes PostgreSQL (`scripts/servers.sh restart-postgres`, `pg_ctl -m immediate`)
-//!   once, on the PostgreSQL pairs;
+//! - crashes the store's server once (`scripts/servers.sh restart-postgres`,
+//!   `restart-mariadb`: no clean shutdown; `restart-redis`);
+//! - restarts the broker once on the pairs that ask for it (`restart-kafka`,
+//!   `restart-rabbitmq`, `restart-rocketmq`; every pair with `IDEMQ_CHAOS_BROKER_RESTART=all`);
 //!
-//! and then requires every key's row exactly once: `double_effects=0 lost=0`.
+//! and then requires every key's effect exactly once: `double_effects=0 lost=0`.
 //!
 //! The CI profile (the defaults) is small; the long profile is the same tests with more:
 //!
 //! ```sh
-//! IDEMQ_CHAOS_MESSAGES=1000000 IDEMQ_CHAOS_KILLS=10 scripts/chaos.sh
+//! IDEMQ_CHAOS_MESSAGES=1000000 IDEMQ_CHAOS_KILLS=10 IDEMQ_CHAOS_BROKER_RESTART=all scripts/chaos.sh
 //! ```
 //!
 //! The kill between the effect and the completion does not exist here by construction: both
-//! commit in one transaction. With a store outside the effect's database (Redis) that window
-//! is real and documented in docs/reliability.md; the Redis pairs are not part of this soak.
+//! commit together (one SQL transaction, one Redis script, one Kafka transaction). With an
+//! effect outside the store that window is real (docs/reliability.md).
 #![cfg(all(
     feature = "kafka",
     feature = "rabbitmq",
+    feature = "rabbitmq-streams",
     feature = "rocketmq",
     feature = "postgres",
     feature = "mysql",
@@ -40,19 +55,30 @@ use idemq::core::testkit::process::{child_role, ChildProcess};
 use idemq::engine::RetryPolicy;
 use idemq::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idemq::kafka::rdkafka::client::DefaultClientContext;
-use idemq::kafka::rdkafka::ClientConfig;
-use idemq::kafka::{KafkaProducerConfig, KafkaPublisher, KafkaSource, KafkaSourceConfig};
+use idemq::kafka::rdkafka::consumer::{BaseConsumer, Consumer};
+use idemq::kafka::rdkafka::{ClientConfig, Message};
+use idemq::kafka::{
+    BusinessDedup, KafkaProducerConfig, KafkaPublisher, KafkaSource, KafkaSourceConfig,
+    KafkaToDatabase, TransactionalProcessor, TxnError, TxnOptions,
+};
 use idemq::layered::LayeredStore;
+use idemq::rabbitmq::stream::{
+    StreamPublisher, StreamPublisherConfig, StreamSource, StreamSourceConfig,
+};
 use idemq::rabbitmq::{QueueType, RabbitPublisher, RabbitSource, RabbitSourceConfig};
 use idemq::redis::redis::cmd as redis_cmd;
 use idemq::redis::RedisStore;
 use idemq::rocketmq::{PublisherConfig, RocketPublisher, RocketSource, SourceConfig};
-use idemq::sql::{sqlx, MySqlStore, PgStore, SqlResultExt, SqlStoreOptions, TableName};
+use idemq::sql::{
+    handler_error, sqlx, MySqlStore, PgStore, SourceOffsets, SqlBackend, SqlStore, SqlStoreOptions,
+    TableName, Val,
+};
 use idemq::{
-    ClaimedMessage, ConsumerConfig, DedupStore, IdempotentConsumer, KeyStrategy, OutgoingMessage,
-    Publisher, Source,
+    ClaimedMessage, ConsumerConfig, DedupStore, DeliveryOrder, HandlerError, HandlerResult,
+    IdempotentConsumer, KeyStrategy, OutgoingMessage, Publisher, Source,
 };
 use rand::Rng;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -62,10 +88,19 @@ const CONSUMERS: usize = 2;
 /// The consumers' lease: short, so a paused consumer loses its claims within the run.
 const LEASE: Duration = Duration::from_secs(3);
 
+/// The broker, and for Kafka the flow, a pair consumes with.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Broker {
+    /// Kafka flow 1: a consumer group source and a dedup store.
     Kafka,
+    /// Kafka flow 2: consume-transform-produce in Kafka transactions (`TransactionalProcessor`).
+    KafkaTxn,
+    /// Kafka flow 3: effect, dedup record and offset in one database transaction.
+    KafkaDb,
+    /// RabbitMQ quorum queues.
     RabbitMq,
+    /// RabbitMQ streams (one named reader per consumer slot).
+    RabbitStream,
     RocketMq,
 }
 
@@ -76,42 +111,67 @@ enum Store {
     Redis,
     /// The layered store (local cache) over Redis.
     Layered,
+    /// Kafka flow 2's own state: the business-dedup changelog topic, in the transaction.
+    Changelog,
 }
+
+const BROKERS: [Broker; 6] = [
+    Broker::Kafka,
+    Broker::KafkaTxn,
+    Broker::KafkaDb,
+    Broker::RabbitMq,
+    Broker::RabbitStream,
+    Broker::RocketMq,
+];
+const STORES: [Store; 5] = [
+    Store::Postgres,
+    Store::MySql,
+    Store::Redis,
+    Store::Layered,
+    Store::Changelog,
+];
 
 impl Broker {
     fn parse(s: &str) -> Self {
-        match s {
-            "kafka" => Self::Kafka,
-            "rabbitmq" => Self::RabbitMq,
-            "rocketmq" => Self::RocketMq,
-            other => panic!("unknown broker {other}"),
-        }
+        *BROKERS
+            .iter()
+            .find(|b| b.name() == s)
+            .unwrap_or_else(|| panic!("unknown broker {s}"))
     }
     fn name(self) -> &'static str {
         match self {
             Self::Kafka => "kafka",
+            Self::KafkaTxn => "kafka_txn",
+            Self::KafkaDb => "kafka_db",
             Self::RabbitMq => "rabbitmq",
+            Self::RabbitStream => "rabbitmq_stream",
             Self::RocketMq => "rocketmq",
         }
     }
     fn env(self) -> &'static str {
         match self {
-            Self::Kafka => "IDEMQ_TEST_KAFKA_BROKERS",
+            Self::Kafka | Self::KafkaTxn | Self::KafkaDb => "IDEMQ_TEST_KAFKA_BROKERS",
             Self::RabbitMq => "IDEMQ_TEST_AMQP_URL",
+            Self::RabbitStream => "IDEMQ_TEST_RABBITMQ_STREAM_URL",
             Self::RocketMq => "IDEMQ_TEST_ROCKETMQ_NAMESRV",
+        }
+    }
+    /// The command that restarts the broker (same port, same data).
+    fn restart_env(self) -> &'static str {
+        match self {
+            Self::Kafka | Self::KafkaTxn | Self::KafkaDb => "IDEMQ_TEST_KAFKA_RESTART_CMD",
+            Self::RabbitMq | Self::RabbitStream => "IDEMQ_TEST_RABBITMQ_RESTART_CMD",
+            Self::RocketMq => "IDEMQ_TEST_ROCKETMQ_RESTART_CMD",
         }
     }
 }
 
 impl Store {
     fn parse(s: &str) -> Self {
-        match s {
-            "postgres" => Self::Postgres,
-            "mysql" => Self::MySql,
-            "redis" => Self::Redis,
-            "layered" => Self::Layered,
-            other => panic!("unknown store {other}"),
-        }
+        *STORES
+            .iter()
+            .find(|b| b.name() == s)
+            .unwrap_or_else(|| panic!("unknown store {s}"))
     }
     fn name(self) -> &'static str {
         match self {
@@ -119,6 +179,7 @@ impl Store {
             Self::MySql => "mysql",
             Self::Redis => "redis",
             Self::Layered => "layered",
+            Self::Changelog => "changelog",
         }
     }
     fn env(self) -> &'static str {
@@ -126,14 +187,17 @@ impl Store {
             Self::Postgres => "IDEMQ_TEST_POSTGRES_URL",
             Self::MySql => "IDEMQ_TEST_MYSQL_URL",
             Self::Redis | Self::Layered => "IDEMQ_TEST_REDIS_URL",
+            Self::Changelog => "IDEMQ_TEST_KAFKA_BROKERS",
         }
     }
-    /// The command that crashes and restarts the store's server mid-run, if there is one.
+    /// The command that crashes and restarts the store's server mid-run, if there is one
+    /// (flow 2's state lives in the broker: its restart is the broker's).
     fn restart_env(self) -> Option<&'static str> {
         match self {
             Self::Postgres => Some("IDEMQ_TEST_POSTGRES_RESTART_CMD"),
-            Self::MySql => None,
+            Self::MySql => Some("IDEMQ_TEST_MYSQL_RESTART_CMD"),
             Self::Redis | Self::Layered => Some("IDEMQ_TEST_REDIS_RESTART_CMD"),
+            Self::Changelog => None,
         }
     }
 }
@@ -172,13 +236,15 @@ fn unique(what: &str) -> String {
 }
 
 /// The effect ledger, where the parent reads it: a SQL table without a unique constraint,
-/// or (Redis stores) a list of applications plus a set of the keys applied.
+/// (Redis stores) a list of applications plus a set of the keys applied, or (flow 2) the
+/// output topic read `read_committed`, counted per record key.
 enum Ledger {
     Pg(PgStore, String),
     My(MySqlStore, String),
     // A connection manager: it reconnects after the Redis restart mid-run (a plain
     // multiplexed connection stays broken, and the parent would never see the ledger again).
     Redis(idemq::redis::redis::aio::ConnectionManager, String),
+    Topic(BaseConsumer, HashMap<Vec<u8>, i64>),
 }
 
 impl Ledger {
@@ -205,6 +271,21 @@ impl Ledger {
                     .expect("Redis");
                 Self::Redis(conn, ledger.into())
             }
+            Store::Changelog => {
+                create_topic(url, ledger).await;
+                let reader: BaseConsumer = ClientConfig::new()
+                    .set("bootstrap.servers", url)
+                    .set("group.id", unique("ledger_reader"))
+                    .set("auto.offset.reset", "earliest")
+                    .set("enable.auto.commit", "false")
+                    .set("isolation.level", "read_committed")
+                    .create()
+                    .expect("ledger reader");
+                reader
+                    .subscribe(&[ledger])
+                    .expect("subscribe to the ledger");
+                Self::Topic(reader, HashMap::new())
+            }
         }
     }
 
@@ -221,7 +302,29 @@ impl Ledger {
                 p.cmd("SCARD").arg(format!("{l}:keys"));
                 p.query_async(conn).await.ok()
             }
+            Self::Topic(reader, seen) => {
+                // What has arrived since the last look; errors (the broker restarting) are
+                // retried by the client, which reconnects on its own.
+                while let Some(r) = reader.poll(Duration::ZERO) {
+                    if let Ok(m) = r {
+                        *seen
+                            .entry(m.key().unwrap_or_default().to_vec())
+                            .or_default() += 1;
+                    }
+                }
+                Some((seen.values().sum(), seen.len() as i64))
+            }
         }
+    }
+
+    /// Flow 3's offsets table (the default one), made before two consumers race to make it.
+    async fn create_offsets_table(&self) {
+        let made = match self {
+            Self::Pg(s, _) => SourceOffsets::from_pool(s.pool().clone(), None).await.err(),
+            Self::My(s, _) => SourceOffsets::from_pool(s.pool().clone(), None).await.err(),
+            Self::Redis(..) | Self::Topic(..) => panic!("flow 3 runs on a SQL database"),
+        };
+        assert!(made.is_none(), "the offsets table: {made:?}");
     }
 
     async fn drop(&mut self) {
@@ -243,6 +346,8 @@ impl Ledger {
                     .query_async(conn)
                     .await;
             }
+            // The topics stay, like every other pair's topics and queues.
+            Self::Topic(..) => {}
         }
     }
 }
@@ -255,6 +360,9 @@ struct Plan {
     group: String,
     table: String,
     ledger: String,
+    /// Which of the `CONSUMERS` places this process fills: a replacement takes the place of
+    /// the one it replaces (its stream consumer name, its transactional id).
+    slot: usize,
     /// Abort after this many handled messages (0: never).
     abort_after: usize,
     /// Where: `before-effect` or `before-ack`.
@@ -264,13 +372,14 @@ struct Plan {
 impl Plan {
     fn encode(&self) -> String {
         format!(
-            "{}|{}|{}|{}|{}|{}|{}|{}",
+            "{}|{}|{}|{}|{}|{}|{}|{}|{}",
             self.broker.name(),
             self.store.name(),
             self.destination,
             self.group,
             self.table,
             self.ledger,
+            self.slot,
             self.abort_after,
             self.abort_at
         )
@@ -278,7 +387,7 @@ impl Plan {
 
     fn decode(s: &str) -> Self {
         let p: Vec<&str> = s.split('|').collect();
-        assert_eq!(p.len(), 8, "bad {CHILD}: {s}");
+        assert_eq!(p.len(), 9, "bad {CHILD}: {s}");
         Self {
             broker: Broker::parse(p[0]),
             store: Store::parse(p[1]),
@@ -286,9 +395,15 @@ impl Plan {
             group: p[3].into(),
             table: p[4].into(),
             ledger: p[5].into(),
-            abort_after: p[6].parse().expect("abort_after"),
-            abort_at: p[7].into(),
+            slot: p[6].parse().expect("slot"),
+            abort_after: p[7].parse().expect("abort_after"),
+            abort_at: p[8].into(),
         }
+    }
+
+    /// This slot's name: the stream consumer name, the transactional id.
+    fn slot_name(&self) -> String {
+        format!("{}-{}", self.group, self.slot)
     }
 }
 
@@ -312,15 +427,18 @@ impl Tripwire {
     }
 }
 
+fn kafka_config(plan: &Plan, url: &str) -> KafkaSourceConfig {
+    let mut cfg = KafkaSourceConfig::new(url, &plan.group, &[plan.destination.as_str()])
+        .set("session.timeout.ms", "6000")
+        .set("heartbeat.interval.ms", "500");
+    cfg.commit_interval = Duration::from_millis(500);
+    cfg
+}
+
+/// The source of a flow-1 consumer (flow 3's is made with its offsets, in `sql_child`).
 async fn child_source(plan: &Plan, url: &str) -> Box<dyn Source> {
     match plan.broker {
-        Broker::Kafka => {
-            let mut cfg = KafkaSourceConfig::new(url, &plan.group, &[plan.destination.as_str()])
-                .set("session.timeout.ms", "6000")
-                .set("heartbeat.interval.ms", "500");
-            cfg.commit_interval = Duration::from_millis(500);
-            Box::new(KafkaSource::new(cfg).expect("kafka source"))
-        }
+        Broker::Kafka => Box::new(KafkaSource::new(kafka_config(plan, url)).expect("kafka source")),
         Broker::RabbitMq => Box::new(
             RabbitSource::connect(
                 RabbitSourceConfig::new(url, &plan.destination)
@@ -330,44 +448,24 @@ async fn child_source(plan: &Plan, url: &str) -> Box<dyn Source> {
             .await
             .expect("rabbitmq source"),
         ),
+        // A stream has no competing consumers: each slot reads all of it under its own
+        // name (stored offset), and the dedup store settles which one applies a key.
+        Broker::RabbitStream => Box::new(
+            StreamSource::connect(StreamSourceConfig::new(
+                url,
+                &plan.destination,
+                plan.slot_name(),
+            ))
+            .await
+            .expect("stream source"),
+        ),
         Broker::RocketMq => Box::new(
             RocketSource::connect(SourceConfig::new(url, &plan.group, &plan.destination))
                 .await
                 .expect("rocketmq source"),
         ),
+        Broker::KafkaTxn | Broker::KafkaDb => unreachable!("{:?} has its own child", plan.broker),
     }
-}
-
-/// The handler of one store: the ledger row and the dedup completion in one transaction.
-macro_rules! ledger_consumer {
-    ($store:expr, $insert:expr, $plan:expr, $trip:expr) => {{
-        let db = $store.clone();
-        let (insert, trip) = ($insert, $trip);
-        let handler = move |m: ClaimedMessage| {
-            let (db, insert, trip) = (db.clone(), insert.clone(), trip.clone());
-            async move {
-                trip.check("before-effect");
-                let mut tx = db.begin_for(&m).await?;
-                sqlx::query(&insert)
-                    .bind(m.key.business_key().to_string())
-                    .bind(i64::from(std::process::id()))
-                    .execute(&mut *tx)
-                    .await
-                    .classify()?;
-                let done = tx.commit().await;
-                if done.is_ok() {
-                    trip.check("before-ack");
-                }
-                done
-            }
-        };
-        IdempotentConsumer::new(
-            Arc::new($store),
-            KeyStrategy::dedup_header(&$plan.group).expect("group"),
-            handler,
-        )
-        .with_config(consumer_config())
-    }};
 }
 
 fn consumer_config() -> ConsumerConfig {
@@ -381,7 +479,200 @@ fn consumer_config() -> ConsumerConfig {
     }
 }
 
-/// A consumer process: runs until killed (or aborts itself as planned).
+/// Runs `effect` (which commits the effect with its completion) between the two abort
+/// points.
+async fn tripped<F: std::future::Future<Output = HandlerResult>>(
+    trip: &Tripwire,
+    effect: impl FnOnce() -> F,
+) -> HandlerResult {
+    trip.check("before-effect");
+    let done = effect().await;
+    if done.is_ok() {
+        trip.check("before-ack");
+    }
+    done
+}
+
+/// Where a SQL pair's effect commits: the dedup store's transaction (flow 1) or flow 3's
+/// (dedup record and offset too).
+enum SqlTx<DB: SqlBackend> {
+    Store(SqlStore<DB>),
+    Flow(KafkaToDatabase<DB>),
+}
+
+impl<DB: SqlBackend> SqlTx<DB> {
+    /// The ledger row of `m`, committed with the completion.
+    async fn apply(&self, m: &ClaimedMessage, insert: &str) -> HandlerResult {
+        match self {
+            Self::Store(s) => {
+                let mut tx = s.begin_for(m).await?;
+                ledger_row::<DB>(&mut tx, insert, m).await?;
+                tx.commit().await
+            }
+            Self::Flow(f) => {
+                let mut tx = f.begin(m).await?;
+                ledger_row::<DB>(&mut tx, insert, m).await?;
+                tx.commit().await
+            }
+        }
+    }
+}
+
+/// Writes `m`'s ledger row (`insert`'s two `?`s: the key and this process's id) on `conn`.
+async fn ledger_row<DB: SqlBackend>(
+    conn: &mut DB::Connection,
+    insert: &str,
+    m: &ClaimedMessage,
+) -> Result<(), HandlerError> {
+    let row = vec![
+        Val::Text(Some(m.key.business_key().to_string())),
+        Val::I64(Some(i64::from(std::process::id()))),
+    ];
+    DB::execute(conn, insert, row)
+        .await
+        .map_err(handler_error)?;
+    Ok(())
+}
+
+/// A consumer over a SQL store: flow 1 on any broker, or Kafka flow 3.
+async fn sql_child<DB: SqlBackend>(
+    plan: &Plan,
+    store: SqlStore<DB>,
+    url: &str,
+    trip: Arc<Tripwire>,
+) -> String {
+    let insert = DB::DIALECT.placeholders(format!(
+        "INSERT INTO {} (k, pid) VALUES (?, ?)",
+        plan.ledger
+    ));
+    let (tx, mut source): (SqlTx<DB>, Box<dyn Source>) = if plan.broker == Broker::KafkaDb {
+        let flow = KafkaToDatabase::new(store.clone(), &plan.group)
+            .await
+            .expect("flow 3");
+        let cfg = flow
+            .source_config(kafka_config(plan, url))
+            .expect("offsets");
+        let source = KafkaSource::new(cfg).expect("kafka source");
+        (SqlTx::Flow(flow), Box::new(source))
+    } else {
+        (SqlTx::Store(store.clone()), child_source(plan, url).await)
+    };
+    let tx = Arc::new(tx);
+    let handler = {
+        let tx = tx.clone();
+        move |m: ClaimedMessage| {
+            let (tx, insert, trip) = (tx.clone(), insert.clone(), trip.clone());
+            async move { tripped(&trip, || tx.apply(&m, &insert)).await }
+        }
+    };
+    let consumer = match &*tx {
+        SqlTx::Flow(f) => f
+            .consumer(
+                handler,
+                ConsumerConfig {
+                    ordering: DeliveryOrder::PerPartition,
+                    ..consumer_config()
+                },
+            )
+            .expect("flow 3 engine"),
+        SqlTx::Store(_) => {
+            let keys = KeyStrategy::dedup_header(&plan.group).expect("group");
+            IdempotentConsumer::new(Arc::new(store), keys, handler).with_config(consumer_config())
+        }
+    };
+    format!(
+        "{:?}",
+        consumer.run(&mut *source, std::future::pending()).await
+    )
+}
+
+/// A flow-1 consumer over Redis, or the layered store over Redis: the ledger entries are
+/// written by the script that completes the record.
+async fn redis_child(plan: &Plan, url: &str, broker_url: &str, trip: Arc<Tripwire>) -> String {
+    let redis = RedisStore::builder(url)
+        .prefix(&plan.table)
+        .connect()
+        .await
+        .expect("store");
+    let engine_store: Arc<dyn DedupStore> = match plan.store {
+        Store::Layered => Arc::new(LayeredStore::new(Arc::new(redis.clone()))),
+        _ => Arc::new(redis.clone()),
+    };
+    let (rows, keys) = (
+        format!("{}:rows", plan.ledger),
+        format!("{}:keys", plan.ledger),
+    );
+    let handler = move |m: ClaimedMessage| {
+        let (db, rows, keys, trip) = (redis.clone(), rows.clone(), keys.clone(), trip.clone());
+        async move {
+            let k = m.key.business_key().to_string();
+            let mut row = redis_cmd("RPUSH");
+            row.arg(&rows).arg(format!("{k}|{}", std::process::id()));
+            let mut key = redis_cmd("SADD");
+            key.arg(&keys).arg(&k);
+            let effect = [row, key];
+            // The effect and the completion in one script.
+            tripped(&trip, || db.complete_with(&m, &effect, None)).await
+        }
+    };
+    let mut source = child_source(plan, broker_url).await;
+    let c = IdempotentConsumer::new(
+        engine_store,
+        KeyStrategy::dedup_header(&plan.group).expect("group"),
+        handler,
+    )
+    .with_config(consumer_config());
+    format!("{:?}", c.run(&mut *source, std::future::pending()).await)
+}
+
+/// Kafka flow 2: consume-transform-produce, one output per input into the ledger topic, in
+/// transactions with the offsets and the business-dedup changelog. The slot is the
+/// transactional id, so a replacement fences the process it replaces and aborts its open
+/// transaction.
+async fn txn_child(plan: &Plan, url: &str, trip: Arc<Tripwire>) -> String {
+    let producer = KafkaProducerConfig::transactional(url, &plan.slot_name());
+    let mut dedup = BusinessDedup::new(KeyStrategy::dedup_header(&plan.group).expect("group"));
+    dedup.restore_timeout = Duration::from_secs(30);
+    let options = TxnOptions::default()
+        .consumer_property("session.timeout.ms", "6000")
+        .consumer_property("heartbeat.interval.ms", "500")
+        .dedup(dedup);
+    let mut processor = match TransactionalProcessor::with_options(
+        &producer,
+        &plan.group,
+        &[plan.destination.as_str()],
+        options,
+    )
+    .await
+    {
+        Ok(p) => p,
+        Err(e) => return format!("processor: {e}"),
+    };
+    loop {
+        let r = processor
+            .process_batch(64, Duration::from_secs(1), |input| {
+                trip.check("before-effect");
+                let key = input
+                    .headers
+                    .get_str(idemq::DEDUP_HEADER)
+                    .ok_or("an input without its dedup key")?
+                    .to_string();
+                Ok(vec![OutgoingMessage::new(&plan.ledger, "applied")
+                    .with_key(key.clone())
+                    .with_dedup_key(key)])
+            })
+            .await;
+        match r {
+            // Committed: outputs, offsets and seen keys. The next poll is the "ack".
+            Ok(n) => (0..n).for_each(|_| trip.check("before-ack")),
+            Err(TxnError::Aborted(why)) => eprintln!("aborted, consumed again: {why}"),
+            Err(e) => return e.to_string(),
+        }
+    }
+}
+
+/// A consumer process: runs until killed (or aborts itself as planned, or its consumer
+/// stops, which the parent counts as a death and replaces).
 async fn consumer_child(arg: &str) {
     let plan = Plan::decode(arg);
     let broker_url = var(plan.broker.env()).expect("broker URL");
@@ -391,69 +682,29 @@ async fn consumer_child(arg: &str) {
         at: plan.abort_at.clone(),
         seen: Default::default(),
     });
-    let opts = SqlStoreOptions::with_table(TableName::new(&plan.table).expect("table"));
-    let mut source = child_source(&plan, &broker_url).await;
+    let opts = || SqlStoreOptions::with_table(TableName::new(&plan.table).expect("table"));
     eprintln!(
-        "child {} consuming {} on {}",
+        "child {} consuming {} on {} (slot {})",
         std::process::id(),
         plan.destination,
-        plan.broker.name()
+        plan.broker.name(),
+        plan.slot
     );
-    let r = match plan.store {
+    let stopped = match plan.store {
         Store::Postgres => {
-            let store = PgStore::connect(&store_url, opts).await.expect("store");
-            let insert = format!("INSERT INTO {} (k, pid) VALUES ($1, $2)", plan.ledger);
-            let c = ledger_consumer!(store, insert, plan, trip);
-            c.run(&mut *source, std::future::pending()).await
+            let store = PgStore::connect(&store_url, opts()).await.expect("store");
+            sql_child(&plan, store, &broker_url, trip).await
         }
         Store::MySql => {
-            let store = MySqlStore::connect(&store_url, opts).await.expect("store");
-            let insert = format!("INSERT INTO {} (k, pid) VALUES (?, ?)", plan.ledger);
-            let c = ledger_consumer!(store, insert, plan, trip);
-            c.run(&mut *source, std::future::pending()).await
-        }
-        Store::Redis | Store::Layered => {
-            let redis = RedisStore::builder(&store_url)
-                .prefix(&plan.table)
-                .connect()
+            let store = MySqlStore::connect(&store_url, opts())
                 .await
                 .expect("store");
-            let engine_store: Arc<dyn DedupStore> = match plan.store {
-                Store::Layered => Arc::new(LayeredStore::new(Arc::new(redis.clone()))),
-                _ => Arc::new(redis.clone()),
-            };
-            let (rows, keys) = (
-                format!("{}:rows", plan.ledger),
-                format!("{}:keys", plan.ledger),
-            );
-            let handler = move |m: ClaimedMessage| {
-                let (db, rows, keys, trip) =
-                    (redis.clone(), rows.clone(), keys.clone(), trip.clone());
-                async move {
-                    trip.check("before-effect");
-                    let k = m.key.business_key().to_string();
-                    let mut row = redis_cmd("RPUSH");
-                    row.arg(&rows).arg(format!("{k}|{}", std::process::id()));
-                    let mut key = redis_cmd("SADD");
-                    key.arg(&keys).arg(&k);
-                    // The effect and the completion in one script.
-                    let done = db.complete_with(&m, &[row, key], None).await;
-                    if done.is_ok() {
-                        trip.check("before-ack");
-                    }
-                    done
-                }
-            };
-            let c = IdempotentConsumer::new(
-                engine_store,
-                KeyStrategy::dedup_header(&plan.group).expect("group"),
-                handler,
-            )
-            .with_config(consumer_config());
-            c.run(&mut *source, std::future::pending()).await
+            sql_child(&plan, store, &broker_url, trip).await
         }
+        Store::Redis | Store::Layered => redis_child(&plan, &store_url, &broker_url, trip).await,
+        Store::Changelog => txn_child(&plan, &broker_url, trip).await,
     };
-    panic!("the consumer stopped: {r:?}");
+    panic!("the consumer stopped: {stopped}");
 }
 
 async fn create_topic(brokers: &str, topic: &str) {
@@ -478,7 +729,7 @@ async fn create_topic(brokers: &str, topic: &str) {
 /// again (a replay). Returns how many messages went out.
 async fn publish(broker: Broker, url: &str, destination: &str, keys: usize) -> usize {
     let publisher: Box<dyn Publisher> = match broker {
-        Broker::Kafka => {
+        Broker::Kafka | Broker::KafkaTxn | Broker::KafkaDb => {
             create_topic(url, destination).await;
             Box::new(KafkaPublisher::new(&KafkaProducerConfig::idempotent(url)).expect("kafka"))
         }
@@ -492,12 +743,21 @@ async fn publish(broker: Broker, url: &str, destination: &str, keys: usize) -> u
             s.close().await.expect("close declaring source");
             Box::new(RabbitPublisher::connect(url).await.expect("rabbitmq"))
         }
+        // Unnamed: a named producer's broker-side dedup would drop the resends before the
+        // consumers could meet them.
+        Broker::RabbitStream => Box::new(
+            StreamPublisher::connect(StreamPublisherConfig::new(url, destination))
+                .await
+                .expect("stream publisher"),
+        ),
         Broker::RocketMq => Box::new(
             RocketPublisher::connect(PublisherConfig::new(url, unique("producer")))
                 .await
                 .expect("rocketmq"),
         ),
     };
+    // The record key is the business key: every copy of a key lands on one Kafka partition,
+    // which flow 2's business dedup requires.
     let message = |i: usize| {
         OutgoingMessage::new(destination, format!("{{\"order\":\"o-{i:07}\"}}"))
             .with_key(format!("o-{i:07}"))
@@ -534,12 +794,18 @@ fn send_signal(child: &ChildProcess, signal: &str) {
     assert!(ok, "kill {signal} {}", child.id());
 }
 
-fn restart_store(env: &str) {
+/// Runs the restart command in `env` (scripts/servers.sh restart-…) to its end.
+async fn restart_server(env: &str) {
     let cmd = var(env).unwrap_or_else(|| panic!("{env} (eval \"$(scripts/servers.sh env)\")"));
-    let out = std::process::Command::new("bash")
-        .args(["-c", &cmd])
-        .output()
-        .expect("run the restart command");
+    let run = cmd.clone();
+    let out = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("bash")
+            .args(["-c", &run])
+            .output()
+    })
+    .await
+    .expect("restart task")
+    .expect("run the restart command");
     assert!(
         out.status.success(),
         "{cmd}: {}",
@@ -547,10 +813,15 @@ fn restart_store(env: &str) {
     );
 }
 
-/// Pairs share the servers and PostgreSQL is crashed mid-run: one pair at a time.
+/// Pairs share the servers and restart them mid-run: one pair at a time.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-async fn soak(test: &str, broker: Broker, store: Store) {
+/// Progress (share of the keys applied) at which the store's server is crashed, and at
+/// which the broker is restarted.
+const STORE_RESTART_AT: f64 = 0.5;
+const BROKER_RESTART_AT: f64 = 0.7;
+
+async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
     if let Some(arg) = child_role(CHILD) {
         consumer_child(&arg).await;
         return;
@@ -562,38 +833,43 @@ async fn soak(test: &str, broker: Broker, store: Store) {
     let keys = knob("IDEMQ_CHAOS_MESSAGES", 3000);
     let kills = knob("IDEMQ_CHAOS_KILLS", 3);
     let limit = Duration::from_secs(knob("IDEMQ_CHAOS_LIMIT_SECS", 420) as u64);
+    let broker_restart =
+        broker_restart || var("IDEMQ_CHAOS_BROKER_RESTART").as_deref() == Some("all");
     let table = unique("dedup");
     let ledger = unique("ledger");
     let mut db = Ledger::create(store, &store_url, &table, &ledger).await;
+    if broker == Broker::KafkaDb {
+        db.create_offsets_table().await;
+    }
     let destination = unique("orders");
     let published = publish(broker, &broker_url, &destination, keys).await;
-    let plan = |abort_after: usize, abort_at: &str| Plan {
-        broker,
-        store,
-        destination: destination.clone(),
-        group: unique("billing"),
-        table: table.clone(),
-        ledger: ledger.clone(),
-        abort_after,
-        abort_at: abort_at.into(),
-    };
-    // Every consumer of the run is one group: the first plan's.
-    let group = plan(0, "").group;
-    let spawn = |abort_after: usize, abort_at: &str| {
-        let mut p = plan(abort_after, abort_at);
-        p.group = group.clone();
+    // Every consumer of the run is one group.
+    let group = unique("billing");
+    let spawn = |slot: usize, abort_after: usize, abort_at: &str| {
+        let p = Plan {
+            broker,
+            store,
+            destination: destination.clone(),
+            group: group.clone(),
+            table: table.clone(),
+            ledger: ledger.clone(),
+            slot,
+            abort_after,
+            abort_at: abort_at.into(),
+        };
         ChildProcess::spawn_self(test, CHILD, &p.encode()).expect("spawn a consumer")
     };
     // One consumer aborts itself between claim and effect, one between commit and ack; the
     // ones started after a SIGKILL run clean.
     let mut children = vec![
-        spawn(keys / 7 + 1, "before-effect"),
-        spawn(keys / 5 + 1, "before-ack"),
+        spawn(0, keys / 7 + 1, "before-effect"),
+        spawn(1, keys / 5 + 1, "before-ack"),
     ];
     debug_assert_eq!(children.len(), CONSUMERS);
 
     let started = Instant::now();
-    let (mut killed, mut paused, mut restarted, mut respawned) = (0, false, false, 0);
+    let (mut killed, mut paused, mut respawned) = (0, false, 0);
+    let (mut store_restarted, mut broker_restarted) = (false, false);
     // A paused consumer and when it gets SIGCONT (the loop goes on meanwhile).
     let mut resume: Option<(usize, Instant)> = None;
     let mut tails = Vec::new();
@@ -610,10 +886,10 @@ async fn soak(test: &str, broker: Broker, store: Store) {
             break;
         }
         // Children that aborted (as planned) or died are replaced by clean ones.
-        for c in children.iter_mut() {
+        for (slot, c) in children.iter_mut().enumerate() {
             if let Ok(Some(status)) = c.try_wait() {
                 tails.push(format!("[{status}] {}", c.stderr_tail(1500)));
-                *c = spawn(0, "");
+                *c = spawn(slot, 0, "");
                 respawned += 1;
             }
         }
@@ -623,7 +899,7 @@ async fn soak(test: &str, broker: Broker, store: Store) {
             tokio::time::sleep(Duration::from_millis(rand::thread_rng().gen_range(0..50))).await;
             children[i].kill().expect("SIGKILL");
             tails.push(children[i].stderr_tail(1500));
-            children[i] = spawn(0, "");
+            children[i] = spawn(i, 0, "");
             killed += 1;
             eprintln!("{broker:?}/{store:?}: SIGKILL {killed} at {done} of {keys}");
         }
@@ -644,15 +920,28 @@ async fn soak(test: &str, broker: Broker, store: Store) {
         }
         if let Some(cmd) = store
             .restart_env()
-            .filter(|_| !restarted && progress >= 0.5)
+            .filter(|_| !store_restarted && progress >= STORE_RESTART_AT)
         {
-            restarted = true;
-            restart_store(cmd);
-            eprintln!("{broker:?}/{store:?}: the store's server restarted at {done}");
+            store_restarted = true;
+            let t = Instant::now();
+            restart_server(cmd).await;
+            eprintln!(
+                "{broker:?}/{store:?}: the store's server crashed and restarted at {done} in {:.1?}",
+                t.elapsed()
+            );
+        }
+        if broker_restart && !broker_restarted && progress >= BROKER_RESTART_AT {
+            broker_restarted = true;
+            let t = Instant::now();
+            restart_server(broker.restart_env()).await;
+            eprintln!(
+                "{broker:?}/{store:?}: the broker restarted at {done} in {:.1?}",
+                t.elapsed()
+            );
         }
     }
     // Late redeliveries (a killed consumer's unacked messages, RocketMQ's reconsume) must
-    // find their keys done: watch a little longer for a second row.
+    // find their keys done: watch a little longer for a second effect.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let mut counts = None;
     for _ in 0..100 {
@@ -670,8 +959,8 @@ async fn soak(test: &str, broker: Broker, store: Store) {
     let lost = keys as i64 - done;
     println!(
         "chaos {}/{}: keys={keys} published={published} sigkills={killed} aborts+deaths={respawned} \
-         sigstop={paused} store_restart={restarted} rows={total} double_effects={double_effects} \
-         lost={lost} in {:.0?}",
+         sigstop={paused} store_restart={store_restarted} broker_restart={broker_restarted} \
+         rows={total} double_effects={double_effects} lost={lost} in {:.0?}",
         broker.name(),
         store.name(),
         started.elapsed()
@@ -679,69 +968,47 @@ async fn soak(test: &str, broker: Broker, store: Store) {
     assert_eq!(
         (double_effects, lost),
         (0, 0),
-        "{broker:?}/{store:?}: {total} rows for {done} of {keys} keys; \
+        "{broker:?}/{store:?}: {total} effects for {done} of {keys} keys; \
          children said:\n{}",
         tails.join("\n---\n")
+    );
+    assert!(
+        !broker_restart || broker_restarted,
+        "{broker:?}/{store:?}: the broker restart was planned but never reached"
     );
     db.drop().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn chaos_kafka_postgres() {
-    soak("chaos_kafka_postgres", Broker::Kafka, Store::Postgres).await;
+/// One test per pair: `name: broker, store, restart the broker mid-run (in the CI profile)`.
+/// The broker is restarted on one pair per broker and Kafka flow, the store's server on
+/// every pair that has one.
+macro_rules! pairs {
+    ($($name:ident: $broker:ident, $store:ident, $broker_restart:literal;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+        async fn $name() {
+            soak(stringify!($name), Broker::$broker, Store::$store, $broker_restart).await;
+        }
+    )*};
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn chaos_rabbitmq_postgres() {
-    soak("chaos_rabbitmq_postgres", Broker::RabbitMq, Store::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn chaos_rocketmq_postgres() {
-    soak("chaos_rocketmq_postgres", Broker::RocketMq, Store::Postgres).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn chaos_kafka_mysql() {
-    soak("chaos_kafka_mysql", Broker::Kafka, Store::MySql).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn chaos_rabbitmq_mysql() {
-    soak("chaos_rabbitmq_mysql", Broker::RabbitMq, Store::MySql).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn chaos_rocketmq_mysql() {
-    soak("chaos_rocketmq_mysql", Broker::RocketMq, Store::MySql).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn chaos_kafka_redis() {
-    soak("chaos_kafka_redis", Broker::Kafka, Store::Redis).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn chaos_rabbitmq_redis() {
-    soak("chaos_rabbitmq_redis", Broker::RabbitMq, Store::Redis).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn chaos_rocketmq_redis() {
-    soak("chaos_rocketmq_redis", Broker::RocketMq, Store::Redis).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn chaos_kafka_layered() {
-    soak("chaos_kafka_layered", Broker::Kafka, Store::Layered).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn chaos_rabbitmq_layered() {
-    soak("chaos_rabbitmq_layered", Broker::RabbitMq, Store::Layered).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn chaos_rocketmq_layered() {
-    soak("chaos_rocketmq_layered", Broker::RocketMq, Store::Layered).await;
+pairs! {
+    chaos_kafka_postgres: Kafka, Postgres, false;
+    chaos_kafka_mysql: Kafka, MySql, true;
+    chaos_kafka_redis: Kafka, Redis, false;
+    chaos_kafka_layered: Kafka, Layered, false;
+    chaos_kafka_txn_changelog: KafkaTxn, Changelog, true;
+    chaos_kafka_db_postgres: KafkaDb, Postgres, true;
+    chaos_kafka_db_mysql: KafkaDb, MySql, false;
+    chaos_rabbitmq_postgres: RabbitMq, Postgres, false;
+    chaos_rabbitmq_mysql: RabbitMq, MySql, true;
+    chaos_rabbitmq_redis: RabbitMq, Redis, false;
+    chaos_rabbitmq_layered: RabbitMq, Layered, false;
+    chaos_rabbitmq_stream_postgres: RabbitStream, Postgres, false;
+    chaos_rabbitmq_stream_mysql: RabbitStream, MySql, false;
+    chaos_rabbitmq_stream_redis: RabbitStream, Redis, true;
+    chaos_rabbitmq_stream_layered: RabbitStream, Layered, false;
+    chaos_rocketmq_postgres: RocketMq, Postgres, false;
+    chaos_rocketmq_mysql: RocketMq, MySql, true;
+    chaos_rocketmq_redis: RocketMq, Redis, false;
+    chaos_rocketmq_layered: RocketMq, Layered, false;
 }
