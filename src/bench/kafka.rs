@@ -250,6 +250,21 @@ async fn produce_run(
     if transactional {
         blocking(&producer, |p| p.init_transactions(Duration::from_secs(30))).await??;
     }
+    // Warm up outside the clock: topic metadata, the connection to the leader, and the
+    // producer id (the idempotent producer acquires it on its first send, the
+    // transactional one in init_transactions). Without this a short idempotent run paid
+    // its start-up inside the clock and the transactional one did not.
+    if transactional {
+        producer.begin_transaction()?;
+    }
+    let warm = FutureRecord::to(&topic).key("warm-up").payload("warm-up");
+    producer
+        .send(warm, Duration::from_secs(30))
+        .await
+        .map_err(|(e, _)| e)?;
+    if transactional {
+        blocking(&producer, |p| p.commit_transaction(Duration::from_secs(30))).await??;
+    }
     let started = Instant::now();
     if transactional {
         producer.begin_transaction()?;

@@ -408,6 +408,7 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
             let rate = |d: Option<Duration>| d.map(|d| n as f64 / d.as_secs_f64().max(1e-9));
             Ok(json!({
                 "broker": broker_name,
+                "server": if broker_name == "kafka" { kafka_version() } else { String::new() },
                 "messages": n,
                 "batch": BATCH,
                 "rounds": sizes.broker_rounds,
@@ -421,6 +422,31 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
             }))
         }
     }
+}
+
+/// The Kafka server's version, from the jars `scripts/servers.sh` runs it from
+/// (`IDEMQ_KAFKA_LIBS/kafka_<scala>-<version>.jar`), or "" when unknown.
+#[cfg(all(
+    feature = "postgres",
+    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+))]
+fn kafka_version() -> String {
+    let Some(dir) = std::env::var_os("IDEMQ_KAFKA_LIBS") else {
+        return String::new();
+    };
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().into_string().ok())
+        .find_map(|n| {
+            let rest = n.strip_prefix("kafka_")?.strip_suffix(".jar")?;
+            let (_, version) = rest.split_once('-')?;
+            Some(format!(
+                "Apache Kafka {version} (from the jars the server runs)"
+            ))
+        })
+        .unwrap_or_default()
 }
 
 #[cfg(not(all(

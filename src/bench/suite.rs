@@ -52,7 +52,7 @@ impl Profile {
                 retained: vec![0, 1_000_000, 10_000_000],
                 broker_messages: 20_000,
                 broker_rounds: 2,
-                producer_messages: 40_000,
+                producer_messages: 200_000,
                 engine_messages: 200_000,
             },
         }
@@ -129,6 +129,11 @@ pub struct SuiteArgs {
     /// Only these scenarios (comma-separated; default: all of the profile).
     #[arg(long, value_delimiter = ',')]
     pub scenarios: Vec<String>,
+    /// Update this results file instead of starting a new one: the scenarios run now
+    /// replace their earlier entries (each entry keeps the time it was measured at), the
+    /// others stay as they were. For re-measuring a scenario that failed.
+    #[arg(long)]
+    pub merge: Option<PathBuf>,
     /// Longest one scenario may run before it is killed and reported as failed.
     #[arg(long, default_value_t = 1800)]
     pub scenario_timeout_secs: u64,
@@ -201,6 +206,12 @@ pub async fn run(args: SuiteArgs) -> anyhow::Result<()> {
     let mut results = Vec::new();
     for name in &names {
         bar.set_message(name.clone());
+        // The machine is shared: what else ran is part of the figure.
+        let load1 = std::fs::read_to_string("/proc/loadavg").ok().and_then(|l| {
+            l.split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+        });
         let t = Instant::now();
         let outcome = child(
             &exe,
@@ -210,17 +221,41 @@ pub async fn run(args: SuiteArgs) -> anyhow::Result<()> {
         )
         .await;
         let secs = t.elapsed().as_secs_f64();
-        let entry = match outcome {
-            Ok(result) => json!({"name": name, "ok": true, "secs": secs, "result": result}),
+        let at = utc_now();
+        let mut entry = match outcome {
+            Ok(result) => {
+                json!({"name": name, "ok": true, "secs": secs, "at": at, "result": result})
+            }
             Err(e) => {
                 bar.println(format!("{name}: not measured: {e:#}"));
-                json!({"name": name, "ok": false, "secs": secs, "error": format!("{e:#}")})
+                json!({"name": name, "ok": false, "secs": secs, "at": at, "error": format!("{e:#}")})
             }
         };
+        entry["load1_before"] = json!(load1);
         results.push(entry);
         bar.inc(1);
     }
     bar.finish_with_message("done");
+    if let Some(earlier) = &args.merge {
+        let text = std::fs::read_to_string(earlier)
+            .map_err(|e| anyhow::anyhow!("read {}: {e}", earlier.display()))?;
+        let old: Value = serde_json::from_str(&text)?;
+        let mut merged: Vec<Value> = old["scenarios"].as_array().cloned().unwrap_or_default();
+        for r in results {
+            match merged.iter_mut().find(|m| m["name"] == r["name"]) {
+                Some(slot) => *slot = r,
+                None => merged.push(r),
+            }
+        }
+        let rank = |v: &Value| {
+            SCENARIOS
+                .iter()
+                .position(|s| v["name"] == *s)
+                .unwrap_or(usize::MAX)
+        };
+        merged.sort_by_key(rank);
+        results = merged;
+    }
     let servers = servers_of(&results);
     let doc = json!({
         "idemq_bench": 1,
@@ -235,9 +270,11 @@ pub async fn run(args: SuiteArgs) -> anyhow::Result<()> {
     });
     write(&out, &serde_json::to_string_pretty(&doc)?)?;
     super::report::render(&doc, &report)?;
-    let ok = doc["scenarios"]
-        .as_array()
-        .map_or(0, |a| a.iter().filter(|s| s["ok"] == true).count());
+    let ok = doc["scenarios"].as_array().map_or(0, |a| {
+        a.iter()
+            .filter(|s| s["ok"] == true && names.iter().any(|n| s["name"] == n.as_str()))
+            .count()
+    });
     println!(
         "{ok}/{} scenarios measured in {:.0} s; results in {}, report in {}",
         names.len(),
