@@ -123,11 +123,27 @@ async fn baseline(n: usize, batch: usize) -> anyhow::Result<Duration> {
 }
 
 async fn engine(store: Arc<dyn DedupStore>, n: usize, batch: usize) -> anyhow::Result<Duration> {
-    let broker = fill(n);
     let group = format!("bench-{:08x}", rand::random::<u32>());
+    let (el, stats) = engine_stats(store, &group, n, batch).await?;
+    anyhow::ensure!(
+        stats.processed == n as u64,
+        "bench lost messages: {stats:?}"
+    );
+    Ok(el)
+}
+
+/// The idempotent consumer over `store` (keys under `group`, no-op handler) draining `n`
+/// fresh messages of the in-memory broker: its time and its counts.
+async fn engine_stats(
+    store: Arc<dyn DedupStore>,
+    group: &str,
+    n: usize,
+    batch: usize,
+) -> anyhow::Result<(Duration, idemq::ConsumerStats)> {
+    let broker = fill(n);
     let c = IdempotentConsumer::new(
         store,
-        KeyStrategy::header(&group, "k")?,
+        KeyStrategy::header(group, "k")?,
         |_m: ClaimedMessage| async move { Ok::<_, HandlerError>(None) },
     )
     .with_config(ConsumerConfig {
@@ -136,13 +152,7 @@ async fn engine(store: Arc<dyn DedupStore>, n: usize, batch: usize) -> anyhow::R
     });
     let t = Instant::now();
     c.run_until_idle(&mut broker.subscribe()).await?;
-    let el = t.elapsed();
-    anyhow::ensure!(
-        c.stats().processed == n as u64,
-        "bench lost messages: {:?}",
-        c.stats()
-    );
-    Ok(el)
+    Ok((t.elapsed(), c.stats()))
 }
 
 /// Issue 16's first-hour run: 400 payments with ~15% producer duplicates (455 messages)

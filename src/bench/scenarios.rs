@@ -3,10 +3,7 @@
 
 use super::stores::{self, KeySeq, Phase};
 use super::suite::Sizes;
-use idemq::{
-    ClaimedMessage, ConsumerConfig, DedupStore, HandlerError, IdempotentConsumer, KeyStrategy,
-    MemoryStore,
-};
+use idemq::{DedupStore, MemoryStore};
 use serde_json::{json, Value};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -154,20 +151,7 @@ pub(crate) async fn replay(
     group: &str,
     n: usize,
 ) -> anyhow::Result<Duration> {
-    let broker = super::fill(n);
-    let c = IdempotentConsumer::new(
-        store,
-        KeyStrategy::header(group, "k")?,
-        |_m: ClaimedMessage| async move { Ok::<_, HandlerError>(None) },
-    )
-    .with_config(ConsumerConfig {
-        max_batch: ENGINE_BATCH,
-        ..ConsumerConfig::default()
-    });
-    let t = Instant::now();
-    c.run_until_idle(&mut broker.subscribe()).await?;
-    let el = t.elapsed();
-    let s = c.stats();
+    let (el, s) = super::engine_stats(store, group, n, ENGINE_BATCH).await?;
     anyhow::ensure!(
         s.duplicates == n as u64 && s.processed == 0,
         "the replay was not all duplicates: {s:?}"
