@@ -303,13 +303,17 @@ impl Ledger {
                 p.query_async(conn).await.ok()
             }
             Self::Topic(reader, seen) => {
-                // What has arrived since the last look; errors (the broker restarting) are
-                // retried by the client, which reconnects on its own.
-                while let Some(r) = reader.poll(Duration::ZERO) {
-                    if let Ok(m) = r {
-                        *seen
-                            .entry(m.key().unwrap_or_default().to_vec())
-                            .or_default() += 1;
+                // What has arrived since the last look (bounded, so the loop goes on under
+                // a flood); an error (the broker restarting) ends the look: the client
+                // reconnects on its own.
+                for _ in 0..100_000 {
+                    match reader.poll(Duration::ZERO) {
+                        Some(Ok(m)) => {
+                            *seen
+                                .entry(m.key().unwrap_or_default().to_vec())
+                                .or_default() += 1
+                        }
+                        Some(Err(_)) | None => break,
                     }
                 }
                 Some((seen.values().sum(), seen.len() as i64))
