@@ -617,11 +617,14 @@ impl<H: Handler> IdempotentConsumer<H> {
         chunk: Vec<(Item, Lease, Completion)>,
         live: &LiveLeases,
     ) -> bool {
-        let completions: Vec<Completion> = chunk.iter().map(|(_, _, c)| c.clone()).collect();
+        // Split, not cloned: the completions go to the store as one slice, and the items
+        // wait beside them in the same order.
+        let (held, completions): (Vec<(Item, Lease)>, Vec<Completion>) =
+            chunk.into_iter().map(|(i, l, c)| ((i, l), c)).unzip();
         // The effects already happened, so a single completion keeps trying (the heartbeat
         // keeps the lease) rather than nack and run them again. A batch tries briefly, then
         // falls back to one key at a time so that one bad completion cannot hold the rest.
-        let patience = if chunk.len() > 1 {
+        let patience = if held.len() > 1 {
             self.cfg.store_retries_budget()
         } else {
             self.cfg.complete_patience
@@ -632,29 +635,29 @@ impl<H: Handler> IdempotentConsumer<H> {
             })
             .await;
         match batch {
-            Ok(outs) if outs.len() == chunk.len() => {
-                for ((item, _, _), out) in chunk.into_iter().zip(outs) {
+            Ok(outs) if outs.len() == held.len() => {
+                for ((item, _), out) in held.into_iter().zip(outs) {
                     self.settle_completed(item, out).await;
                 }
                 return false;
             }
             Ok(outs) => tracing::error!(
                 got = outs.len(),
-                want = chunk.len(),
+                want = held.len(),
                 "store answered a batch completion with the wrong number of outcomes"
             ),
-            Err(e) if chunk.len() == 1 => {
-                let Some((item, lease, _)) = chunk.into_iter().next() else {
+            Err(e) if held.len() == 1 => {
+                let Some((item, lease)) = held.into_iter().next() else {
                     return false;
                 };
                 return self.completion_failed(item, lease, &e, live).await;
             }
             Err(e) => {
-                tracing::warn!(error = %e, count = chunk.len(), "batch completion failed; completing one key at a time")
+                tracing::warn!(error = %e, count = held.len(), "batch completion failed; completing one key at a time")
             }
         }
         let mut store_down = false;
-        for (item, lease, c) in chunk {
+        for ((item, lease), c) in held.into_iter().zip(&completions) {
             if store_down {
                 self.settle_item(
                     item,
@@ -664,7 +667,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                 .await;
                 continue;
             }
-            let one = std::slice::from_ref(&c);
+            let one = std::slice::from_ref(c);
             match self
                 .with_store_retries("complete", self.cfg.complete_patience, || {
                     self.store.complete_batch(one)
