@@ -65,6 +65,11 @@ pub trait Settle: Send + Sync {
     fn is_stale(&self) -> bool {
         false
     }
+    /// The delivery's envelope, handed back just before [`Settle::nack`], [`Settle::reject`]
+    /// or [`Settle::abandon`] (never before an ack). A source that redelivers or dead-letters
+    /// from its own memory (Kafka, RabbitMQ streams) keeps it, instead of a copy of every
+    /// envelope made when the delivery was handed out; the default drops it.
+    fn take_back(&mut self, _envelope: Envelope) {}
 }
 
 /// What a broker does natively, so the engine and the docs know what an adapter emulates.
@@ -121,24 +126,33 @@ impl Delivery {
     /// Asks for redelivery after `redeliver_after`.
     pub async fn nack(mut self, redeliver_after: Duration) -> Result<(), SourceError> {
         match self.settle.take() {
-            Some(mut s) => s.nack(redeliver_after).await,
+            Some(mut s) => {
+                s.take_back(self.take_envelope());
+                s.nack(redeliver_after).await
+            }
             None => Ok(()),
         }
+    }
+    /// Moves the envelope out, leaving an empty one (no allocation) behind.
+    fn take_envelope(&mut self) -> Envelope {
+        let empty = Envelope::new(self.envelope.broker, String::new(), bytes::Bytes::new());
+        std::mem::replace(&mut self.envelope, empty)
     }
     /// Dead-letters with a reason. If the broker cannot take the reject (say, the DLQ
     /// produce fails), the message is nacked instead, so it is not lost.
     pub async fn reject(mut self, reason: &str) -> Result<(), SourceError> {
-        match self.settle.take() {
-            Some(mut s) => match s.reject(reason).await {
-                Ok(()) => Ok(()),
-                Err(e) => {
-                    tracing::warn!(error = %e, "reject failed; nacking instead so the message is kept");
-                    s.nack(std::time::Duration::from_secs(1))
-                        .await
-                        .map_err(|_| e)
-                }
-            },
-            None => Ok(()),
+        let Some(mut s) = self.settle.take() else {
+            return Ok(());
+        };
+        s.take_back(self.take_envelope());
+        match s.reject(reason).await {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                tracing::warn!(error = %e, "reject failed; nacking instead so the message is kept");
+                s.nack(std::time::Duration::from_secs(1))
+                    .await
+                    .map_err(|_| e)
+            }
         }
     }
 }
@@ -150,6 +164,7 @@ impl Drop for Delivery {
                 source = %self.envelope.source.name,
                 "delivery dropped unsettled; abandoning it for redelivery"
             );
+            s.take_back(self.take_envelope());
             s.abandon();
         }
     }

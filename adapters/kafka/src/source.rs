@@ -486,13 +486,13 @@ impl KafkaSource {
     }
 
     fn delivery(&self, rec: Record) -> Delivery {
-        let envelope = rec.envelope.clone();
         Delivery::new(
-            envelope,
+            rec.envelope,
             Box::new(HeldSettle(KafkaSettle {
                 shared: self.shared.clone(),
                 dlq: self.dlq.clone(),
-                record: Some(rec),
+                at: Some((rec.part, rec.epoch, rec.offset)),
+                envelope: None,
             })),
         )
     }
@@ -720,57 +720,71 @@ impl Drop for KafkaSource {
     }
 }
 
-/// The settlement handle of one Kafka delivery.
+/// The settlement handle of one Kafka delivery: where the record sits, and its envelope
+/// once the engine hands it back for a nack or a dead letter (no copy is kept meanwhile).
 struct KafkaSettle {
     shared: Arc<Shared>,
     dlq: Arc<DeadLetter>,
-    record: Option<Record>,
+    /// Partition, assignment epoch and offset, until the delivery is settled.
+    at: Option<(PartitionId, Epoch, i64)>,
+    envelope: Option<Envelope>,
 }
 
 impl KafkaSettle {
-    fn current(&self, st: &State) -> Option<&Record> {
-        self.record
-            .as_ref()
-            .filter(|r| !st.closed && st.tracker.is_current(&r.part, r.epoch))
-    }
-
-    fn current_of(&self, st: &State, r: &Record) -> bool {
-        !st.closed && st.tracker.is_current(&r.part, r.epoch)
+    fn current_of(&self, st: &State, part: &PartitionId, epoch: Epoch) -> bool {
+        !st.closed && st.tracker.is_current(part, epoch)
     }
 }
 
 #[async_trait]
 impl LocallyHeld for KafkaSettle {
     fn settled(&mut self) {
-        if let Some(r) = self.record.take() {
+        if let Some((part, epoch, offset)) = self.at.take() {
             let mut st = self.shared.sync.lock();
-            st.tracker.settled(&r.part, r.epoch, r.offset);
+            st.tracker.settled(&part, epoch, offset);
         }
     }
 
     fn hold(&mut self, delay: Duration) {
-        let Some(mut r) = self.record.take() else {
+        let Some((part, epoch, offset)) = self.at.take() else {
+            return;
+        };
+        let Some(mut envelope) = self.envelope.take() else {
+            // Only a caller that nacks through `Settle` directly, bypassing `Delivery`, gets
+            // here: the offset stays outstanding (nothing past it is committed), and the
+            // record comes back from the committed offset after a restart or rebalance.
+            tracing::warn!(topic = %part.0, partition = part.1, offset, "nack without the envelope; the record stays uncommitted");
             return;
         };
         let mut st = self.shared.sync.lock();
-        if self.current_of(&st, &r) {
-            r.envelope.delivery_count = Some(r.envelope.delivery_count.unwrap_or(1) + 1);
-            r.envelope.redelivered = true;
-            r.held_until = Instant::now() + delay;
+        if self.current_of(&st, &part, epoch) {
+            envelope.delivery_count = Some(envelope.delivery_count.unwrap_or(1) + 1);
+            envelope.redelivered = true;
+            let r = Record {
+                part,
+                epoch,
+                offset,
+                envelope,
+                held_until: Instant::now() + delay,
+            };
             hold_in_offset_order(&mut st.delayed, r);
             drop(st);
             self.shared.sync.wake_one();
         }
     }
 
+    fn take_back(&mut self, envelope: Envelope) {
+        self.envelope = Some(envelope);
+    }
+
     async fn dead_letter(&mut self, reason: &str) -> Result<(), SourceError> {
-        let env = {
-            let st = self.shared.sync.lock();
-            match self.current(&st) {
-                Some(r) => r.envelope.clone(),
-                // Stale: another consumer owns the partition now and will see the record.
-                None => return Ok(()),
-            }
+        let current = match &self.at {
+            Some((part, epoch, _)) => self.current_of(&self.shared.sync.lock(), part, *epoch),
+            None => false,
+        };
+        // Stale: another consumer owns the partition now and will see the record.
+        let (true, Some(env)) = (current, &self.envelope) else {
+            return Ok(());
         };
         let topic = self.dlq.cfg.dead_letter_topic_for(&env.source.name);
         let mut headers = Headers::new();
@@ -803,6 +817,9 @@ impl LocallyHeld for KafkaSettle {
 
     fn is_stale(&self) -> bool {
         let st = self.shared.sync.lock();
-        self.current(&st).is_none()
+        match &self.at {
+            Some((part, epoch, _)) => !self.current_of(&st, part, *epoch),
+            None => true,
+        }
     }
 }

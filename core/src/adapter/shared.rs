@@ -90,6 +90,9 @@ pub trait LocallyHeld: Send + Sync {
 
     /// Whether the delivery has gone stale.
     fn is_stale(&self) -> bool;
+    /// The delivery's envelope, back from the engine before `hold` or `dead_letter` (see
+    /// [`Settle::take_back`]): keep it for them. The default drops it.
+    fn take_back(&mut self, _envelope: crate::Envelope) {}
 }
 
 /// [`Settle`] for a [`LocallyHeld`] delivery: ack settles, nack and abandon hold it locally,
@@ -122,6 +125,9 @@ impl<T: LocallyHeld> Settle for HeldSettle<T> {
 
     fn is_stale(&self) -> bool {
         self.0.is_stale()
+    }
+    fn take_back(&mut self, envelope: crate::Envelope) {
+        self.0.take_back(envelope);
     }
 }
 

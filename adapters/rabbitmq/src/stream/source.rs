@@ -261,13 +261,14 @@ impl StreamSource {
 
     fn delivery(&self, epoch: Epoch, offset: u64, envelope: Envelope) -> Delivery {
         Delivery::new(
-            envelope.clone(),
+            envelope,
             Box::new(HeldSettle(StreamSettle {
                 shared: self.shared.clone(),
                 epoch,
                 offset,
                 stream: self.cfg.stream.clone(),
-                envelope: Some(envelope),
+                pending: true,
+                envelope: None,
             })),
         )
     }
@@ -459,16 +460,16 @@ struct StreamSettle {
     epoch: Epoch,
     offset: u64,
     stream: String,
-    /// Kept to hold it for a redelivery or copy it to the dead-letter stream; taken once
-    /// the delivery is settled.
+    /// Not settled yet.
+    pending: bool,
+    /// Handed back by the engine before a nack or a dead letter (see `Settle::take_back`),
+    /// to hold it for a redelivery or copy it to the dead-letter stream.
     envelope: Option<Envelope>,
 }
 
 impl StreamSettle {
     fn current(&self, st: &State) -> bool {
-        self.envelope.is_some()
-            && !st.closed
-            && st.tracker.is_current(&self.shared.part, self.epoch)
+        self.pending && !st.closed && st.tracker.is_current(&self.shared.part, self.epoch)
     }
 }
 
@@ -480,6 +481,7 @@ impl LocallyHeld for StreamSettle {
             let offset = i64::try_from(self.offset).unwrap_or(i64::MAX);
             st.tracker.settled(&self.shared.part, self.epoch, offset);
         }
+        self.pending = false;
         self.envelope = None;
     }
 
@@ -498,7 +500,12 @@ impl LocallyHeld for StreamSettle {
             drop(st);
             self.shared.sync.wake_all();
         }
+        self.pending = false;
         self.envelope = None;
+    }
+
+    fn take_back(&mut self, envelope: Envelope) {
+        self.envelope = Some(envelope);
     }
 
     async fn dead_letter(&mut self, reason: &str) -> Result<(), SourceError> {
