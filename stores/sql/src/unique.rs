@@ -483,8 +483,9 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
     /// One polled batch; answers whether the database was unavailable.
     async fn process_batch(&self, batch: Vec<Delivery>) -> bool {
         // Keys: the first delivery of a key runs, later copies share its fate.
-        let mut firsts: BTreeMap<String, (UniqueMessage, Delivery)> = BTreeMap::new();
-        let mut copies: Vec<(String, Delivery)> = Vec::new();
+        let mut firsts: BTreeMap<DedupKey, (UniqueMessage, Delivery)> = BTreeMap::new();
+        let mut copies: Vec<(DedupKey, Delivery)> = Vec::new();
+        let mut keyless: Vec<(Delivery, String)> = Vec::new();
         for mut d in batch {
             if d.is_stale() {
                 continue; // the source gave it up; dropping it abandons nothing of ours
@@ -492,18 +493,14 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
             let key = match self.keys.derive(&d.envelope) {
                 Ok(k) => k,
                 Err(e) => {
-                    let reason = format!("no usable dedup key: {e}");
-                    tracing::warn!(source = %d.envelope.source.name, %reason, "rejecting");
-                    self.reject(d, &reason).await;
+                    keyless.push((d, format!("no usable dedup key: {e}")));
                     continue;
                 }
             };
-            let k = key.as_str().to_owned();
-            if firsts.contains_key(&k) {
-                copies.push((k, d));
+            if firsts.contains_key(&key) {
+                copies.push((key, d));
                 continue;
             }
-            let attempt = self.attempt(&k, &d.envelope);
             // The envelope moves to the message (no copy) and back before the delivery is
             // settled.
             let broker = d.envelope.broker;
@@ -512,23 +509,40 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
                 Envelope::new(broker, String::new(), idemq_core::Bytes::new()),
             );
             let msg = UniqueMessage {
-                key,
+                key: key.clone(),
                 envelope,
-                attempt,
+                attempt: 1,
             };
-            firsts.insert(k, (msg, d));
+            firsts.insert(key, (msg, d));
+        }
+        for (d, reason) in keyless {
+            tracing::warn!(source = %d.envelope.source.name, %reason, "rejecting");
+            self.reject(d, &reason).await;
         }
         if firsts.is_empty() {
             return false;
         }
+        self.set_attempts(firsts.values_mut().map(|(m, _)| m));
         // BTreeMap order = sorted keys: every consumer inserts (and locks) in one order.
         let items: Vec<(UniqueMessage, Delivery)> = firsts.into_values().collect();
         let (fates, outage) = self.transact(&items).await;
-        let mut by_key: HashMap<String, Settlement> = HashMap::with_capacity(items.len());
+        let mut tally = Tally::default();
+        let mut failures = Failures::default();
+        // Only a batch with copies needs each key's settlement again afterwards.
+        let mut by_key: HashMap<DedupKey, Settlement> = HashMap::new();
+        let mut decided = Vec::with_capacity(items.len());
         for ((msg, mut d), fate) in items.into_iter().zip(fates) {
-            let s = self.settlement(&msg, fate);
+            let s = self.settlement(&msg, fate, &mut tally, &mut failures);
             d.envelope = msg.envelope;
-            by_key.insert(msg.key.as_str().to_owned(), s.clone());
+            if !copies.is_empty() {
+                by_key.insert(msg.key, s.clone());
+            }
+            decided.push((d, s));
+        }
+        // Before any settlement: a nacked message must find its failure counted when it
+        // comes back.
+        self.remember(failures);
+        for (d, s) in decided {
             self.settle(d, &s).await;
         }
         for (k, d) in copies {
@@ -538,6 +552,7 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
                 .unwrap_or(Settlement::Nack(self.cfg.outage_redelivery));
             self.settle(d, &s).await;
         }
+        tally.flush(self.keys.group().as_str());
         outage
     }
 
@@ -651,53 +666,62 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
         Ok(fates)
     }
 
-    /// This delivery's attempt: one more than the failures this consumer recorded for the
-    /// key (at least the broker's delivery count). Only failures are recorded, so the common
-    /// path takes no allocation and writes nothing.
-    fn attempt(&self, key: &str, env: &Envelope) -> u32 {
-        let failed = {
-            let seen = self.attempts.lock().unwrap_or_else(|p| p.into_inner());
-            seen.get(key).copied().unwrap_or(0)
-        };
-        (failed + 1).max(env.delivery_count.unwrap_or(1))
-    }
-
-    /// Records a failed attempt of `key` (bounded: the map is cleared past 100 000 keys,
-    /// then the broker's delivery count is what remains).
-    fn record_failure(&self, key: &str, attempt: u32) {
-        let mut seen = self.attempts.lock().unwrap_or_else(|p| p.into_inner());
-        if seen.len() > 100_000 {
-            seen.clear();
+    /// Each message's attempt: one more than the failures this consumer recorded for its key
+    /// (at least the broker's delivery count). Only failures are recorded, so the common path
+    /// takes one lock per batch and finds the map empty.
+    fn set_attempts<'a>(&self, msgs: impl Iterator<Item = &'a mut UniqueMessage>) {
+        let seen = self.attempts.lock().unwrap_or_else(|p| p.into_inner());
+        for m in msgs {
+            let failed = match seen.is_empty() {
+                true => 0,
+                false => seen.get(m.key.as_str()).copied().unwrap_or(0),
+            };
+            m.attempt = (failed + 1).max(m.envelope.delivery_count.unwrap_or(1));
         }
-        seen.insert(key.to_owned(), attempt);
     }
 
-    fn forget_attempts(&self, key: &str) {
+    /// Applies a batch's failure bookkeeping under one lock: failed attempts are recorded
+    /// (bounded: the map is cleared past 100 000 keys, then the broker's delivery count is
+    /// what remains), settled keys forgotten.
+    fn remember(&self, f: Failures) {
+        if f.failed.is_empty() && f.settled.is_empty() {
+            return;
+        }
         let mut seen = self.attempts.lock().unwrap_or_else(|p| p.into_inner());
         if !seen.is_empty() {
-            seen.remove(key);
+            for k in &f.settled {
+                seen.remove(k.as_str());
+            }
+        }
+        for (k, attempt) in f.failed {
+            if seen.len() > 100_000 {
+                seen.clear();
+            }
+            seen.insert(k.as_str().to_owned(), attempt);
         }
     }
 
-    fn settlement(&self, msg: &UniqueMessage, fate: Option<Fate>) -> Settlement {
-        let group = self.keys.group().as_str().to_owned();
-        let count = |o: &'static str| {
-            metrics::counter!(m::MESSAGES, "outcome" => o, "broker" => msg.envelope.broker.to_string(), "group" => group.clone())
-                .increment(1)
-        };
+    fn settlement(
+        &self,
+        msg: &UniqueMessage,
+        fate: Option<Fate>,
+        tally: &mut Tally,
+        failures: &mut Failures,
+    ) -> Settlement {
+        let broker = msg.envelope.broker;
         match fate {
             None => Settlement::Nack(self.cfg.outage_redelivery),
             Some(Fate::Committed) => {
-                self.forget_attempts(msg.key.as_str());
+                failures.settled(&msg.key);
                 self.counters.processed.fetch_add(1, Ordering::Relaxed);
-                count(outcome::PROCESSED);
+                tally.outcome(broker, outcome::PROCESSED);
                 Settlement::Ack
             }
             Some(Fate::Duplicate) => {
-                self.forget_attempts(msg.key.as_str());
+                failures.settled(&msg.key);
                 self.counters.duplicates.fetch_add(1, Ordering::Relaxed);
-                count(outcome::DUPLICATE);
-                metrics::counter!(m::DUPLICATES, "topic" => msg.envelope.source.name.clone(), "group" => group.clone()).increment(1);
+                tally.outcome(broker, outcome::DUPLICATE);
+                tally.duplicate(&msg.envelope.source.name);
                 Settlement::Ack
             }
             Some(Fate::Failed(e)) => {
@@ -707,7 +731,7 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
                     _ => (self.cfg.retry.delay(msg.attempt), false),
                 };
                 if permanent || self.cfg.retry.exhausted(msg.attempt) {
-                    self.forget_attempts(msg.key.as_str());
+                    failures.settled(&msg.key);
                     let reason = if permanent {
                         e.to_string()
                     } else {
@@ -718,7 +742,7 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
                 } else {
                     tracing::warn!(key = %msg.key, attempt = msg.attempt, error = %e, "handler failed; rolled back, will retry");
                     self.counters.retried.fetch_add(1, Ordering::Relaxed);
-                    self.record_failure(msg.key.as_str(), msg.attempt);
+                    failures.failed.push((msg.key.clone(), msg.attempt));
                     Settlement::Nack(delay)
                 }
             }
@@ -745,6 +769,62 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
 
     async fn reject(&self, d: Delivery, reason: &str) {
         self.settle(d, &Settlement::Reject(reason.to_owned())).await;
+    }
+}
+
+/// A batch's outcome counts, reported to `metrics` once per label set when the batch ends
+/// (a `counter!` per message built and dropped its labels every time: three allocations).
+#[derive(Default)]
+struct Tally {
+    outcomes: Vec<(idemq_core::BrokerKind, &'static str, u64)>,
+    duplicates_by_topic: Vec<(String, u64)>,
+}
+
+impl Tally {
+    fn outcome(&mut self, broker: idemq_core::BrokerKind, o: &'static str) {
+        match self
+            .outcomes
+            .iter_mut()
+            .find(|(b, name, _)| *b == broker && *name == o)
+        {
+            Some((_, _, n)) => *n += 1,
+            None => self.outcomes.push((broker, o, 1)),
+        }
+    }
+
+    fn duplicate(&mut self, topic: &str) {
+        match self
+            .duplicates_by_topic
+            .iter_mut()
+            .find(|(t, _)| t == topic)
+        {
+            Some((_, n)) => *n += 1,
+            None => self.duplicates_by_topic.push((topic.to_owned(), 1)),
+        }
+    }
+
+    fn flush(self, group: &str) {
+        for (broker, o, n) in self.outcomes {
+            metrics::counter!(m::MESSAGES, "outcome" => o, "broker" => broker.as_str(), "group" => group.to_owned())
+                .increment(n);
+        }
+        for (topic, n) in self.duplicates_by_topic {
+            metrics::counter!(m::DUPLICATES, "topic" => topic, "group" => group.to_owned())
+                .increment(n);
+        }
+    }
+}
+
+/// A batch's changes to the per-key failure memory, applied under one lock.
+#[derive(Default)]
+struct Failures {
+    failed: Vec<(DedupKey, u32)>,
+    settled: Vec<DedupKey>,
+}
+
+impl Failures {
+    fn settled(&mut self, key: &DedupKey) {
+        self.settled.push(key.clone());
     }
 }
 
