@@ -163,7 +163,6 @@ struct Raw {
     properties: BasicProperties,
     payload: Bytes,
     retries: u64,
-    envelope: Option<Envelope>,
 }
 
 /// The settlement handle of one delivery.
@@ -173,6 +172,9 @@ struct RabbitSettle {
     generation: u64,
     tag: u64,
     raw: Arc<Raw>,
+    /// Handed back by the engine before a nack (see `Settle::take_back`): ordered mode holds
+    /// it locally instead of keeping a copy of every envelope.
+    envelope: Option<Envelope>,
 }
 
 fn broker_err(what: &str, e: impl std::fmt::Display) -> SourceError {
@@ -289,11 +291,7 @@ impl RabbitSettle {
     }
 
     /// Ordered mode: the delivery stays unacked and goes back to the source's local buffer.
-    fn hold(&self, delay: Duration) {
-        let Some(env) = &self.raw.envelope else {
-            return;
-        };
-        let mut env = env.clone();
+    fn hold(&self, mut env: Envelope, delay: Duration) {
         env.redelivered = true;
         env.delivery_count = Some(env.delivery_count.unwrap_or(1) + 1);
         let again = RabbitSettle {
@@ -302,6 +300,7 @@ impl RabbitSettle {
             generation: self.generation,
             tag: self.tag,
             raw: self.raw.clone(),
+            envelope: None,
         };
         let d = Delivery::new(env, Box::new(again));
         self.shared
@@ -330,8 +329,15 @@ impl Settle for RabbitSettle {
             return self.requeue().await;
         }
         if self.shared.cfg.ordered {
-            self.hold(redeliver_after);
-            return Ok(());
+            match self.envelope.take() {
+                Some(env) => {
+                    self.hold(env, redeliver_after);
+                    return Ok(());
+                }
+                // Only a caller that nacks through `Settle` directly, bypassing `Delivery`,
+                // gets here: the broker requeues it instead (kept, if not in order).
+                None => return self.requeue().await,
+            }
         }
         let tier = topology::retry_tier(&self.shared.cfg.retry_tiers, redeliver_after);
         let queue = retry_queue_name(&self.shared.cfg.queue, tier);
@@ -395,6 +401,10 @@ impl Settle for RabbitSettle {
 
     fn is_stale(&self) -> bool {
         self.stale()
+    }
+
+    fn take_back(&mut self, envelope: Envelope) {
+        self.envelope = Some(envelope);
     }
 }
 
@@ -580,7 +590,6 @@ async fn pump(
             properties: d.properties.clone(),
             payload,
             retries,
-            envelope: shared.cfg.ordered.then(|| env.clone()),
         });
         let settle = RabbitSettle {
             shared: shared.clone(),
@@ -588,6 +597,7 @@ async fn pump(
             generation: s.generation,
             tag: d.delivery_tag,
             raw,
+            envelope: None,
         };
         let delivery = Delivery::new(env, Box::new(settle));
         tokio::select! {
