@@ -363,9 +363,7 @@ async fn engine_into(
     batch: usize,
     what: &str,
 ) -> anyhow::Result<Duration> {
-    sink.clear().await?;
-    let dest = bench.fill(n).await?;
-    let mut src = bench.source(&dest).await?;
+    let mut src = refilled(bench, sink, n).await?;
     let t = run_engine(
         src.as_mut(),
         bench.keys()?,
@@ -377,6 +375,18 @@ async fn engine_into(
     .await?;
     anyhow::ensure!(sink.count().await? == n as i64, "{what} effects");
     Ok(t)
+}
+
+/// An empty effect table and the adapter's source on a fresh destination of `n` messages:
+/// the start of every measured run that writes effects through idemq.
+async fn refilled(
+    bench: &dyn BrokerBench,
+    sink: &EffectSink,
+    n: usize,
+) -> anyhow::Result<Box<dyn Source>> {
+    sink.clear().await?;
+    let dest = bench.fill(n).await?;
+    bench.source(&dest).await
 }
 
 fn keep_best(slot: &mut Option<Duration>, t: Duration) {
@@ -427,9 +437,7 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
                 (UniqueMode::KeysTable, &mut f.unique),
                 (UniqueMode::KeyedEffects, &mut f.unique_keyed),
             ] {
-                sink.clear().await?;
-                let dest = bench.fill(n).await?;
-                let mut src = bench.source(&dest).await?;
+                let mut src = refilled(bench, sink, n).await?;
                 let t = run_unique(
                     src.as_mut(),
                     bench.keys()?,

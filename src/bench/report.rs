@@ -30,6 +30,17 @@ impl<'a> Doc<'a> {
             .map(|e| &e["result"])
     }
 
+    /// Writes a section's heading, and returns the scenario's result; without one, says why
+    /// under the heading instead.
+    fn section(&self, md: &mut String, heading: &str, name: &str) -> Option<&'a Value> {
+        let _ = writeln!(md, "## {heading}\n");
+        let r = self.result(name);
+        if r.is_none() {
+            let _ = writeln!(md, "{}\n", self.missing(name));
+        }
+        r
+    }
+
     /// Why a scenario has no figures.
     fn missing(&self, name: &str) -> String {
         match self.entry(name) {
@@ -646,9 +657,7 @@ fn stores(d: &Doc<'_>, md: &mut String, plots: &Path) -> anyhow::Result<()> {
 }
 
 fn local_layer(d: &Doc<'_>, md: &mut String, plots: &Path) -> anyhow::Result<()> {
-    let _ = writeln!(md, "## Local layer\n");
-    let Some(r) = d.result("local-layer") else {
-        let _ = writeln!(md, "{}\n", d.missing("local-layer"));
+    let Some(r) = d.section(md, "Local layer", "local-layer") else {
         return Ok(());
     };
     let _ = writeln!(md, "{}.\n", r["what"].as_str().unwrap_or(""));
@@ -694,9 +703,7 @@ fn local_layer(d: &Doc<'_>, md: &mut String, plots: &Path) -> anyhow::Result<()>
 }
 
 fn storm(d: &Doc<'_>, md: &mut String) {
-    let _ = writeln!(md, "## Duplicate storm (seed 002, scaled)\n");
-    let Some(r) = d.result("storm") else {
-        let _ = writeln!(md, "{}\n", d.missing("storm"));
+    let Some(r) = d.section(md, "Duplicate storm (seed 002, scaled)", "storm") else {
         return;
     };
     let _ = writeln!(
@@ -832,9 +839,11 @@ fn brokers(d: &Doc<'_>, md: &mut String) {
 }
 
 fn producer(d: &Doc<'_>, md: &mut String, plots: &Path) -> anyhow::Result<()> {
-    let _ = writeln!(md, "## Kafka: transactional against idempotent producer\n");
-    let Some(r) = d.result("kafka-producer") else {
-        let _ = writeln!(md, "{}\n", d.missing("kafka-producer"));
+    let Some(r) = d.section(
+        md,
+        "Kafka: transactional against idempotent producer",
+        "kafka-producer",
+    ) else {
         return Ok(());
     };
     let _ = writeln!(
@@ -893,9 +902,7 @@ fn producer(d: &Doc<'_>, md: &mut String, plots: &Path) -> anyhow::Result<()> {
 }
 
 fn group(d: &Doc<'_>, md: &mut String) {
-    let _ = writeln!(md, "## Kafka: 1, 2, 4 consumers in one group\n");
-    let Some(r) = d.result("kafka-group") else {
-        let _ = writeln!(md, "{}\n", d.missing("kafka-group"));
+    let Some(r) = d.section(md, "Kafka: 1, 2, 4 consumers in one group", "kafka-group") else {
         return;
     };
     let _ = writeln!(
