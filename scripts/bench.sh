@@ -15,11 +15,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bash scripts/toolchain.sh
-if [[ ${IDEMQ_KEEP_SERVERS:-0} != 1 ]] && ! bash scripts/servers.sh status >/dev/null 2>&1; then
-  trap 'bash scripts/servers.sh stop || true' EXIT
-fi
-bash scripts/servers.sh start
-eval "$(bash scripts/servers.sh env)"
+# Servers up (stopped on exit only if this run started them), URLs exported.
+source scripts/servers-up.sh
 cargo build --release --all-features --bin idemq
 lock=${IDEMQ_BENCH_LOCK:-/tmp/idemq-servers.lock}
 if command -v flock >/dev/null; then

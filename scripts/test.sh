@@ -12,13 +12,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 bash scripts/toolchain.sh
 
-# Stop on exit only what this run started: servers that were already up
-# belong to someone (a developer's session, a parallel run) still using them.
-if [[ ${IDEMQ_KEEP_SERVERS:-0} != 1 ]] && ! bash scripts/servers.sh status >/dev/null 2>&1; then
-  trap 'bash scripts/servers.sh stop || true' EXIT
-fi
-bash scripts/servers.sh start
-eval "$(bash scripts/servers.sh env)"
+# Servers up (stopped on exit only if this run started them), URLs exported.
+source scripts/servers-up.sh
 
 status=0
 cargo test --workspace --all-features "$@" || status=$?
