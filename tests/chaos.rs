@@ -48,7 +48,8 @@
     feature = "postgres",
     feature = "mysql",
     feature = "redis",
-    feature = "layered"
+    feature = "layered",
+    feature = "cli"
 ))]
 
 use idemq::core::testkit::process::{child_role, ChildProcess};
@@ -319,6 +320,47 @@ impl Ledger {
                 Some((seen.values().sum(), seen.len() as i64))
             }
         }
+    }
+
+    /// On a SQL ledger: the first few keys of `0..keys` without an effect, each with its
+    /// dedup record as the store holds it (who claimed it, when its lease ends, whether it
+    /// was taken over) — what a failed run needs to be explained.
+    async fn lost_records(&self, keys: usize, group: &str) -> String {
+        let q = |t: &str| format!("SELECT DISTINCT k FROM {t}");
+        let (applied, store): (Vec<(String,)>, &dyn DedupStore) = match self {
+            Self::Pg(s, t) => (
+                sqlx::query_as(&q(t))
+                    .fetch_all(s.pool())
+                    .await
+                    .unwrap_or_default(),
+                s,
+            ),
+            Self::My(s, t) => (
+                sqlx::query_as(&q(t))
+                    .fetch_all(s.pool())
+                    .await
+                    .unwrap_or_default(),
+                s,
+            ),
+            Self::Redis(..) | Self::Topic(..) => return String::new(),
+        };
+        let applied: std::collections::HashSet<String> =
+            applied.into_iter().map(|(k,)| k).collect();
+        let Ok(group) = idemq::core::ConsumerGroup::new(group) else {
+            return String::new();
+        };
+        let mut out = String::new();
+        let lost = (0..keys)
+            .map(|i| format!("o-{i:07}"))
+            .filter(|k| !applied.contains(k));
+        for k in lost.take(8) {
+            let Ok(key) = idemq::core::DedupKey::new(&group, &k) else {
+                continue;
+            };
+            let rec = store.get(&key).await;
+            out.push_str(&format!("\n  {k}: {rec:?}"));
+        }
+        out
     }
 
     /// Flow 3's offsets table (the default one), made before two consumers race to make it.
@@ -679,6 +721,21 @@ async fn txn_child(plan: &Plan, url: &str, trip: Arc<Tripwire>) -> String {
 /// stops, which the parent counts as a death and replaces).
 async fn consumer_child(arg: &str) {
     let plan = Plan::decode(arg);
+    // Warnings (fenced completions, lost leases, reconnects) into the stderr file whose tail
+    // a failure prints; IDEMQ_CHAOS_LOG takes an env-filter for more.
+    let filter = tracing_subscriber::EnvFilter::try_from_env("IDEMQ_CHAOS_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    // IDEMQ_CHAOS_LOG_DIR keeps each child's whole log there (its stderr file goes with it).
+    let fmt = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_ansi(false);
+    let file = var("IDEMQ_CHAOS_LOG_DIR").and_then(|dir| {
+        std::fs::File::create(format!("{dir}/child-{}.log", std::process::id())).ok()
+    });
+    let _ = match file {
+        Some(f) => fmt.with_writer(std::sync::Mutex::new(f)).try_init(),
+        None => fmt.with_writer(std::io::stderr).try_init(),
+    };
     let broker_url = var(plan.broker.env()).expect("broker URL");
     let store_url = var(plan.store.env()).expect("store URL");
     let trip = Arc::new(Tripwire {
@@ -839,6 +896,8 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
     let limit = Duration::from_secs(knob("IDEMQ_CHAOS_LIMIT_SECS", 420) as u64);
     let broker_restart =
         broker_restart || var("IDEMQ_CHAOS_BROKER_RESTART").as_deref() == Some("all");
+    // `never`: leave the store's server up (to chase a failure without the crash in it).
+    let store_restart = var("IDEMQ_CHAOS_STORE_RESTART").as_deref() != Some("never");
     let table = unique("dedup");
     let ledger = unique("ledger");
     let mut db = Ledger::create(store, &store_url, &table, &ledger).await;
@@ -924,7 +983,7 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
         }
         if let Some(cmd) = store
             .restart_env()
-            .filter(|_| !store_restarted && progress >= STORE_RESTART_AT)
+            .filter(|_| store_restart && !store_restarted && progress >= STORE_RESTART_AT)
         {
             store_restarted = true;
             let t = Instant::now();
@@ -961,6 +1020,11 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
     }
     let double_effects = total - done;
     let lost = keys as i64 - done;
+    let records = if lost > 0 {
+        db.lost_records(keys, &group).await
+    } else {
+        String::new()
+    };
     println!(
         "chaos {}/{}: keys={keys} published={published} sigkills={killed} aborts+deaths={respawned} \
          sigstop={paused} store_restart={store_restarted} broker_restart={broker_restarted} \
@@ -973,7 +1037,7 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
         (double_effects, lost),
         (0, 0),
         "{broker:?}/{store:?}: {total} effects for {done} of {keys} keys; \
-         children said:\n{}",
+         keys without an effect and their records:{records}\nchildren said:\n{}",
         tails.join("\n---\n")
     );
     assert!(

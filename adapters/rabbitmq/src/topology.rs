@@ -88,6 +88,17 @@ pub fn retry_queue_expires_ms(tier_ms: u64, idle: Duration) -> u64 {
 /// for every message of the queue, so they expire in arrival order), then the broker
 /// dead-letters them through the default exchange back to `queue`. Nobody consumes it.
 ///
+/// A tier is a quorum queue with **at-least-once dead-lettering**
+/// (`x-dead-letter-strategy=at-least-once`, which needs `x-overflow=reject-publish`): the
+/// message stays in the tier until `queue` has confirmed it. RabbitMQ's default
+/// dead-lettering is at-most-once, and a classic tier dropped what expired while `queue` was
+/// unavailable — e.g. a quorum queue still electing its leader after a broker restart,
+/// when a tier expires everything that waited through the restart at once. The consumed
+/// message is acked only after the tier confirmed the copy, so with this a nacked message
+/// is never lost between the two queues. Tiers declared as classic queues by an older
+/// version must be deleted once, when empty (RabbitMQ refuses a redeclaration with other
+/// arguments).
+///
 /// With `idle`, the queue also gets `x-expires` ([`retry_queue_expires_ms`]): RabbitMQ
 /// deletes it once nobody has declared it for that long, so the retry queues of a queue
 /// that is no longer consumed (or of a tier no longer used) do not stay forever. The broker
@@ -114,6 +125,9 @@ pub(crate) async fn declare_retry_tier(
     }
     put_str(&mut args, "x-dead-letter-exchange", "");
     put_str(&mut args, "x-dead-letter-routing-key", queue);
+    put_str(&mut args, "x-queue-type", "quorum");
+    put_str(&mut args, "x-dead-letter-strategy", "at-least-once");
+    put_str(&mut args, "x-overflow", "reject-publish");
     ch.queue_declare(&retry_queue_name(queue, tier_ms), durable(), args)
         .await
         .map(|_| ())

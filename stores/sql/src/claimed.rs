@@ -11,7 +11,8 @@
 //! the transaction back and returns a [`HandlerError::Retryable`] whose source is
 //! [`LeaseLost`]: nothing of this attempt is kept, the engine settles the delivery as a
 //! failure, and the redelivery meets the key's current owner (a duplicate once that owner
-//! completes). Dropping a [`MessageTx`] without committing (an early `?`) rolls back too.
+//! completes). Dropping a [`MessageTx`] without committing (an early `?`, a cancelled
+//! handler) closes its connection: the server rolls the transaction back.
 
 use crate::backend::SqlBackend;
 use crate::errors::handler_error;
@@ -22,6 +23,8 @@ use idemq_core::{
     ClaimedMessage, CompleteOutcome, DedupKey, FencingToken, HandlerError, HandlerResult,
     StoreError,
 };
+use sqlx::pool::PoolConnection;
+use sqlx::TransactionManager as _;
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
@@ -42,7 +45,13 @@ use std::time::Duration;
 /// }
 /// ```
 pub struct MessageTx<DB: SqlBackend> {
-    tx: sqlx::Transaction<'static, DB>,
+    /// The connection, in a transaction while `open`. Not a `sqlx::Transaction`: one
+    /// dropped while a statement is in flight (a handler cut off when its lease is lost)
+    /// would hand its connection back to the pool, and sqlx cannot always bring a MySQL
+    /// connection back in step after a cancelled exchange (launchbadge/sqlx#563). Dropped
+    /// open, this one closes the connection instead; the server rolls the transaction back.
+    conn: PoolConnection<DB>,
+    open: bool,
     store: SqlStore<DB>,
     key: DedupKey,
     token: FencingToken,
@@ -61,13 +70,23 @@ impl<DB: SqlBackend> std::fmt::Debug for MessageTx<DB> {
 impl<DB: SqlBackend> Deref for MessageTx<DB> {
     type Target = DB::Connection;
     fn deref(&self) -> &DB::Connection {
-        &self.tx
+        &self.conn
     }
 }
 
 impl<DB: SqlBackend> DerefMut for MessageTx<DB> {
     fn deref_mut(&mut self) -> &mut DB::Connection {
-        &mut self.tx
+        &mut self.conn
+    }
+}
+
+impl<DB: SqlBackend> Drop for MessageTx<DB> {
+    fn drop(&mut self) {
+        if self.open {
+            // Neither committed nor rolled back: maybe cut off mid-statement. Closing the
+            // connection ends the transaction on the server without reusing the connection.
+            self.conn.close_on_drop();
+        }
     }
 }
 
@@ -88,7 +107,7 @@ impl<DB: SqlBackend> MessageTx<DB> {
         let outcome = self
             .store
             .complete_in_tx(
-                &mut *self.tx,
+                &mut *self.conn,
                 &self.key,
                 self.token,
                 result.as_deref(),
@@ -97,24 +116,37 @@ impl<DB: SqlBackend> MessageTx<DB> {
             .await?;
         match outcome {
             CompleteOutcome::Completed => {
-                self.tx.commit().await.map_err(handler_error)?;
+                // A failed commit leaves `open` set: the connection is closed, not reused.
+                DB::TransactionManager::commit(&mut *self.conn)
+                    .await
+                    .map_err(handler_error)?;
+                self.open = false;
                 Ok(result)
             }
             CompleteOutcome::Fenced => {
-                if let Err(e) = self.tx.rollback().await {
-                    tracing::debug!(key = %self.key, error = %e, "rollback after a lost lease failed (the server rolls back on disconnect)");
+                match DB::TransactionManager::rollback(&mut *self.conn).await {
+                    Ok(()) => self.open = false,
+                    Err(e) => {
+                        tracing::debug!(key = %self.key, error = %e, "rollback after a lost lease failed (the server rolls back on disconnect)");
+                    }
                 }
-                Err(HandlerError::Retryable(LeaseLost { key: self.key }.into()))
+                Err(HandlerError::Retryable(
+                    LeaseLost {
+                        key: self.key.clone(),
+                    }
+                    .into(),
+                ))
             }
         }
     }
 
     /// Rolls back (dropping the transaction does too).
-    pub async fn rollback(self) -> Result<(), StoreError> {
-        self.tx
-            .rollback()
+    pub async fn rollback(mut self) -> Result<(), StoreError> {
+        DB::TransactionManager::rollback(&mut *self.conn)
             .await
-            .map_err(|e| crate::backend::map_sqlx_error::<DB>("rollback", e))
+            .map_err(|e| crate::backend::map_sqlx_error::<DB>("rollback", e))?;
+        self.open = false;
+        Ok(())
     }
 
     /// The message's key.
@@ -129,13 +161,17 @@ impl<DB: SqlBackend> SqlStore<DB> {
     /// back: see [`MessageTx::commit`]). The store handed to the consumer and the one the handler uses
     /// may be clones of each other (cloning shares the pool).
     pub async fn begin_for(&self, msg: &ClaimedMessage) -> Result<MessageTx<DB>, StoreError> {
-        let tx = self
+        let mut conn = self
             .pool()
-            .begin()
+            .acquire()
+            .await
+            .map_err(|e| crate::backend::map_sqlx_error::<DB>("begin", e))?;
+        DB::TransactionManager::begin(&mut *conn, None)
             .await
             .map_err(|e| crate::backend::map_sqlx_error::<DB>("begin", e))?;
         Ok(MessageTx {
-            tx,
+            conn,
+            open: true,
             store: self.clone(),
             key: msg.key.clone(),
             token: msg.token,

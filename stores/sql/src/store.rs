@@ -1042,9 +1042,12 @@ impl<DB: SqlBackend> SqlStore<DB> {
     }
 }
 
-#[async_trait]
-impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
-    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+/// The store operations themselves; [`DedupStore`] runs each on its own task ([`detached`]).
+impl<DB: SqlBackend> SqlStore<DB> {
+    async fn claim_batch_here(
+        &self,
+        reqs: &[ClaimRequest],
+    ) -> Result<Vec<ClaimOutcome>, StoreError> {
         check_distinct_keys(reqs)?;
         for r in reqs {
             check_key(&r.key)?;
@@ -1074,7 +1077,7 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
             .collect()
     }
 
-    async fn complete_batch(
+    async fn complete_batch_here(
         &self,
         items: &[Completion],
     ) -> Result<Vec<CompleteOutcome>, StoreError> {
@@ -1110,7 +1113,7 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
             .collect()
     }
 
-    async fn complete(
+    async fn complete_here(
         &self,
         key: &DedupKey,
         token: FencingToken,
@@ -1125,7 +1128,7 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
         )
     }
 
-    async fn release(
+    async fn release_here(
         &self,
         key: &DedupKey,
         token: FencingToken,
@@ -1147,14 +1150,14 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
         })
     }
 
-    async fn extend(
+    async fn extend_here(
         &self,
         key: &DedupKey,
         token: FencingToken,
         lease: Duration,
     ) -> Result<ExtendOutcome, StoreError> {
         // The batch statement with one lease: one code path for a heartbeat of any size.
-        self.extend_batch(&[(key.clone(), token)], lease)
+        self.extend_batch_here(&[(key.clone(), token)], lease)
             .await?
             .pop()
             .ok_or_else(|| StoreError::Backend("extend: no answer".into()))
@@ -1164,7 +1167,7 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
     /// and tokens as arrays, SQLite and MySQL match `(dedup_key, token)` row values. MySQL,
     /// without `UPDATE … RETURNING`, binds the end read from its clock and reads back which
     /// rows carry it.
-    async fn extend_batch(
+    async fn extend_batch_here(
         &self,
         leases: &[(DedupKey, FencingToken)],
         lease: Duration,
@@ -1274,7 +1277,7 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
             .collect())
     }
 
-    async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
+    async fn get_here(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
         check_key(key)?;
         let mut conn = self.acquire().await?;
         // A committed in-transaction completion not folded yet is shown (and kept) folded.
@@ -1293,7 +1296,7 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
             .transpose()
     }
 
-    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+    async fn purge_expired_here(&self, limit: usize) -> Result<u64, StoreError> {
         if limit == 0 {
             return Ok(0);
         }
@@ -1322,7 +1325,7 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
         Ok(n)
     }
 
-    async fn list_stuck(
+    async fn list_stuck_here(
         &self,
         stale_for: Duration,
         limit: usize,
@@ -1348,7 +1351,7 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
             .collect()
     }
 
-    async fn stats(&self) -> Result<StoreStats, StoreError> {
+    async fn stats_here(&self) -> Result<StoreStats, StoreError> {
         let mut conn = self.acquire().await?;
         let rows = retry_now!(
             "stats",
@@ -1371,7 +1374,7 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
         Ok(stats)
     }
 
-    async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
+    async fn forget_here(&self, key: &DedupKey) -> Result<bool, StoreError> {
         check_key(key)?;
         let mut conn = self.acquire().await?;
         let k = || vec![Val::Key(key.as_str().to_owned())];
@@ -1396,6 +1399,108 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
             )
         )?;
         Ok(n > 0)
+    }
+}
+
+/// Runs a store operation on its own task and waits for it. A caller that stops waiting (a
+/// timed-out heartbeat, a handler cut off when its lease is lost, a shutdown) then never
+/// drops a statement in flight: the operation finishes on its connection, which goes back to
+/// the pool in step with the server. sqlx cannot resume a MySQL connection whose query
+/// future was dropped mid-exchange (launchbadge/sqlx#563): returned to the pool, the next
+/// caller could read another statement's answer. Outside a runtime it runs in place.
+async fn detached<T: Send + 'static>(
+    work: impl std::future::Future<Output = Result<T, StoreError>> + Send + 'static,
+) -> Result<T, StoreError> {
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) => rt
+            .spawn(work)
+            .await
+            .map_err(|e| StoreError::Backend(format!("store operation failed: {e}")))?,
+        Err(_) => work.await,
+    }
+}
+
+#[async_trait]
+impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let (this, reqs) = (self.clone(), reqs.to_vec());
+        detached(async move { this.claim_batch_here(&reqs).await }).await
+    }
+
+    async fn complete_batch(
+        &self,
+        items: &[Completion],
+    ) -> Result<Vec<CompleteOutcome>, StoreError> {
+        let (this, items) = (self.clone(), items.to_vec());
+        detached(async move { this.complete_batch_here(&items).await }).await
+    }
+
+    async fn complete(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        result: Option<Bytes>,
+        retention: Duration,
+    ) -> Result<CompleteOutcome, StoreError> {
+        let (this, key) = (self.clone(), key.clone());
+        detached(async move { this.complete_here(&key, token, result, retention).await }).await
+    }
+
+    async fn release(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        let (this, key) = (self.clone(), key.clone());
+        detached(async move { this.release_here(&key, token).await }).await
+    }
+
+    async fn extend(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        lease: Duration,
+    ) -> Result<ExtendOutcome, StoreError> {
+        let (this, key) = (self.clone(), key.clone());
+        detached(async move { this.extend_here(&key, token, lease).await }).await
+    }
+
+    async fn extend_batch(
+        &self,
+        leases: &[(DedupKey, FencingToken)],
+        lease: Duration,
+    ) -> Result<Vec<ExtendOutcome>, StoreError> {
+        let (this, leases) = (self.clone(), leases.to_vec());
+        detached(async move { this.extend_batch_here(&leases, lease).await }).await
+    }
+
+    async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
+        let (this, key) = (self.clone(), key.clone());
+        detached(async move { this.get_here(&key).await }).await
+    }
+
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        let this = self.clone();
+        detached(async move { this.purge_expired_here(limit).await }).await
+    }
+
+    async fn list_stuck(
+        &self,
+        stale_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<DedupRecord>, StoreError> {
+        let this = self.clone();
+        detached(async move { this.list_stuck_here(stale_for, limit).await }).await
+    }
+
+    async fn stats(&self) -> Result<StoreStats, StoreError> {
+        let this = self.clone();
+        detached(async move { this.stats_here().await }).await
+    }
+
+    async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
+        let (this, key) = (self.clone(), key.clone());
+        detached(async move { this.forget_here(&key).await }).await
     }
 }
 

@@ -209,4 +209,109 @@ mod mysql {
             .execute(store.pool())
             .await;
     }
+
+    /// A one-connection store: whatever a cut-off call leaves on its connection, the next
+    /// call meets it.
+    async fn one_connection_store() -> Option<MySqlStore> {
+        let url = support::mysql_url()?;
+        Some(
+            MySqlStore::connect(&url, support::options("idemq_handler_cutoff", 1))
+                .await
+                .expect("connect"),
+        )
+    }
+
+    /// The engine cuts a handler off (drops its future) when its lease is lost: the
+    /// transaction dropped mid-statement must end with nothing of it kept, and the pool's
+    /// next user must get its own answers (sqlx cannot resume a MySQL connection dropped
+    /// mid-exchange: launchbadge/sqlx#563).
+    #[tokio::test]
+    async fn a_handler_cut_off_mid_statement_keeps_nothing_and_the_pool_stays_in_step() {
+        let Some(store) = one_connection_store().await else {
+            return;
+        };
+        let t = support::unique("hx_cutoff");
+        sqlx::query(&format!("CREATE TABLE {t} (id VARCHAR(20))"))
+            .execute(store.pool())
+            .await
+            .expect("create");
+        let k = key("tx-cutoff");
+        let ClaimOutcome::Acquired(lease) = store
+            .claim(&ClaimRequest::new(k.clone(), Duration::from_secs(30)))
+            .await
+            .expect("claim")
+        else {
+            panic!("fresh key");
+        };
+        let msg = message(k.clone(), lease.token);
+        let handler = async {
+            let mut tx = store.begin_for(&msg).await?;
+            sqlx::query(&format!("INSERT INTO {t} (id) VALUES ('effect')"))
+                .execute(&mut *tx)
+                .await
+                .classify()?;
+            // Still running when the handler is cut off.
+            sqlx::query("SELECT SLEEP(2)")
+                .execute(&mut *tx)
+                .await
+                .classify()?;
+            tx.commit().await
+        };
+        let cut = tokio::time::timeout(Duration::from_millis(300), handler).await;
+        assert!(
+            cut.is_err(),
+            "the handler should have been cut off: {cut:?}"
+        );
+        // The one connection answers this query, not the cut-off one's SLEEP or ROLLBACK.
+        let (n, tag): (i64, String) = sqlx::query_as(&format!("SELECT COUNT(*), 'mine' FROM {t}"))
+            .fetch_one(store.pool())
+            .await
+            .expect("count");
+        assert_eq!(
+            (n, tag.as_str()),
+            (0, "mine"),
+            "the cut-off effect was kept"
+        );
+        let rec = store.get(&k).await.expect("get").expect("record");
+        assert_eq!(rec.status, RecordStatus::InProgress, "not completed");
+        let _ = sqlx::query(&format!("DROP TABLE {t}"))
+            .execute(store.pool())
+            .await;
+    }
+
+    /// Store calls cut off at any point (a heartbeat's timeout, a shutdown) leave the pool
+    /// in step: every later call answers for its own keys.
+    #[tokio::test]
+    async fn store_calls_cut_off_at_any_point_leave_the_pool_in_step() {
+        let Some(store) = one_connection_store().await else {
+            return;
+        };
+        for round in 0..40u64 {
+            let reqs: Vec<ClaimRequest> = (0..32)
+                .map(|i| {
+                    ClaimRequest::new(key(&format!("cut{round}-{i}")), Duration::from_secs(30))
+                })
+                .collect();
+            let cut = Duration::from_micros(round * 250);
+            let _ = tokio::time::timeout(cut, store.claim_batch(&reqs)).await;
+            let leases: Vec<(DedupKey, FencingToken)> = reqs
+                .iter()
+                .map(|r| (r.key.clone(), FencingToken::random()))
+                .collect();
+            let _ = tokio::time::timeout(cut, store.extend_batch(&leases, Duration::from_secs(30)))
+                .await;
+            // A fresh key is acquired, and its record is the one read back.
+            let k = key(&format!("after{round}"));
+            let got = store
+                .claim(&ClaimRequest::new(k.clone(), Duration::from_secs(30)))
+                .await
+                .expect("claim after a cut-off call");
+            assert!(
+                matches!(got, ClaimOutcome::Acquired(_)),
+                "round {round}: {got:?}"
+            );
+            let rec = store.get(&k).await.expect("get").expect("record");
+            assert_eq!(rec.key, k, "round {round}: another key's record");
+        }
+    }
 }
