@@ -95,7 +95,8 @@ pub fn retry_queue_expires_ms(tier_ms: u64, idle: Duration) -> u64 {
 /// unavailable — e.g. a quorum queue still electing its leader after a broker restart,
 /// when a tier expires everything that waited through the restart at once. The consumed
 /// message is acked only after the tier confirmed the copy, so with this a nacked message
-/// is never lost between the two queues. Tiers declared as classic queues by an older
+/// is never lost between the two queues (quorum queues take `x-message-ttl` from RabbitMQ
+/// 3.10 on: older brokers refuse the tier). Tiers declared as classic queues by an older
 /// version must be deleted once, when empty (RabbitMQ refuses a redeclaration with other
 /// arguments).
 ///
