@@ -4,7 +4,9 @@
 
 use crate::fields::put_str;
 use crate::{connect, RabbitError};
-use lapin::options::{ExchangeDeclareOptions, ExchangeDeleteOptions, QueueDeclareOptions};
+use lapin::options::{
+    ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions, QueueDeclareOptions,
+};
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{Channel, ExchangeKind};
 use std::time::Duration;
@@ -84,9 +86,19 @@ pub fn retry_queue_expires_ms(tier_ms: u64, idle: Duration) -> u64 {
     tier_ms.saturating_add(idle_ms)
 }
 
+/// The exchange retry tiers dead-letter through: durable, direct, each consumed queue bound
+/// to it under its own name. Not the default exchange: after a broker restart, a quorum
+/// queue's at-least-once dead-lettering does not find the default exchange and keeps the
+/// expired messages forever (counted, never ready; rabbitmq-server#12625, seen here on 3.10).
+/// A named exchange is found again when the broker's dead-letter worker retries, after
+/// `dead_letter_worker_publisher_confirm_timeout` (3 min by default): messages parked across
+/// a restart come back, that much later.
+pub const RETRY_EXCHANGE: &str = "idemq.retry";
+
 /// Declares the retry queue of one tier: messages wait `tier_ms` (`x-message-ttl`, the same
 /// for every message of the queue, so they expire in arrival order), then the broker
-/// dead-letters them through the default exchange back to `queue`. Nobody consumes it.
+/// dead-letters them through [`RETRY_EXCHANGE`] back to `queue` (declared and bound here).
+/// Nobody consumes it.
 ///
 /// A tier is a quorum queue with **at-least-once dead-lettering**
 /// (`x-dead-letter-strategy=at-least-once`, which needs `x-overflow=reject-publish`): the
@@ -112,6 +124,25 @@ pub(crate) async fn declare_retry_tier(
     tier_ms: u64,
     idle: Option<Duration>,
 ) -> Result<(), lapin::Error> {
+    let durable_exchange = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    ch.exchange_declare(
+        RETRY_EXCHANGE,
+        ExchangeKind::Direct,
+        durable_exchange,
+        FieldTable::default(),
+    )
+    .await?;
+    ch.queue_bind(
+        queue,
+        RETRY_EXCHANGE,
+        queue,
+        QueueBindOptions::default(),
+        FieldTable::default(),
+    )
+    .await?;
     let mut args = FieldTable::default();
     args.insert(
         "x-message-ttl".into(),
@@ -124,7 +155,7 @@ pub(crate) async fn declare_retry_tier(
             AMQPValue::LongLongInt(i64::try_from(ms).unwrap_or(i64::MAX)),
         );
     }
-    put_str(&mut args, "x-dead-letter-exchange", "");
+    put_str(&mut args, "x-dead-letter-exchange", RETRY_EXCHANGE);
     put_str(&mut args, "x-dead-letter-routing-key", queue);
     put_str(&mut args, "x-queue-type", "quorum");
     put_str(&mut args, "x-dead-letter-strategy", "at-least-once");
