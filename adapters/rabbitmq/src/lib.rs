@@ -70,7 +70,7 @@ pub use source::{to_envelope, RabbitSource, RabbitSourceConfig, DLQ_QUEUE, DLQ_R
 pub use topology::{
     declare_dedup_exchange, declare_dedup_queue, detect_dedup_plugin, retry_queue_expires_ms,
     retry_queue_name, retry_tier, DedupExchange, DedupPlugin, QueueType, DEDUP_EXCHANGE_TYPE,
-    DEDUP_PLUGIN, DEFAULT_RETRY_TIERS_MS,
+    DEDUP_PLUGIN, DEFAULT_RETRY_TIERS_MS, RETRY_EXCHANGE,
 };
 
 /// Re-export of the lapin version this crate is built on.
