@@ -148,18 +148,8 @@ async fn messages_parked_in_a_retry_tier_come_back_after_a_broker_restart() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(270);
     while back.len() < keys.len() && tokio::time::Instant::now() < deadline {
         // The queue may still be electing its leader: a failed look is retried.
-        let got = tokio::time::timeout(Duration::from_secs(10), async {
-            let conn = lapin_connect(&url).await?;
-            let ch = conn.create_channel().await.ok()?;
-            let opts = idemq_rabbitmq::lapin::options::BasicGetOptions { no_ack: true };
-            let mut out = Vec::new();
-            while let Ok(Some(m)) = ch.basic_get(&q, opts).await {
-                out.push(idemq_rabbitmq::to_envelope(&q, &m.delivery));
-            }
-            let _ = conn.close(200, "done").await;
-            Some(out)
-        })
-        .await;
+        let got =
+            tokio::time::timeout(Duration::from_secs(10), support::try_take_all(&url, &q)).await;
         for env in got.ok().flatten().unwrap_or_default() {
             if let Some(k) = env.message_id {
                 back.push(k);
@@ -176,14 +166,4 @@ async fn messages_parked_in_a_retry_tier_come_back_after_a_broker_restart() {
     let mut queues = vec![q.clone(), format!("{q}.dlq")];
     queues.extend(tiers);
     support::delete_queues(&url, &queues).await;
-}
-
-/// A connection that may fail (the broker is restarting).
-async fn lapin_connect(url: &str) -> Option<idemq_rabbitmq::lapin::Connection> {
-    let props = idemq_rabbitmq::lapin::ConnectionProperties::default()
-        .with_executor(tokio_executor_trait::Tokio::current())
-        .with_reactor(tokio_reactor_trait::Tokio);
-    idemq_rabbitmq::lapin::Connection::connect(url, props)
-        .await
-        .ok()
 }

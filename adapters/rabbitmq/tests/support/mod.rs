@@ -56,25 +56,35 @@ pub async fn publisher(url: &str) -> RabbitPublisher {
 }
 
 pub async fn connection(url: &str) -> Connection {
+    try_connection(url).await.expect("test connection")
+}
+
+/// A connection, or why the broker cannot be reached (e.g. while it restarts).
+pub async fn try_connection(url: &str) -> Result<Connection, idemq_rabbitmq::lapin::Error> {
     let props = ConnectionProperties::default()
         .with_executor(tokio_executor_trait::Tokio::current())
         .with_reactor(tokio_reactor_trait::Tokio);
-    Connection::connect(url, props)
-        .await
-        .expect("test connection")
+    Connection::connect(url, props).await
 }
 
 /// Takes every message now in `queue` (`basic.get`, auto-ack).
 pub async fn take_all(url: &str, queue: &str) -> Vec<Envelope> {
-    let conn = connection(url).await;
-    let ch = conn.create_channel().await.expect("channel");
+    try_take_all(url, queue)
+        .await
+        .expect("connect and open a channel to take messages")
+}
+
+/// [`take_all`], `None` when the broker cannot be reached (e.g. while it restarts).
+pub async fn try_take_all(url: &str, queue: &str) -> Option<Vec<Envelope>> {
+    let conn = try_connection(url).await.ok()?;
+    let ch = conn.create_channel().await.ok()?;
     let mut out = Vec::new();
     let opts = BasicGetOptions { no_ack: true };
     while let Ok(Some(m)) = ch.basic_get(queue, opts).await {
         out.push(idemq_rabbitmq::to_envelope(queue, &m.delivery));
     }
     let _ = conn.close(200, "done").await;
-    out
+    Some(out)
 }
 
 /// Deletes queues left by a test.
