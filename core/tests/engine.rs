@@ -641,3 +641,99 @@ async fn a_claim_answered_with_most_of_its_lease_gone_is_given_back_not_run() {
         .expect("record");
     assert!(rec.is_released(), "the key was given back at once");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_pipeline_of_batches_overlaps_and_still_changes_the_world_once() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let broker = MemoryBroker::with_seed(11);
+    broker.set_faults(Faults {
+        lost_ack_rate: 0.1,
+        duplicate_publish_rate: 0.3,
+    });
+    for i in 0..200 {
+        broker.publish(payment(&format!("p{i}")));
+    }
+    let copies = broker.published() - 200;
+    let effects: Effects = Arc::default();
+    let (running, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let handler = {
+        let (effects, running, peak) = (effects.clone(), running.clone(), peak.clone());
+        move |m: ClaimedMessage| {
+            let (effects, running, peak) = (effects.clone(), running.clone(), peak.clone());
+            async move {
+                let now = running.fetch_add(1, Ordering::SeqCst) + 1;
+                peak.fetch_max(now, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                *effects
+                    .lock()
+                    .expect("lock")
+                    .entry(m.key.as_str().to_string())
+                    .or_default() += 1;
+                running.fetch_sub(1, Ordering::SeqCst);
+                Ok::<_, HandlerError>(None)
+            }
+        }
+    };
+    // Claims that take a while, as a remote store's do: the next batches start meanwhile.
+    let store = SlowClaims(MemoryStore::new(), Duration::from_millis(5));
+    let c = IdempotentConsumer::new(Arc::new(store), keys(), handler).with_config(ConsumerConfig {
+        max_batch: 8,
+        pipeline_depth: 4,
+        ..fast()
+    });
+    c.run_until_idle(&mut broker.subscribe())
+        .await
+        .expect("run");
+    let e = counts(&effects);
+    assert_eq!(e.len(), 200, "every payment applied (none lost)");
+    assert!(e.values().all(|&n| n == 1), "no payment applied twice");
+    let peak = peak.load(Ordering::SeqCst);
+    assert!(
+        peak > 8,
+        "handlers of several batches ran at once (peak {peak}, one batch holds 8)"
+    );
+    let st = c.stats();
+    assert_eq!(st.processed, 200, "{st:?}");
+    assert!(
+        st.duplicates >= copies,
+        "producer duplicates skipped: {st:?}"
+    );
+    assert_eq!(broker.pending(), 0);
+    assert!(broker.dead_letters().is_empty());
+}
+
+#[tokio::test]
+async fn a_pipeline_depth_above_one_is_refused_with_an_ordering_and_zero_always() {
+    for (cfg, says) in [
+        (
+            ConsumerConfig {
+                pipeline_depth: 2,
+                ordering: idemq_core::DeliveryOrder::PerKey,
+                ..fast()
+            },
+            "out of order",
+        ),
+        (
+            ConsumerConfig {
+                pipeline_depth: 0,
+                ..fast()
+            },
+            "never poll",
+        ),
+    ] {
+        let broker = MemoryBroker::new();
+        broker.publish(payment("p1"));
+        let c = IdempotentConsumer::new(
+            Arc::new(MemoryStore::new()),
+            keys(),
+            recording(Arc::default()),
+        )
+        .with_config(cfg);
+        let err = c.run_until_idle(&mut broker.subscribe()).await.unwrap_err();
+        assert!(
+            err.to_string().contains("pipeline_depth") && err.to_string().contains(says),
+            "{err}"
+        );
+        assert_eq!(broker.pending(), 1, "nothing consumed");
+    }
+}

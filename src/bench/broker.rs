@@ -174,7 +174,7 @@ pub async fn run_engine(
     store: Arc<dyn DedupStore>,
     sink: Option<EffectSink>,
     n: usize,
-    batch: usize,
+    cfg: ConsumerConfig,
 ) -> anyhow::Result<Duration> {
     let done = Arc::new(AtomicUsize::new(0));
     let finished = Arc::new(tokio::sync::Notify::new());
@@ -192,10 +192,6 @@ pub async fn run_engine(
             }
             Ok(None)
         }
-    };
-    let cfg = ConsumerConfig {
-        max_batch: batch,
-        ..ConsumerConfig::default()
     };
     let consumer = IdempotentConsumer::new(store, keys, handler).with_config(cfg);
     let t = Instant::now();
@@ -316,6 +312,20 @@ pub struct BrokerRun {
     /// Redis for the engine over the Redis store (effect rows still in PostgreSQL; skipped
     /// when `None` or without the `redis` feature).
     pub redis_url: Option<String>,
+    /// `ConsumerConfig::pipeline_depth` of the idempotent consumers.
+    pub pipeline_depth: usize,
+}
+
+impl BrokerRun {
+    /// The idempotent consumers' settings: the defaults, with this run's batch and
+    /// batches in flight.
+    pub fn consumer_config(&self) -> ConsumerConfig {
+        ConsumerConfig {
+            max_batch: self.batch,
+            pipeline_depth: self.pipeline_depth.max(1),
+            ..ConsumerConfig::default()
+        }
+    }
 }
 
 /// Best times of one broker's consumers.
@@ -359,10 +369,10 @@ async fn engine_into(
     bench: &dyn BrokerBench,
     sink: &EffectSink,
     store: Arc<dyn DedupStore>,
-    n: usize,
-    batch: usize,
+    run: &BrokerRun,
     what: &str,
 ) -> anyhow::Result<Duration> {
+    let n = run.messages.max(1);
     let mut src = refilled(bench, sink, n).await?;
     let t = run_engine(
         src.as_mut(),
@@ -370,7 +380,7 @@ async fn engine_into(
         store,
         Some(sink.clone()),
         n,
-        batch,
+        run.consumer_config(),
     )
     .await?;
     anyhow::ensure!(sink.count().await? == n as i64, "{what} effects");
@@ -418,7 +428,15 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
         let mem: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
         keep_best(
             &mut f.memory,
-            run_engine(src.as_mut(), bench.keys()?, mem, None, n, run.batch).await?,
+            run_engine(
+                src.as_mut(),
+                bench.keys()?,
+                mem,
+                None,
+                n,
+                run.consumer_config(),
+            )
+            .await?,
         );
         if let Some((sink, pg_store)) = &pg {
             sink.clear().await?;
@@ -426,11 +444,10 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
             keep_best(&mut f.handwritten, bench.handwritten(&dest, n, sink).await?);
             anyhow::ensure!(sink.count().await? == n as i64, "hand-written effects");
             let store: Arc<dyn DedupStore> = pg_store.clone();
-            let t = engine_into(bench, sink, store, n, run.batch, "idemq + PostgreSQL").await?;
+            let t = engine_into(bench, sink, store, run, "idemq + PostgreSQL").await?;
             keep_best(&mut f.postgres, t);
             if let Some(redis) = &redis {
-                let t =
-                    engine_into(bench, sink, redis.clone(), n, run.batch, "idemq + Redis").await?;
+                let t = engine_into(bench, sink, redis.clone(), run, "idemq + Redis").await?;
                 keep_best(&mut f.redis, t);
             }
             for (mode, slot) in [
@@ -476,9 +493,10 @@ fn print_report(name: &str, n: usize, run: &BrokerRun, f: &BrokerFigures) {
         _ => "-".into(),
     };
     println!(
-        "{name}: best of {} interleaved rounds, {n} messages, batch {}",
+        "{name}: best of {} interleaved rounds, {n} messages, batch {}, idemq pipeline depth {}",
         run.rounds.max(1),
-        run.batch
+        run.batch,
+        run.pipeline_depth.max(1)
     );
     let line = |label: &str, t: Option<Duration>, vs: String| {
         if let Some(t) = t {

@@ -83,6 +83,10 @@ pub struct BenchArgs {
     /// Redis for the broker benchmarks' Redis store (the engine over it is skipped without).
     #[arg(long, env = "IDEMQ_TEST_REDIS_URL")]
     redis_url: Option<String>,
+    /// The broker benchmarks' idempotent consumers run this many batches at once
+    /// (`ConsumerConfig::pipeline_depth`; 1 is the default consumer).
+    #[arg(long, default_value_t = 1)]
+    pipeline_depth: usize,
 }
 
 /// `idemq bench suite | scenario | report`.
@@ -329,6 +333,7 @@ async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         rounds: args.rounds,
         postgres_url: args.postgres_url.clone(),
         redis_url: args.redis_url.clone(),
+        pipeline_depth: args.pipeline_depth.max(1),
     };
     for name in &args.brokers {
         let bench = make_broker(name, args.batch)?;
@@ -413,6 +418,7 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
                 rounds: sizes.broker_rounds,
                 postgres_url: Some(postgres_url),
                 redis_url: scenarios::env_url("IDEMQ_TEST_REDIS_URL").ok(),
+                pipeline_depth: 1,
             };
             let f = broker::measure(bench.as_ref(), &run).await?;
             let rate = |d: Option<Duration>| d.map(|d| n as f64 / d.as_secs_f64().max(1e-9));

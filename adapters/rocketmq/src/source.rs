@@ -77,6 +77,12 @@ pub struct SourceConfig {
     pub buffer: usize,
     /// A new group starts at the first offset (else at the last).
     pub from_first_offset: bool,
+    /// Least time between two persists of the consume offsets after batches (default 1 s).
+    /// A persist waits for the listener threads to hand the batch's answers to the client
+    /// and costs a broker round trip; after every batch it bounded a consumer to one batch
+    /// per ~12 ms. Offsets not yet persisted when a process dies are redelivered and skipped
+    /// as duplicates; `close` persists them all.
+    pub offset_persist_interval: Duration,
 }
 
 impl SourceConfig {
@@ -97,6 +103,7 @@ impl SourceConfig {
             max_reconsume_times: 16,
             buffer: 64,
             from_first_offset: true,
+            offset_persist_interval: Duration::from_secs(1),
         }
     }
     /// Orderly consumption.
@@ -308,6 +315,9 @@ pub struct RocketSource {
     progress: Arc<Progress>,
     /// `progress.settled` when the offsets were last persisted.
     persisted_at: u64,
+    /// When they were last persisted, and the least time between two persists.
+    last_persist: Option<tokio::time::Instant>,
+    persist_every: Duration,
     closed: bool,
 }
 
@@ -386,6 +396,8 @@ impl RocketSource {
             idle,
             progress,
             persisted_at: 0,
+            last_persist: None,
+            persist_every: cfg.offset_persist_interval,
             closed: false,
         })
     }
@@ -420,10 +432,15 @@ impl Source for RocketSource {
     }
 
     /// Persists the consume offsets once the batch's settlements reached the client (the
-    /// client commits the lowest unsettled offset of each queue: the contiguous prefix).
+    /// client commits the lowest unsettled offset of each queue: the contiguous prefix), at
+    /// most once per `offset_persist_interval`.
     async fn after_batch(&mut self) -> Result<(), SourceError> {
         let settled = self.progress.settled.load(Ordering::SeqCst);
-        if settled == self.persisted_at {
+        if settled == self.persisted_at
+            || self
+                .last_persist
+                .is_some_and(|t| t.elapsed() < self.persist_every)
+        {
             return Ok(());
         }
         let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
@@ -440,6 +457,7 @@ impl Source for RocketSource {
             }
         }
         self.persisted_at = settled;
+        self.last_persist = Some(tokio::time::Instant::now());
         Ok(())
     }
 

@@ -123,8 +123,18 @@ impl RetryPolicy {
 pub struct ConsumerConfig {
     /// Most deliveries taken per poll (and claimed per round trip).
     pub max_batch: usize,
-    /// Most handlers running at once.
+    /// Most handlers running at once, per batch.
     pub max_concurrency: usize,
+    /// Batches in progress at once (≥ 1). With more than one, while a batch waits on its
+    /// store (claim and completion round trips, a commit's fsync) the next one is polled and
+    /// started, so broker and store latencies overlap instead of adding up: the knob for a
+    /// remote store, or for a push source that hands over a few messages at a time
+    /// (RocketMQ's listeners). Each batch runs up to `max_concurrency` handlers. Unordered
+    /// consumption only: batches then finish out of order, so
+    /// [`validate`](Self::validate) refuses more than one with an ordering. A copy of a key
+    /// that meets its own earlier copy still in flight in another batch comes back after a
+    /// short delay (as with two consumers), never runs twice.
+    pub pipeline_depth: usize,
     /// Which messages run one after another.
     pub ordering: DeliveryOrder,
     /// Lease per claim; a crashed worker's keys are taken over after it.
@@ -166,6 +176,7 @@ impl Default for ConsumerConfig {
         Self {
             max_batch: 100,
             max_concurrency: 16,
+            pipeline_depth: 1,
             ordering: DeliveryOrder::Unordered,
             lease: Duration::from_secs(30),
             heartbeat: None,
@@ -234,6 +245,15 @@ impl ConsumerConfig {
                     self.lease
                 ));
             }
+        }
+        if self.pipeline_depth == 0 {
+            return Err("pipeline_depth 0 would never poll: use 1 (or more for an unordered consumer over a remote store)".into());
+        }
+        if self.pipeline_depth > 1 && self.ordering != DeliveryOrder::Unordered {
+            return Err(format!(
+                "pipeline_depth {} with ordering {:?}: batches in progress together finish out of order, so an ordered consumer runs one batch at a time (set pipeline_depth to 1)",
+                self.pipeline_depth, self.ordering
+            ));
         }
         if self.heartbeat_timeout.is_zero() {
             return Err("heartbeat_timeout 0 fails every heartbeat: use a few seconds".into());

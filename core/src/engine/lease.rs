@@ -46,24 +46,27 @@ fn held_here_map() -> std::sync::MutexGuard<'static, std::collections::HashMap<D
         .unwrap_or_else(|p| p.into_inner())
 }
 
-/// Poll loops (`IdempotentConsumer::run`) running in this process. Keys are listed in
-/// [`held_here`] only while there are several: a lone engine meets no local holder, and the
+/// Batches that may be in progress at once in this process: the sum over the running poll
+/// loops (`IdempotentConsumer::run`) of their `pipeline_depth`. Keys are listed in
+/// [`held_here`] only while it exceeds one: a lone batch meets no local holder, and the
 /// listing costs two map updates per message.
 static RUNNING_LOOPS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
-/// Counts a running poll loop for as long as it lives.
-pub(crate) struct RunningLoop;
+/// Counts a running poll loop's batches for as long as it lives.
+pub(crate) struct RunningLoop(usize);
 
 impl RunningLoop {
-    pub(crate) fn start() -> Self {
-        RUNNING_LOOPS.fetch_add(1, Ordering::Relaxed);
-        RunningLoop
+    /// A loop with up to `batches` batches in progress at once.
+    pub(crate) fn start(batches: usize) -> Self {
+        let batches = batches.max(1);
+        RUNNING_LOOPS.fetch_add(batches, Ordering::Relaxed);
+        RunningLoop(batches)
     }
 }
 
 impl Drop for RunningLoop {
     fn drop(&mut self) {
-        RUNNING_LOOPS.fetch_sub(1, Ordering::Relaxed);
+        RUNNING_LOOPS.fetch_sub(self.0, Ordering::Relaxed);
     }
 }
 
@@ -71,7 +74,8 @@ fn several_loops() -> bool {
     RUNNING_LOOPS.load(Ordering::Relaxed) > 1
 }
 
-/// True when a live batch of another engine of this process holds `key`.
+/// True when another live batch of this process (another engine's, or this loop's next one)
+/// holds `key`.
 pub(crate) fn held_here(key: &DedupKey) -> bool {
     several_loops() && held_here_map().contains_key(key)
 }
@@ -129,6 +133,11 @@ impl LiveLeases {
         }
     }
 
+    /// When the claim that acquired these leases started.
+    pub(crate) fn base(&self) -> tokio::time::Instant {
+        self.base
+    }
+
     /// The watch a handler of item `index` sees.
     pub(crate) fn watch(&self, index: usize) -> LeaseWatch {
         self.flags.watch(index)
@@ -171,7 +180,8 @@ pub(crate) async fn heartbeat(
     beat: Duration,
     timeout: Duration,
 ) {
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + beat, beat);
+    // Beats count from the claim, not from this task's start (it starts late on purpose).
+    let mut tick = tokio::time::interval_at(live.base + beat, beat);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // A lease is given up one beat before its end: the next beat might come too late.
     let margin_ms = crate::store::duration_ms(beat).min(crate::store::duration_ms(lease) / 2);

@@ -234,7 +234,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), ConsumerError> {
         self.cfg.validate().map_err(ConsumerError::Config)?;
-        let running = lease::RunningLoop::start();
+        let running = lease::RunningLoop::start(self.cfg.pipeline_depth);
         let result = self.poll_loop(source, shutdown).await;
         drop(running);
         close_after_run(source, result).await
@@ -252,7 +252,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         drive_source_reporting(
             source,
             self.cfg.max_batch,
-            1,
+            self.cfg.pipeline_depth,
             backoff,
             &self.counters.health,
             shutdown,
