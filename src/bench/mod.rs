@@ -208,6 +208,9 @@ async fn duplicates_meeting_local_claims() -> anyhow::Result<(Duration, u64)> {
     Ok((elapsed, published))
 }
 
+/// `ConsumerConfig::pipeline_depth` of the suite's idempotent broker consumers.
+const SUITE_PIPELINE_DEPTH: usize = 4;
+
 /// Runs the benchmark and prints one line per configuration.
 pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     match args.op {
@@ -418,7 +421,9 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
                 rounds: sizes.broker_rounds,
                 postgres_url: Some(postgres_url),
                 redis_url: scenarios::env_url("IDEMQ_TEST_REDIS_URL").ok(),
-                pipeline_depth: 1,
+                // Remote stores: batches overlap their round trips, as the unique-index
+                // consumer's do by default.
+                pipeline_depth: SUITE_PIPELINE_DEPTH,
             };
             let f = broker::measure(bench.as_ref(), &run).await?;
             let rate = |d: Option<Duration>| d.map(|d| n as f64 / d.as_secs_f64().max(1e-9));
@@ -427,6 +432,7 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
                 "server": if broker_name == "kafka" { kafka_version() } else { String::new() },
                 "messages": n,
                 "batch": BATCH,
+                "pipeline_depth": SUITE_PIPELINE_DEPTH,
                 "rounds": sizes.broker_rounds,
                 "bare": rate(f.bare),
                 "memory": rate(f.memory),
