@@ -208,9 +208,6 @@ async fn duplicates_meeting_local_claims() -> anyhow::Result<(Duration, u64)> {
     Ok((elapsed, published))
 }
 
-/// `ConsumerConfig::pipeline_depth` of the suite's idempotent broker consumers.
-const SUITE_PIPELINE_DEPTH: usize = 4;
-
 /// Runs the benchmark and prints one line per configuration.
 pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
     match args.op {
@@ -384,6 +381,8 @@ fn make_broker(name: &str, batch: usize) -> anyhow::Result<Box<dyn broker::Broke
 async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_json::Value> {
     use serde_json::json;
     const BATCH: usize = 256;
+    // `ConsumerConfig::pipeline_depth` of the idempotent consumers.
+    const SUITE_PIPELINE_DEPTH: usize = 4;
     let n = sizes.broker_messages.max(1);
     let postgres_url = scenarios::env_url("IDEMQ_TEST_POSTGRES_URL")?;
     match name {
