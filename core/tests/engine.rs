@@ -55,21 +55,49 @@ fn recording(
     }
 }
 
+/// A broker (seeded) holding `n` payments published with 30% producer duplicates, losing
+/// `lost_ack_rate` of acks; and how many duplicate copies it holds.
+fn faulty_payments(seed: u64, lost_ack_rate: f64, n: usize) -> (MemoryBroker, u64) {
+    let broker = MemoryBroker::with_seed(seed);
+    broker.set_faults(Faults {
+        lost_ack_rate,
+        duplicate_publish_rate: 0.3,
+    });
+    for i in 0..n {
+        broker.publish(payment(&format!("p{i}")));
+    }
+    let copies = broker.published() - n as u64;
+    (broker, copies)
+}
+
 fn counts(e: &Effects) -> HashMap<String, u32> {
     e.lock().expect("lock").clone()
 }
 
+/// Each of the `n` payments applied exactly once, every producer copy skipped as a
+/// duplicate, nothing left on the broker or dead-lettered.
+fn each_applied_once(
+    effects: &Effects,
+    st: &idemq_core::ConsumerStats,
+    broker: &MemoryBroker,
+    n: usize,
+    copies: u64,
+) {
+    let e = counts(effects);
+    assert_eq!(e.len(), n, "every payment applied (none lost)");
+    assert!(e.values().all(|&k| k == 1), "no payment applied twice");
+    assert_eq!(st.processed, n as u64, "{st:?}");
+    assert!(
+        st.duplicates >= copies,
+        "producer duplicates skipped: {st:?}"
+    );
+    assert_eq!(broker.pending(), 0);
+    assert!(broker.dead_letters().is_empty());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn producer_duplicates_and_lost_acks_change_the_world_once_across_two_consumers() {
-    let broker = MemoryBroker::with_seed(7);
-    broker.set_faults(Faults {
-        lost_ack_rate: 0.2,
-        duplicate_publish_rate: 0.3,
-    });
-    for i in 0..300 {
-        broker.publish(payment(&format!("p{i}")));
-    }
-    let copies = broker.published() - 300;
+    let (broker, copies) = faulty_payments(7, 0.2, 300);
     assert!(
         copies > 50,
         "the broker injected producer duplicates ({copies})"
@@ -83,17 +111,7 @@ async fn producer_duplicates_and_lost_acks_change_the_world_once_across_two_cons
     let b = tokio::spawn(async move { c2.run_until_idle(&mut s2).await });
     a.await.expect("join").expect("run");
     b.await.expect("join").expect("run");
-    let e = counts(&effects);
-    assert_eq!(e.len(), 300, "every payment applied (none lost)");
-    assert!(e.values().all(|&n| n == 1), "no payment applied twice");
-    let st = c.stats();
-    assert_eq!(st.processed, 300);
-    assert!(
-        st.duplicates >= copies,
-        "producer duplicates skipped: {st:?}"
-    );
-    assert_eq!(broker.pending(), 0);
-    assert!(broker.dead_letters().is_empty());
+    each_applied_once(&effects, &c.stats(), &broker, 300, copies);
 }
 
 #[tokio::test]
@@ -525,20 +543,13 @@ async fn a_heartbeat_keeps_a_long_handler_from_being_taken_over() {
 
 #[tokio::test]
 async fn unsafe_settings_are_refused_before_consuming_anything() {
-    let broker = MemoryBroker::new();
-    broker.publish(payment("p1"));
-    let c = IdempotentConsumer::new(
-        Arc::new(MemoryStore::new()),
-        keys(),
-        recording(Arc::default()),
-    )
-    .with_config(ConsumerConfig {
+    let (broker, err) = refused(ConsumerConfig {
         lease: Duration::from_secs(1),
         heartbeat: Some(Duration::from_secs(2)),
         ..fast()
-    });
-    let err = c.run_until_idle(&mut broker.subscribe()).await.unwrap_err();
-    assert!(err.to_string().contains("heartbeat"), "{err}");
+    })
+    .await;
+    assert!(err.contains("heartbeat"), "{err}");
     assert_eq!(broker.pending(), 1, "nothing consumed");
     assert_eq!(broker.acked(), 0);
 }
@@ -557,6 +568,24 @@ async fn an_in_flight_delay_below_the_floor_is_refused() {
     });
     let err = c.run_until_idle(&mut broker.subscribe()).await.unwrap_err();
     assert!(err.to_string().contains("in_flight_delay_max"), "{err}");
+}
+
+/// Runs a consumer with `cfg` over a broker holding one payment; returns the broker and
+/// the error the run must fail with.
+async fn refused(cfg: ConsumerConfig) -> (MemoryBroker, String) {
+    let broker = MemoryBroker::new();
+    broker.publish(payment("p1"));
+    let c = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        keys(),
+        recording(Arc::default()),
+    )
+    .with_config(cfg);
+    let err = match c.run_until_idle(&mut broker.subscribe()).await {
+        Ok(()) => panic!("the settings were accepted"),
+        Err(e) => e.to_string(),
+    };
+    (broker, err)
 }
 
 /// A store whose claims answer only after most of the lease is gone (a blocked row lock).
@@ -645,15 +674,7 @@ async fn a_claim_answered_with_most_of_its_lease_gone_is_given_back_not_run() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_pipeline_of_batches_overlaps_and_still_changes_the_world_once() {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    let broker = MemoryBroker::with_seed(11);
-    broker.set_faults(Faults {
-        lost_ack_rate: 0.1,
-        duplicate_publish_rate: 0.3,
-    });
-    for i in 0..200 {
-        broker.publish(payment(&format!("p{i}")));
-    }
-    let copies = broker.published() - 200;
+    let (broker, copies) = faulty_payments(11, 0.1, 200);
     let effects: Effects = Arc::default();
     let (running, peak) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let handler = {
@@ -684,22 +705,12 @@ async fn a_pipeline_of_batches_overlaps_and_still_changes_the_world_once() {
     c.run_until_idle(&mut broker.subscribe())
         .await
         .expect("run");
-    let e = counts(&effects);
-    assert_eq!(e.len(), 200, "every payment applied (none lost)");
-    assert!(e.values().all(|&n| n == 1), "no payment applied twice");
+    each_applied_once(&effects, &c.stats(), &broker, 200, copies);
     let peak = peak.load(Ordering::SeqCst);
     assert!(
         peak > 8,
         "handlers of several batches ran at once (peak {peak}, one batch holds 8)"
     );
-    let st = c.stats();
-    assert_eq!(st.processed, 200, "{st:?}");
-    assert!(
-        st.duplicates >= copies,
-        "producer duplicates skipped: {st:?}"
-    );
-    assert_eq!(broker.pending(), 0);
-    assert!(broker.dead_letters().is_empty());
 }
 
 #[tokio::test]
@@ -721,17 +732,9 @@ async fn a_pipeline_depth_above_one_is_refused_with_an_ordering_and_zero_always(
             "never poll",
         ),
     ] {
-        let broker = MemoryBroker::new();
-        broker.publish(payment("p1"));
-        let c = IdempotentConsumer::new(
-            Arc::new(MemoryStore::new()),
-            keys(),
-            recording(Arc::default()),
-        )
-        .with_config(cfg);
-        let err = c.run_until_idle(&mut broker.subscribe()).await.unwrap_err();
+        let (broker, err) = refused(cfg).await;
         assert!(
-            err.to_string().contains("pipeline_depth") && err.to_string().contains(says),
+            err.contains("pipeline_depth") && err.contains(says),
             "{err}"
         );
         assert_eq!(broker.pending(), 1, "nothing consumed");
