@@ -52,7 +52,7 @@ impl Profile {
                 retained: vec![0, 1_000_000, 10_000_000],
                 broker_messages: 20_000,
                 broker_rounds: 2,
-                producer_messages: 200_000,
+                producer_messages: 1_000_000,
                 engine_messages: 200_000,
             },
         }
