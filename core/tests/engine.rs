@@ -412,14 +412,7 @@ async fn a_permanent_failure_is_dead_lettered_and_a_panic_is_retried() {
 
 #[tokio::test]
 async fn the_same_key_with_another_payload_is_rejected_as_a_conflict() {
-    let broker = MemoryBroker::new();
-    broker.publish(payment("p1"));
-    let c = IdempotentConsumer::new(
-        Arc::new(MemoryStore::new()),
-        keys(),
-        recording(Arc::default()),
-    )
-    .with_config(fast());
+    let (broker, c) = one_payment(fast());
     let mut src = broker.subscribe();
     c.run_until_idle(&mut src).await.expect("run");
     broker.publish(Envelope::new(
@@ -556,23 +549,18 @@ async fn unsafe_settings_are_refused_before_consuming_anything() {
 
 #[tokio::test]
 async fn an_in_flight_delay_below_the_floor_is_refused() {
-    let broker = MemoryBroker::new();
-    let c = IdempotentConsumer::new(
-        Arc::new(MemoryStore::new()),
-        keys(),
-        recording(Arc::default()),
-    )
-    .with_config(ConsumerConfig {
+    let (_, err) = refused(ConsumerConfig {
         in_flight_delay_max: Duration::from_millis(1),
         ..fast()
-    });
-    let err = c.run_until_idle(&mut broker.subscribe()).await.unwrap_err();
-    assert!(err.to_string().contains("in_flight_delay_max"), "{err}");
+    })
+    .await;
+    assert!(err.contains("in_flight_delay_max"), "{err}");
 }
 
-/// Runs a consumer with `cfg` over a broker holding one payment; returns the broker and
-/// the error the run must fail with.
-async fn refused(cfg: ConsumerConfig) -> (MemoryBroker, String) {
+/// A broker holding one payment, and a consumer with `cfg` over a fresh memory store.
+fn one_payment(
+    cfg: ConsumerConfig,
+) -> (MemoryBroker, IdempotentConsumer<impl idemq_core::Handler>) {
     let broker = MemoryBroker::new();
     broker.publish(payment("p1"));
     let c = IdempotentConsumer::new(
@@ -581,6 +569,13 @@ async fn refused(cfg: ConsumerConfig) -> (MemoryBroker, String) {
         recording(Arc::default()),
     )
     .with_config(cfg);
+    (broker, c)
+}
+
+/// Runs a consumer with `cfg` over a broker holding one payment; returns the broker and
+/// the error the run must fail with.
+async fn refused(cfg: ConsumerConfig) -> (MemoryBroker, String) {
+    let (broker, c) = one_payment(cfg);
     let err = match c.run_until_idle(&mut broker.subscribe()).await {
         Ok(()) => panic!("the settings were accepted"),
         Err(e) => e.to_string(),

@@ -318,11 +318,11 @@ pub struct BrokerRun {
 
 impl BrokerRun {
     /// The idempotent consumers' settings: the defaults, with this run's batch and
-    /// batches in flight.
+    /// pipeline depth.
     pub fn consumer_config(&self) -> ConsumerConfig {
         ConsumerConfig {
             max_batch: self.batch,
-            pipeline_depth: self.pipeline_depth.max(1),
+            pipeline_depth: self.pipeline_depth,
             ..ConsumerConfig::default()
         }
     }
@@ -496,7 +496,7 @@ fn print_report(name: &str, n: usize, run: &BrokerRun, f: &BrokerFigures) {
         "{name}: best of {} interleaved rounds, {n} messages, batch {}, idemq pipeline depth {}",
         run.rounds.max(1),
         run.batch,
-        run.pipeline_depth.max(1)
+        run.pipeline_depth
     );
     let line = |label: &str, t: Option<Duration>, vs: String| {
         if let Some(t) = t {

@@ -13,6 +13,17 @@ use std::time::Duration;
 /// One broker restart at a time.
 static RESTARTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
+/// The broker's URL, its restart command and this test's turn to restart it; `None` (the
+/// test is skipped) without a broker or without `IDEMQ_TEST_RABBITMQ_RESTART_CMD`.
+async fn restart_turn() -> Option<(String, String, tokio::sync::MutexGuard<'static, ()>)> {
+    let url = support::amqp_url()?;
+    let Ok(restart) = std::env::var("IDEMQ_TEST_RABBITMQ_RESTART_CMD") else {
+        eprintln!("skipped: IDEMQ_TEST_RABBITMQ_RESTART_CMD is not set");
+        return None;
+    };
+    Some((url, restart, RESTARTS.lock().await))
+}
+
 async fn restart_broker(cmd: &str) {
     let out = tokio::process::Command::new("sh")
         .arg("-c")
@@ -43,14 +54,9 @@ async fn publish_range(p: &dyn Publisher, q: &str, range: std::ops::Range<u32>) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_broker_restart_mid_run_loses_nothing_and_applies_nothing_twice() {
-    let Some(url) = support::amqp_url() else {
+    let Some((url, restart, _turn)) = restart_turn().await else {
         return;
     };
-    let Ok(restart) = std::env::var("IDEMQ_TEST_RABBITMQ_RESTART_CMD") else {
-        eprintln!("skipped: IDEMQ_TEST_RABBITMQ_RESTART_CMD is not set");
-        return;
-    };
-    let _turn = RESTARTS.lock().await;
     let q = support::fresh_queue("restart");
     let src = support::source(support::config(&url, &q, QueueType::Quorum).prefetch(100)).await;
     let p = support::publisher(&url).await;
@@ -107,14 +113,9 @@ async fn a_broker_restart_mid_run_loses_nothing_and_applies_nothing_twice() {
 /// after `dead_letter_worker_publisher_confirm_timeout` (3 min by default), hence the wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_parked_in_a_retry_tier_come_back_after_a_broker_restart() {
-    let Some(url) = support::amqp_url() else {
+    let Some((url, restart, _turn)) = restart_turn().await else {
         return;
     };
-    let Ok(restart) = std::env::var("IDEMQ_TEST_RABBITMQ_RESTART_CMD") else {
-        eprintln!("skipped: IDEMQ_TEST_RABBITMQ_RESTART_CMD is not set");
-        return;
-    };
-    let _turn = RESTARTS.lock().await;
     let q = support::fresh_queue("parked-restart");
     let mut src = support::source(support::config(&url, &q, QueueType::Quorum)).await;
     let p = support::publisher(&url).await;

@@ -56,9 +56,9 @@ static RUNNING_LOOPS: std::sync::atomic::AtomicUsize = std::sync::atomic::Atomic
 pub(crate) struct RunningLoop(usize);
 
 impl RunningLoop {
-    /// A loop with up to `batches` batches in progress at once.
+    /// A loop with up to `batches` batches in progress at once (its validated
+    /// `pipeline_depth`, at least 1).
     pub(crate) fn start(batches: usize) -> Self {
-        let batches = batches.max(1);
         RUNNING_LOOPS.fetch_add(batches, Ordering::Relaxed);
         RunningLoop(batches)
     }
