@@ -14,7 +14,7 @@
 //!    writes two records atomically: a `read_committed` reader sees both or neither.
 
 use idemq::kafka::rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use idemq::kafka::{KafkaProducerConfig, RuleVerdict};
+use idemq::kafka::{commit_transaction, KafkaProducerConfig, RuleVerdict};
 use std::time::Duration;
 
 #[tokio::main]
@@ -65,7 +65,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         r.map_err(|(e, _)| e)?;
     }
     let p = producer.clone();
-    tokio::task::spawn_blocking(move || p.commit_transaction(Duration::from_secs(30))).await??;
+    // idemq's commit waits for the deliveries itself: rdkafka's own commit_transaction
+    // blocks at least 100 ms whenever a record is still in flight.
+    tokio::task::spawn_blocking(move || commit_transaction(&p, Duration::from_secs(30))).await??;
     println!("committed one transaction of two records to topic ledger");
     Ok(())
 }

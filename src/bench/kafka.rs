@@ -14,7 +14,9 @@ use idemq::kafka::rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use idemq::kafka::rdkafka::message::{Header, OwnedHeaders};
 use idemq::kafka::rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use idemq::kafka::rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
-use idemq::kafka::{KafkaProducerConfig, KafkaPublisher, KafkaSource, KafkaSourceConfig};
+use idemq::kafka::{
+    commit_transaction, KafkaProducerConfig, KafkaPublisher, KafkaSource, KafkaSourceConfig,
+};
 use idemq::{async_trait, Capabilities, Delivery, OutgoingMessage, Publisher, Source, SourceError};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
@@ -263,7 +265,10 @@ async fn produce_run(
         .await
         .map_err(|(e, _)| e)?;
     if transactional {
-        blocking(&producer, |p| p.commit_transaction(Duration::from_secs(30))).await??;
+        blocking(&producer, |p| {
+            commit_transaction(p, Duration::from_secs(30))
+        })
+        .await??;
     }
     let started = Instant::now();
     if transactional {
@@ -295,13 +300,19 @@ async fn produce_run(
             }
         }
         if transactional && txn_started.elapsed() >= interval {
-            blocking(&producer, |p| p.commit_transaction(Duration::from_secs(30))).await??;
+            blocking(&producer, |p| {
+                commit_transaction(p, Duration::from_secs(30))
+            })
+            .await??;
             producer.begin_transaction()?;
             txn_started = Instant::now();
         }
     }
     if transactional {
-        blocking(&producer, |p| p.commit_transaction(Duration::from_secs(30))).await??;
+        blocking(&producer, |p| {
+            commit_transaction(p, Duration::from_secs(30))
+        })
+        .await??;
     }
     for f in pending {
         f.await?.map_err(|(e, _)| e)?;

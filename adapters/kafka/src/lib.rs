@@ -67,6 +67,7 @@
 
 #![warn(missing_docs)]
 
+mod commit;
 mod config;
 mod db_offsets;
 mod envelope;
@@ -77,6 +78,7 @@ mod source;
 mod to_database;
 mod transactional;
 
+pub use commit::commit_transaction;
 pub use config::{
     ConfigError, ConfigProblem, KafkaProducerConfig, ProducerMode, Rule, RuleVerdict,
     DEFAULT_BROKER_MAX_TRANSACTION_TIMEOUT, MAX_IDEMPOTENT_IN_FLIGHT,

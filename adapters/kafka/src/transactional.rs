@@ -509,7 +509,7 @@ impl TransactionalProcessor {
         let timeout = self.timeout;
         tokio::task::spawn_blocking(move || {
             p.send_offsets_to_transaction(&tpl, &meta, timeout)?;
-            p.commit_transaction(timeout)
+            crate::commit_transaction(&p, timeout)
         })
         .await
         .map_err(blocking_err)?

@@ -6,8 +6,11 @@ use idemq_core::envelope::{props, Position};
 use idemq_core::publish::{OutgoingMessage, PublishError, Publisher, DEDUP_HEADER};
 use idemq_core::source::{Delivery, Source};
 use idemq_core::KeyStrategy;
+use idemq_kafka::rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
 use idemq_kafka::rdkafka::producer::{FutureProducer, FutureRecord, Producer};
-use idemq_kafka::{partition_of, KafkaProducerConfig, KafkaPublisher, KafkaSource};
+use idemq_kafka::{
+    commit_transaction, partition_of, KafkaProducerConfig, KafkaPublisher, KafkaSource,
+};
 use std::time::Duration;
 
 async fn collect(src: &mut KafkaSource, n: usize, within: Duration) -> Vec<Delivery> {
@@ -167,6 +170,88 @@ async fn read_committed_hides_aborted_records() {
         .map(|d| String::from_utf8_lossy(&d.envelope.payload).to_string())
         .collect();
     assert_eq!(payloads, vec!["committed".to_string()]);
+    src.close().await.expect("close");
+}
+
+/// `idemq_kafka::commit_transaction` commits records still in flight when it is called
+/// (it waits for their delivery reports itself), and at a zero timeout refuses with a
+/// flush time-out, leaving the transaction open for the caller to abort.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn commit_transaction_waits_for_in_flight_records_and_times_out_cleanly() {
+    let Some(brokers) = support::brokers() else {
+        return;
+    };
+    let topic = support::unique("commit");
+    support::create_topic(&brokers, &topic, 2).await;
+    let cfg = KafkaProducerConfig::transactional(&brokers, &support::unique("txn"));
+    let producer: FutureProducer = cfg.client_config().unwrap().create().unwrap();
+    let blocking = |p: &FutureProducer, f: fn(&FutureProducer) -> KafkaResult<()>| {
+        let p = p.clone();
+        async move { tokio::task::spawn_blocking(move || f(&p)).await.unwrap() }
+    };
+    blocking(&producer, |p| p.init_transactions(Duration::from_secs(20)))
+        .await
+        .expect("init");
+    let send_all = |p: &FutureProducer, what: &str| {
+        (0..300)
+            .map(|i| {
+                let payload = format!("{what}-{i}");
+                p.send_result(
+                    FutureRecord::<str, str>::to(&topic)
+                        .key(&payload)
+                        .payload(&payload),
+                )
+                .map_err(|(e, _)| e)
+                .expect("enqueue")
+            })
+            .collect::<Vec<_>>()
+    };
+
+    // Nothing can be delivered within zero time: refused, transaction still open.
+    producer.begin_transaction().expect("begin");
+    let doomed = send_all(&producer, "aborted");
+    let refused = blocking(&producer, |p| commit_transaction(p, Duration::ZERO)).await;
+    assert!(
+        matches!(
+            refused,
+            Err(KafkaError::Flush(RDKafkaErrorCode::OperationTimedOut))
+        ),
+        "a zero timeout with records in flight is a flush time-out, got {refused:?}"
+    );
+    blocking(&producer, |p| p.abort_transaction(Duration::from_secs(10)))
+        .await
+        .expect("the transaction was left open, so it can be aborted");
+    for d in doomed {
+        // Delivered into the aborted transaction or purged by the abort: either way settled.
+        let _ = d.await.expect("a delivery report, not a dropped future");
+    }
+
+    // Called right after the sends: every record is committed, each delivery succeeded.
+    producer.begin_transaction().expect("begin");
+    let sent = send_all(&producer, "committed");
+    blocking(&producer, |p| {
+        commit_transaction(p, Duration::from_secs(30))
+    })
+    .await
+    .expect("commit");
+    for d in sent {
+        d.await.expect("report").expect("delivered");
+    }
+
+    let cfg = support::source_config(&brokers, &support::unique("g"), &topic).read_committed();
+    let mut src = KafkaSource::new(cfg).expect("source");
+    let got = collect(&mut src, 301, Duration::from_secs(8)).await;
+    let mut payloads: Vec<String> = got
+        .iter()
+        .map(|d| String::from_utf8_lossy(&d.envelope.payload).to_string())
+        .collect();
+    payloads.sort();
+    let mut want: Vec<String> = (0..300).map(|i| format!("committed-{i}")).collect();
+    want.sort();
+    assert_eq!(
+        payloads, want,
+        "exactly the committed transaction's records"
+    );
     src.close().await.expect("close");
 }
 
