@@ -7,9 +7,11 @@ use idemq_core::publish::{OutgoingMessage, PublishError, Publisher, DEDUP_HEADER
 use idemq_core::source::{Delivery, Source};
 use idemq_core::KeyStrategy;
 use idemq_kafka::rdkafka::error::{KafkaError, KafkaResult, RDKafkaErrorCode};
+use idemq_kafka::rdkafka::message::{Header, OwnedHeaders};
 use idemq_kafka::rdkafka::producer::{FutureProducer, FutureRecord, Producer};
 use idemq_kafka::{
     commit_transaction, partition_of, KafkaProducerConfig, KafkaPublisher, KafkaSource,
+    NULL_HEADER_TYPE,
 };
 use std::time::Duration;
 
@@ -72,6 +74,83 @@ async fn a_published_dedup_key_comes_back_with_the_records_coordinates() {
     );
     assert_eq!(env.delivery_count, Some(1));
     d.ack().await.expect("ack");
+    src.close().await.expect("close");
+}
+
+/// Every value of a record comes back byte for byte, whether the record's values share one
+/// buffer (small records) or are copied one by one (a payload over 4 KiB): key or no key, a
+/// null header value (marked), an empty one, non-UTF-8 bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn record_values_map_losslessly_small_and_large() {
+    let Some(brokers) = support::brokers() else {
+        return;
+    };
+    let topic = support::unique("values");
+    support::create_topic(&brokers, &topic, 1).await;
+    let producer: FutureProducer = KafkaProducerConfig::idempotent(&brokers)
+        .client_config()
+        .unwrap()
+        .create()
+        .unwrap();
+    let large: Vec<u8> = (0..10_000u32).map(|i| (i % 251) as u8).collect();
+    let cases: [(Option<&[u8]>, &[u8]); 3] = [
+        (Some(b"order-1"), b"{\"small\":1}"),
+        (None, &[0xff, 0xfe, 0x00, 0x80]),
+        (Some(b"order-3"), &large),
+    ];
+    for (key, payload) in cases {
+        let headers = OwnedHeaders::new()
+            .insert(Header {
+                key: "absent",
+                value: None::<&[u8]>,
+            })
+            .insert(Header {
+                key: "empty",
+                value: Some(&b""[..]),
+            })
+            .insert(Header {
+                key: "binary",
+                value: Some(&[0u8, 0xc3, 0x28][..]),
+            });
+        let mut rec = FutureRecord::<[u8], [u8]>::to(&topic)
+            .payload(payload)
+            .headers(headers);
+        if let Some(k) = key {
+            rec = rec.key(k);
+        }
+        producer
+            .send(rec, Duration::from_secs(10))
+            .await
+            .map_err(|(e, _)| e)
+            .expect("send");
+    }
+    let mut src = support::subscribe(&brokers, &support::unique("g"), &topic);
+    let got = collect(&mut src, 3, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 3, "all three records arrive");
+    for (d, (key, payload)) in got.iter().zip(cases) {
+        let env = &d.envelope;
+        assert_eq!(env.key.as_deref(), key);
+        assert_eq!(&env.payload[..], payload);
+        assert_eq!(env.headers.get("absent").map(|v| v.len()), Some(0));
+        assert_eq!(
+            env.headers.get_str(&props::type_of("absent")),
+            Some(NULL_HEADER_TYPE),
+            "a null header value is marked"
+        );
+        assert_eq!(env.headers.get("empty").map(|v| &v[..]), Some(&b""[..]));
+        assert_eq!(env.headers.get_str(&props::type_of("empty")), None);
+        assert_eq!(
+            env.headers.get("binary").map(|v| &v[..]),
+            Some(&[0u8, 0xc3, 0x28][..])
+        );
+        assert!(env
+            .headers
+            .get_str(props::LEADER_EPOCH)
+            .is_some_and(|e| e.parse::<i32>().is_ok()));
+    }
+    for d in got {
+        d.ack().await.expect("ack");
+    }
     src.close().await.expect("close");
 }
 
