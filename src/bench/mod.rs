@@ -383,15 +383,23 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
     const BATCH: usize = 256;
     // `ConsumerConfig::pipeline_depth` of the idempotent consumers.
     const SUITE_PIPELINE_DEPTH: usize = 4;
-    let n = sizes.broker_messages.max(1);
+    let n = if name == "broker-kafka" {
+        sizes.kafka_messages
+    } else {
+        sizes.broker_messages
+    }
+    .max(1);
     let postgres_url = scenarios::env_url("IDEMQ_TEST_POSTGRES_URL")?;
     match name {
         #[cfg(feature = "kafka")]
         "kafka-producer" => {
             let intervals = [10, 100, 1000].map(Duration::from_millis);
-            let rows =
-                kafka::producer_intervals(sizes.producer_messages, sizes.broker_rounds, &intervals)
-                    .await?;
+            let rows = kafka::producer_intervals(
+                sizes.producer_messages,
+                sizes.producer_rounds,
+                &intervals,
+            )
+            .await?;
             let rows: Vec<serde_json::Value> = rows
                 .into_iter()
                 .map(|(iv, idem, txn)| {
@@ -399,7 +407,7 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
                 })
                 .collect();
             Ok(
-                json!({"broker": "kafka", "records": sizes.producer_messages, "rounds": sizes.broker_rounds, "intervals": rows}),
+                json!({"broker": "kafka", "records": sizes.producer_messages, "rounds": sizes.producer_rounds, "intervals": rows}),
             )
         }
         #[cfg(feature = "kafka")]

@@ -38,8 +38,10 @@ impl Profile {
                 storm_store_sample: 1_000,
                 retained: vec![0, 2_000, 10_000],
                 broker_messages: 300,
+                kafka_messages: 300,
                 broker_rounds: 1,
                 producer_messages: 300,
+                producer_rounds: 1,
                 engine_messages: 5_000,
             },
             Profile::Full => Sizes {
@@ -51,8 +53,10 @@ impl Profile {
                 storm_store_sample: 50_000,
                 retained: vec![0, 1_000_000, 10_000_000],
                 broker_messages: 20_000,
+                kafka_messages: 100_000,
                 broker_rounds: 2,
                 producer_messages: 1_000_000,
+                producer_rounds: 5,
                 engine_messages: 200_000,
             },
         }
@@ -78,10 +82,16 @@ pub struct Sizes {
     pub retained: Vec<usize>,
     /// Messages per broker consumer run.
     pub broker_messages: usize,
+    /// Messages per Kafka consumer run: its consumers run at 10^5-10^6 records/s, so 20 000
+    /// records timed mostly the first fetches, and the ratios swung from run to run.
+    pub kafka_messages: usize,
     /// Rounds of the broker comparisons.
     pub broker_rounds: usize,
     /// Records per producer run.
     pub producer_messages: usize,
+    /// Rounds of the producer comparison: one producer run swings by ±25 % here (a
+    /// best of two could not tell 0.8x from 1.0x).
+    pub producer_rounds: usize,
     /// Messages of the engine vs bare poll+ack scenario.
     pub engine_messages: usize,
 }
