@@ -1,6 +1,6 @@
 //! Kafka record → [`Envelope`], losslessly.
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use idemq_core::envelope::{props, Headers, Position, SourceRef};
 use idemq_core::{BrokerKind, Envelope};
 use rdkafka::message::{BorrowedMessage, Headers as _};
@@ -16,33 +16,33 @@ pub fn to_envelope(msg: &BorrowedMessage<'_>, cluster: Option<&str>) -> Envelope
     // SAFETY: the pointer is the live message `msg` borrows; librdkafka only reads it.
     let epoch = unsafe { rdkafka::bindings::rd_kafka_message_leader_epoch(msg.ptr()) };
     let epoch = (epoch >= 0).then(|| epoch.to_string());
-    let wire_headers: Vec<(&str, Option<&[u8]>)> = msg
+    let header_bytes: usize = msg
         .headers()
-        .map(|hs| hs.iter().map(|h| (h.key, h.value)).collect())
-        .unwrap_or_default();
-    // Every value in one list, in this order: key (if any), payload, header values, epoch.
-    let mut values: Vec<&[u8]> = Vec::with_capacity(wire_headers.len() + 3);
-    values.extend(msg.key());
-    values.push(msg.payload().unwrap_or_default());
-    values.extend(wire_headers.iter().filter_map(|(_, v)| *v));
-    values.extend(epoch.as_deref().map(str::as_bytes));
-    let mut copied = copy_values(&values).into_iter();
-    let mut next = || copied.next().unwrap_or_default();
+        .map(|hs| hs.iter().filter_map(|h| h.value).map(<[u8]>::len).sum())
+        .unwrap_or(0);
+    let mut copy = ValueCopier::for_record(
+        msg.key().map_or(0, <[u8]>::len)
+            + msg.payload().map_or(0, <[u8]>::len)
+            + header_bytes
+            + epoch.as_ref().map_or(0, String::len),
+    );
 
-    let key = msg.key().map(|_| next());
-    let payload = next();
+    let key = msg.key().map(|k| copy.value(k));
+    let payload = copy.value(msg.payload().unwrap_or_default());
     let mut headers = Headers::new();
-    for (name, value) in &wire_headers {
-        match value {
-            Some(_) => headers.insert(*name, next()),
-            None => {
-                headers.insert(*name, Bytes::new());
-                headers.insert(props::type_of(name), NULL_HEADER_TYPE);
+    if let Some(hs) = msg.headers() {
+        for h in hs.iter() {
+            match h.value {
+                Some(v) => headers.insert(h.key, copy.value(v)),
+                None => {
+                    headers.insert(h.key, Bytes::new());
+                    headers.insert(props::type_of(h.key), NULL_HEADER_TYPE);
+                }
             }
         }
     }
-    if epoch.is_some() {
-        headers.insert(props::LEADER_EPOCH, next());
+    if let Some(epoch) = &epoch {
+        headers.insert(props::LEADER_EPOCH, copy.value(epoch.as_bytes()));
     }
     Envelope {
         broker: BrokerKind::Kafka,
@@ -68,30 +68,32 @@ pub fn to_envelope(msg: &BorrowedMessage<'_>, cluster: Option<&str>) -> Envelope
 /// must not keep its payload alive.
 const SHARED_BUFFER_MAX: usize = 4096;
 
-/// Owned copies of `values`. A small record's values are copied into one buffer and
-/// handed out as slices of it: one allocation (and one free, on whichever thread drops
+/// Owned copies of one record's values. A small record's values are copied into one buffer
+/// and handed out as parts of it: one allocation (and one free, on whichever thread drops
 /// the last of them) per record instead of one per value. Records are made on the polling
 /// thread and dropped on the consumer's; with glibc's allocator every cross-thread free
 /// takes the allocating thread's arena lock, and those lock waits were the largest part of
 /// the engine's time over this source.
-fn copy_values(values: &[&[u8]]) -> Vec<Bytes> {
-    let total: usize = values.iter().map(|v| v.len()).sum();
-    if total > SHARED_BUFFER_MAX {
-        return values.iter().map(|v| Bytes::copy_from_slice(v)).collect();
+struct ValueCopier {
+    /// The record's buffer, sized for all its values up front (so it never reallocates and
+    /// every part shares it); `None` above [`SHARED_BUFFER_MAX`].
+    shared: Option<BytesMut>,
+}
+
+impl ValueCopier {
+    fn for_record(total: usize) -> Self {
+        Self {
+            shared: (total <= SHARED_BUFFER_MAX).then(|| BytesMut::with_capacity(total)),
+        }
     }
-    let mut buf = Vec::with_capacity(total);
-    let mut ends = Vec::with_capacity(values.len());
-    for v in values {
-        buf.extend_from_slice(v);
-        ends.push(buf.len());
+
+    fn value(&mut self, v: &[u8]) -> Bytes {
+        match &mut self.shared {
+            Some(buf) => {
+                buf.extend_from_slice(v);
+                buf.split().freeze()
+            }
+            None => Bytes::copy_from_slice(v),
+        }
     }
-    let buf = Bytes::from(buf);
-    let mut start = 0;
-    ends.into_iter()
-        .map(|end| {
-            let part = buf.slice(start..end);
-            start = end;
-            part
-        })
-        .collect()
 }
