@@ -20,8 +20,8 @@
 use idemq::sql::unique::{UniqueIndexConfig, UniqueIndexConsumer};
 use idemq::sql::{PgStore, SqlResultExt, SqlStoreOptions, TableName};
 use idemq::{
-    async_trait, ClaimedMessage, ConsumerConfig, DedupStore, HandlerError, IdempotentConsumer,
-    KeyStrategy, MemoryStore, Source,
+    async_trait, Capabilities, ClaimedMessage, ConsumerConfig, DedupStore, HandlerError,
+    IdempotentConsumer, KeyStrategy, MemoryStore, Source, SourceError,
 };
 use sqlx::PgPool;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -166,6 +166,51 @@ impl EffectSink {
     }
 }
 
+/// The source of a measured idempotent consumer: it notes when the consumer starts closing
+/// it, and the run's clock stops there. The plain consumers' clocks stop at their last
+/// batch, before their client is dropped; closing a client (leaving a Kafka group, which
+/// waits out a poll and a synchronous commit, or cancelling a RabbitMQ consumer) is a fixed
+/// cost of every consumer, not a message's, and timing it for idemq alone had cost the
+/// Kafka adapter about a third of a 100 000-message run.
+struct ClockedSource<'s, 'a> {
+    inner: &'s mut (dyn Source + 'a),
+    closing_at: Option<Instant>,
+}
+
+impl<'s, 'a> ClockedSource<'s, 'a> {
+    fn new(inner: &'s mut (dyn Source + 'a)) -> Self {
+        Self {
+            inner,
+            closing_at: None,
+        }
+    }
+
+    /// Time from `start` until the close began (or until now, if it has not).
+    fn elapsed_since(&self, start: Instant) -> Duration {
+        self.closing_at.unwrap_or_else(Instant::now) - start
+    }
+}
+
+#[async_trait]
+impl Source for ClockedSource<'_, '_> {
+    async fn poll(&mut self, max: usize) -> Result<Option<Vec<idemq::Delivery>>, SourceError> {
+        self.inner.poll(max).await
+    }
+
+    async fn after_batch(&mut self) -> Result<(), SourceError> {
+        self.inner.after_batch().await
+    }
+
+    async fn close(&mut self) -> Result<(), SourceError> {
+        self.closing_at.get_or_insert_with(Instant::now);
+        self.inner.close().await
+    }
+
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+}
+
 /// Runs the idempotent consumer over `source` until `n` handlers have run, then stops it.
 /// With a sink, each handler writes its effect row there (one statement per message).
 pub async fn run_engine(
@@ -194,9 +239,10 @@ pub async fn run_engine(
         }
     };
     let consumer = IdempotentConsumer::new(store, keys, handler).with_config(cfg);
+    let mut source = ClockedSource::new(source);
     let t = Instant::now();
-    consumer.run(source, finished.notified()).await?;
-    let elapsed = t.elapsed();
+    consumer.run(&mut source, finished.notified()).await?;
+    let elapsed = source.elapsed_since(t);
     anyhow::ensure!(
         done.load(Ordering::Acquire) >= n,
         "the idempotent consumer stopped after {} of {n} messages",
@@ -223,7 +269,7 @@ pub async fn run_unique(
     store: PgStore,
     sink: EffectSink,
     n: usize,
-    batch: usize,
+    cfg: UniqueIndexConfig,
     mode: UniqueMode,
 ) -> anyhow::Result<Duration> {
     let done = Arc::new(AtomicUsize::new(0));
@@ -247,7 +293,7 @@ pub async fn run_unique(
          ON CONFLICT (msg_key) DO NOTHING",
         sink.table
     );
-    let cfg = UniqueIndexConfig::default().with_max_batch(batch);
+    let mut source = ClockedSource::new(source);
     let t = Instant::now();
     match mode {
         UniqueMode::KeysTable => {
@@ -267,7 +313,7 @@ pub async fn run_unique(
                 })
             })
             .with_config(cfg);
-            consumer.run(source, finished.notified()).await?;
+            consumer.run(&mut source, finished.notified()).await?;
         }
         UniqueMode::KeyedEffects => {
             let insert = format!("{insert} RETURNING msg_key");
@@ -287,10 +333,10 @@ pub async fn run_unique(
                     })
                 })
                 .with_config(cfg);
-            consumer.run(source, finished.notified()).await?;
+            consumer.run(&mut source, finished.notified()).await?;
         }
     }
-    let elapsed = t.elapsed();
+    let elapsed = source.elapsed_since(t);
     anyhow::ensure!(
         done.load(Ordering::Acquire) >= n,
         "the unique-index consumer ({mode:?}) stopped after {} of {n} messages",
@@ -314,6 +360,53 @@ pub struct BrokerRun {
     pub redis_url: Option<String>,
     /// `ConsumerConfig::pipeline_depth` of the idempotent consumers.
     pub pipeline_depth: usize,
+    /// `UniqueIndexConfig::pipeline_depth` of the unique-index consumers.
+    pub unique_pipeline_depth: usize,
+    /// Which consumers to measure.
+    pub consumers: Consumers,
+}
+
+/// The consumers a broker run measures (`--consumers`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Consumers(Vec<&'static str>);
+
+impl Consumers {
+    /// Every consumer's name, in the order they run.
+    pub const NAMES: [&'static str; 8] = [
+        "bare",
+        "memory",
+        "handwritten",
+        "postgres",
+        "redis",
+        "unique",
+        "unique-keyed",
+        "producer",
+    ];
+
+    /// Every consumer.
+    pub fn all() -> Self {
+        Self(Self::NAMES.to_vec())
+    }
+
+    /// The named consumers; an empty list means all of them.
+    pub fn parse(names: &[String]) -> anyhow::Result<Self> {
+        if names.is_empty() {
+            return Ok(Self::all());
+        }
+        let mut chosen = Vec::new();
+        for n in names {
+            let Some(known) = Self::NAMES.iter().find(|k| **k == n.trim()) else {
+                anyhow::bail!("unknown consumer {n:?} (known: {})", Self::NAMES.join(", "));
+            };
+            chosen.push(*known);
+        }
+        Ok(Self(chosen))
+    }
+
+    /// Whether `name` is measured.
+    pub fn has(&self, name: &str) -> bool {
+        self.0.contains(&name)
+    }
 }
 
 impl BrokerRun {
@@ -421,14 +514,16 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
     let mut f = BrokerFigures::default();
     for round in 0..run.rounds.max(1) {
         tracing::info!(broker = bench.name(), round, "bench round");
-        let dest = bench.fill(n).await?;
-        keep_best(&mut f.bare, bench.bare(&dest, n).await?);
-        let dest = bench.fill(n).await?;
-        let mut src = bench.source(&dest).await?;
-        let mem: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
-        keep_best(
-            &mut f.memory,
-            run_engine(
+        let wants = |name: &str| run.consumers.has(name);
+        if wants("bare") {
+            let dest = bench.fill(n).await?;
+            keep_best(&mut f.bare, bench.bare(&dest, n).await?);
+        }
+        if wants("memory") {
+            let dest = bench.fill(n).await?;
+            let mut src = bench.source(&dest).await?;
+            let mem: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+            let t = run_engine(
                 src.as_mut(),
                 bench.keys()?,
                 mem,
@@ -436,17 +531,22 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
                 n,
                 run.consumer_config(),
             )
-            .await?,
-        );
+            .await?;
+            keep_best(&mut f.memory, t);
+        }
         if let Some((sink, pg_store)) = &pg {
-            sink.clear().await?;
-            let dest = bench.fill(n).await?;
-            keep_best(&mut f.handwritten, bench.handwritten(&dest, n, sink).await?);
-            anyhow::ensure!(sink.count().await? == n as i64, "hand-written effects");
-            let store: Arc<dyn DedupStore> = pg_store.clone();
-            let t = engine_into(bench, sink, store, run, "idemq + PostgreSQL").await?;
-            keep_best(&mut f.postgres, t);
-            if let Some(redis) = &redis {
+            if wants("handwritten") {
+                sink.clear().await?;
+                let dest = bench.fill(n).await?;
+                keep_best(&mut f.handwritten, bench.handwritten(&dest, n, sink).await?);
+                anyhow::ensure!(sink.count().await? == n as i64, "hand-written effects");
+            }
+            if wants("postgres") {
+                let store: Arc<dyn DedupStore> = pg_store.clone();
+                let t = engine_into(bench, sink, store, run, "idemq + PostgreSQL").await?;
+                keep_best(&mut f.postgres, t);
+            }
+            if let (Some(redis), true) = (&redis, wants("redis")) {
                 let t = engine_into(bench, sink, redis.clone(), run, "idemq + Redis").await?;
                 keep_best(&mut f.redis, t);
             }
@@ -454,6 +554,13 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
                 (UniqueMode::KeysTable, &mut f.unique),
                 (UniqueMode::KeyedEffects, &mut f.unique_keyed),
             ] {
+                let name = match mode {
+                    UniqueMode::KeysTable => "unique",
+                    UniqueMode::KeyedEffects => "unique-keyed",
+                };
+                if !wants(name) {
+                    continue;
+                }
                 let mut src = refilled(bench, sink, n).await?;
                 let t = run_unique(
                     src.as_mut(),
@@ -461,7 +568,9 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
                     PgStore::clone(pg_store),
                     sink.clone(),
                     n,
-                    run.batch,
+                    UniqueIndexConfig::default()
+                        .with_max_batch(run.batch)
+                        .with_pipeline_depth(run.unique_pipeline_depth),
                     mode,
                 )
                 .await?;
@@ -493,10 +602,11 @@ fn print_report(name: &str, n: usize, run: &BrokerRun, f: &BrokerFigures) {
         _ => "-".into(),
     };
     println!(
-        "{name}: best of {} interleaved rounds, {n} messages, batch {}, idemq pipeline depth {}",
+        "{name}: best of {} interleaved rounds, {n} messages, batch {}, idemq pipeline depth {} (unique index {})",
         run.rounds.max(1),
         run.batch,
-        run.pipeline_depth
+        run.pipeline_depth,
+        run.unique_pipeline_depth
     );
     let line = |label: &str, t: Option<Duration>, vs: String| {
         if let Some(t) = t {

@@ -43,18 +43,26 @@ fn row<M: Message>(m: &M) -> Row {
 pub struct KafkaBench {
     brokers: String,
     publisher: KafkaPublisher,
+    /// Records per batch of the plain consumers (and of the source's first poll), the
+    /// run's `--batch`, as the idempotent consumers' `max_batch`.
+    batch: usize,
 }
 
 impl KafkaBench {
     /// On `IDEMQ_TEST_KAFKA_BROKERS` (what `scripts/servers.sh env` exports), else
-    /// 127.0.0.1:19092 (the port `scripts/servers.sh` starts Kafka on).
-    pub fn from_env() -> anyhow::Result<Self> {
+    /// 127.0.0.1:19092 (the port `scripts/servers.sh` starts Kafka on), with the plain
+    /// consumers taking up to `batch` records per batch.
+    pub fn from_env(batch: usize) -> anyhow::Result<Self> {
         let brokers = std::env::var("IDEMQ_TEST_KAFKA_BROKERS")
             .ok()
             .filter(|b| !b.is_empty())
             .unwrap_or_else(|| "127.0.0.1:19092".to_string());
         let publisher = KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers))?;
-        Ok(Self { brokers, publisher })
+        Ok(Self {
+            brokers,
+            publisher,
+            batch: batch.max(1),
+        })
     }
 
     fn unique(prefix: &str) -> String {
@@ -149,7 +157,8 @@ impl BrokerBench for KafkaBench {
     }
 
     async fn bare(&self, dest: &str, n: usize) -> anyhow::Result<Duration> {
-        self.consume(dest, n, 256, |_rows| async { Ok(()) }).await
+        self.consume(dest, n, self.batch, |_rows| async { Ok(()) })
+            .await
     }
 
     async fn handwritten(
@@ -158,7 +167,7 @@ impl BrokerBench for KafkaBench {
         n: usize,
         sink: &EffectSink,
     ) -> anyhow::Result<Duration> {
-        self.consume(dest, n, 256, |rows| async move {
+        self.consume(dest, n, self.batch, |rows| async move {
             sink.insert_batch(&rows).await
         })
         .await
@@ -168,7 +177,7 @@ impl BrokerBench for KafkaBench {
         let cfg = KafkaSourceConfig::new(&self.brokers, &Self::unique("bench-idemq"), &[dest]);
         let mut inner = KafkaSource::new(cfg)?;
         // Join the group and fetch before the clock starts, as the plain consumers do.
-        let first = tokio::time::timeout(Duration::from_secs(60), inner.poll(256))
+        let first = tokio::time::timeout(Duration::from_secs(60), inner.poll(self.batch))
             .await
             .map_err(|_| anyhow::anyhow!("no record within 60 s"))??;
         Ok(Box::new(Primed { first, inner }))
@@ -325,7 +334,7 @@ async fn produce_run(
 /// Transactional (one commit per 100 ms) against idempotent producing, best of
 /// `run.rounds` interleaved rounds; prints the ratio (target ≥ 0.85).
 pub async fn producer_comparison(run: &BrokerRun) -> anyhow::Result<(Duration, Duration)> {
-    let bench = KafkaBench::from_env()?;
+    let bench = KafkaBench::from_env(run.batch)?;
     let n = (run.messages * 2).max(1);
     let (mut idem, mut txn) = (Duration::MAX, Duration::MAX);
     for _ in 0..run.rounds.max(1) {
@@ -359,7 +368,7 @@ pub async fn producer_intervals(
     rounds: usize,
     intervals: &[Duration],
 ) -> anyhow::Result<Vec<(Duration, f64, f64)>> {
-    let bench = KafkaBench::from_env()?;
+    let bench = KafkaBench::from_env(256)?;
     let n = n.max(1);
     let mut idem = Duration::MAX;
     let mut txn = vec![Duration::MAX; intervals.len()];
@@ -391,7 +400,7 @@ pub async fn group_scaling(
     use idemq::{ClaimedMessage, ConsumerConfig, DedupStore, HandlerError, IdempotentConsumer};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    let bench = KafkaBench::from_env()?;
+    let bench = KafkaBench::from_env(batch)?;
     let table = TableName::new(&format!("bench_grp_{:08x}", rand::random::<u32>()))?;
     let pg = PgStore::connect(postgres_url, SqlStoreOptions::with_table(table)).await?;
     let store: Arc<dyn DedupStore> = Arc::new(pg.clone());

@@ -87,6 +87,16 @@ pub struct BenchArgs {
     /// (`ConsumerConfig::pipeline_depth`; 1 is the default consumer).
     #[arg(long, default_value_t = 1)]
     pipeline_depth: usize,
+    /// The broker benchmarks' unique-index consumers run this many batches at once
+    /// (`UniqueIndexConfig::pipeline_depth`; its default is 4).
+    #[arg(long, default_value_t = 4)]
+    unique_pipeline_depth: usize,
+    /// The broker benchmarks measure only these consumers (comma-separated: bare, memory,
+    /// handwritten, postgres, redis, unique, unique-keyed, and producer for Kafka's producer
+    /// comparison; all by default). For profiling
+    /// one consumer alone; a ratio needs its baseline in the list too.
+    #[arg(long, value_delimiter = ',')]
+    consumers: Vec<String>,
 }
 
 /// `idemq bench suite | scenario | report`.
@@ -334,12 +344,14 @@ async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         postgres_url: args.postgres_url.clone(),
         redis_url: args.redis_url.clone(),
         pipeline_depth: args.pipeline_depth.max(1),
+        unique_pipeline_depth: args.unique_pipeline_depth.max(1),
+        consumers: broker::Consumers::parse(&args.consumers)?,
     };
     for name in &args.brokers {
         let bench = make_broker(name, args.batch)?;
         broker::measure(bench.as_ref(), &run).await?;
         #[cfg(feature = "kafka")]
-        if name == "kafka" {
+        if name == "kafka" && run.consumers.has("producer") {
             kafka::producer_comparison(&run).await?;
         }
     }
@@ -359,7 +371,7 @@ fn make_broker(name: &str, batch: usize) -> anyhow::Result<Box<dyn broker::Broke
         #[cfg(feature = "rocketmq")]
         "rocketmq" => Some(Box::new(rocketmq::RocketBench::from_env()?)),
         #[cfg(feature = "kafka")]
-        "kafka" => Some(Box::new(kafka::KafkaBench::from_env()?)),
+        "kafka" => Some(Box::new(kafka::KafkaBench::from_env(batch)?)),
         _ => None,
     };
     let _ = batch;
@@ -431,6 +443,9 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
                 // Remote stores: batches overlap their round trips, as the unique-index
                 // consumer's do by default.
                 pipeline_depth: SUITE_PIPELINE_DEPTH,
+                unique_pipeline_depth: idemq::sql::unique::UniqueIndexConfig::default()
+                    .pipeline_depth,
+                consumers: broker::Consumers::all(),
             };
             let f = broker::measure(bench.as_ref(), &run).await?;
             let rate = |d: Option<Duration>| d.map(|d| n as f64 / d.as_secs_f64().max(1e-9));

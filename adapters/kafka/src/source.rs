@@ -49,8 +49,9 @@ pub struct KafkaSourceConfig {
     pub dead_letter_topic: Option<String>,
     /// Read only committed transactional records (`isolation.level=read_committed`).
     pub read_committed: bool,
-    /// Records buffered per partition (default 10 000). Once the buffers are full, the
-    /// background thread stops taking records from librdkafka (which keeps what it
+    /// Records buffered per partition (default 10 000). Once a partition's buffer is full
+    /// (one held back by a nack aside), the background thread stops taking records from
+    /// librdkafka (which keeps what it
     /// prefetched, within its own `queued.max.messages.kbytes`) for up to a second at a
     /// time, then polls anyway, so rebalances and `max.poll.interval.ms` are still served; a
     /// partition whose buffer reaches twice this is paused (resumed at half), the last
@@ -462,18 +463,15 @@ impl KafkaSource {
             delayed,
             ..
         } = st;
+        let room = max.saturating_sub(out.len());
+        drain_fairly(parts, room, |p| delayed.holds(p), |rec| {
+            if !tracker.delivered(&rec.part, rec.epoch, rec.offset) {
+                return false;
+            }
+            out.push(self.delivery(rec));
+            true
+        });
         for (p, ps) in parts.iter_mut() {
-            if delayed.holds(p) {
-                continue;
-            }
-            while out.len() < max {
-                let Some(rec) = ps.buffer.pop_front() else {
-                    break;
-                };
-                if tracker.delivered(&rec.part, rec.epoch, rec.offset) {
-                    out.push(self.delivery(rec));
-                }
-            }
             if ps.paused && ps.buffer.len() <= low_water {
                 ps.paused = false;
                 let _ = resume.add_partition(&p.0, p.1);
@@ -541,11 +539,56 @@ const BURST: usize = 512;
 /// Longest the background thread holds off polling while the buffers are full.
 const THROTTLE_MAX: Duration = Duration::from_secs(1);
 
-/// Whether the assigned partitions' buffers hold `cap` records each, on average.
+/// Takes up to `room` records from the partitions' buffers (partitions `held` selects are
+/// skipped), an equal share from each partition that has records, in passes until `room`
+/// records were accepted or the buffers are empty; `accept` answers whether it kept a record
+/// (a record of a stale assignment is dropped and does not count). Records of one partition
+/// leave in offset order. Taking from one partition until it ran dry had left the others'
+/// buffers filling until they were paused, and a paused partition is fetched again on
+/// resume: a stall of up to `fetch.wait.max.ms` behind the fetch request in flight.
+fn drain_fairly(
+    parts: &mut HashMap<PartitionId, PartState>,
+    room: usize,
+    held: impl Fn(&PartitionId) -> bool,
+    mut accept: impl FnMut(Record) -> bool,
+) {
+    let mut accepted = 0;
+    loop {
+        let flowing = parts
+            .iter()
+            .filter(|(p, ps)| !ps.buffer.is_empty() && !held(p))
+            .count();
+        if flowing == 0 || accepted >= room {
+            return;
+        }
+        let share = (room - accepted).div_ceil(flowing);
+        for (p, ps) in parts.iter_mut() {
+            if held(p) {
+                continue;
+            }
+            let mut taken = 0;
+            while taken < share && accepted < room {
+                let Some(rec) = ps.buffer.pop_front() else {
+                    break;
+                };
+                if accept(rec) {
+                    taken += 1;
+                    accepted += 1;
+                }
+            }
+        }
+    }
+}
+
+/// Whether the polling thread should hold off: a partition whose records flow holds `cap`
+/// of them. Judged per partition, not on the average, so that no flowing partition reaches
+/// the pause threshold (twice `cap`) while others are light; a partition held back by a
+/// nack is left out (its buffer fills and is paused in `hand_over`, the others go on).
 fn buffers_full(shared: &Shared, cap: usize) -> bool {
     let st = shared.sync.lock();
-    let held: usize = st.parts.values().map(|p| p.buffer.len()).sum();
-    !st.parts.is_empty() && held >= cap.saturating_mul(st.parts.len())
+    st.parts
+        .iter()
+        .any(|(p, ps)| ps.buffer.len() >= cap && !st.delayed.holds(p))
 }
 
 fn poll_thread(consumer: Arc<Consumer_>, shared: Arc<Shared>, cfg: KafkaSourceConfig) {
@@ -844,5 +887,95 @@ impl LocallyHeld for KafkaSettle {
             Some((part, epoch, _)) => !self.current_of(&st, part, *epoch),
             None => true,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idemq_core::BrokerKind;
+
+    fn part(n: i32, records: std::ops::Range<i64>) -> (PartitionId, PartState) {
+        let id: PartitionId = ("t".to_string(), n);
+        let buffer = records
+            .map(|offset| Record {
+                part: id.clone(),
+                epoch: Epoch(1),
+                offset,
+                envelope: Envelope::new(BrokerKind::Kafka, "t", ""),
+                held_until: Instant::now(),
+            })
+            .collect();
+        let state = PartState {
+            epoch: Epoch(1),
+            buffer,
+            paused: false,
+        };
+        (id, state)
+    }
+
+    fn taken(
+        parts: &mut HashMap<PartitionId, PartState>,
+        room: usize,
+        held: impl Fn(&PartitionId) -> bool,
+        accept: impl Fn(&Record) -> bool,
+    ) -> Vec<(i32, i64)> {
+        let mut out = Vec::new();
+        drain_fairly(parts, room, held, |r| {
+            let kept = accept(&r);
+            if kept {
+                out.push((r.part.1, r.offset));
+            }
+            kept
+        });
+        out
+    }
+
+    fn per_partition(out: &[(i32, i64)], p: i32) -> Vec<i64> {
+        out.iter().filter(|(q, _)| *q == p).map(|(_, o)| *o).collect()
+    }
+
+    #[test]
+    fn a_batch_takes_an_equal_share_of_every_partition_in_offset_order() {
+        let mut parts: HashMap<_, _> = [part(0, 0..100), part(1, 0..100), part(2, 0..100)]
+            .into_iter()
+            .collect();
+        let out = taken(&mut parts, 30, |_| false, |_| true);
+        assert_eq!(out.len(), 30);
+        for p in 0..3 {
+            assert_eq!(per_partition(&out, p), (0..10).collect::<Vec<_>>(), "partition {p}");
+        }
+        // The next batch goes on where each partition stopped.
+        let out = taken(&mut parts, 3, |_| false, |_| true);
+        for p in 0..3 {
+            assert_eq!(per_partition(&out, p), vec![10], "partition {p}");
+        }
+    }
+
+    #[test]
+    fn a_short_partition_leaves_its_share_to_the_others() {
+        let mut parts: HashMap<_, _> = [part(0, 0..2), part(1, 0..100)].into_iter().collect();
+        let out = taken(&mut parts, 20, |_| false, |_| true);
+        assert_eq!(per_partition(&out, 0), vec![0, 1]);
+        assert_eq!(per_partition(&out, 1), (0..18).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn held_partitions_are_skipped_and_dropped_records_do_not_count() {
+        let mut parts: HashMap<_, _> = [part(0, 0..10), part(1, 0..10), part(2, 0..10)]
+            .into_iter()
+            .collect();
+        let held = |p: &PartitionId| p.1 == 2;
+        // Odd offsets of partition 0 belong to a stale assignment: dropped, not counted.
+        let stale = |r: &Record| !(r.part.1 == 0 && r.offset % 2 == 1);
+        let out = taken(&mut parts, 8, held, stale);
+        assert_eq!(out.len(), 8);
+        assert_eq!(per_partition(&out, 0), vec![0, 2, 4, 6]);
+        assert_eq!(per_partition(&out, 1), vec![0, 1, 2, 3]);
+        assert!(per_partition(&out, 2).is_empty());
+        assert_eq!(parts[&("t".to_string(), 2)].buffer.len(), 10);
+        // Nothing left to take: the loop ends short of the room.
+        let out = taken(&mut parts, 100, held, |_| true);
+        assert_eq!(out.len(), 3 + 6);
     }
 }
