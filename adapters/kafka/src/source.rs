@@ -464,13 +464,18 @@ impl KafkaSource {
             ..
         } = st;
         let room = max.saturating_sub(out.len());
-        drain_fairly(parts, room, |p| delayed.holds(p), |rec| {
-            if !tracker.delivered(&rec.part, rec.epoch, rec.offset) {
-                return false;
-            }
-            out.push(self.delivery(rec));
-            true
-        });
+        drain_fairly(
+            parts,
+            room,
+            |p| delayed.holds(p),
+            |rec| {
+                if !tracker.delivered(&rec.part, rec.epoch, rec.offset) {
+                    return false;
+                }
+                out.push(self.delivery(rec));
+                true
+            },
+        );
         for (p, ps) in parts.iter_mut() {
             if ps.paused && ps.buffer.len() <= low_water {
                 ps.paused = false;
@@ -932,7 +937,10 @@ mod tests {
     }
 
     fn per_partition(out: &[(i32, i64)], p: i32) -> Vec<i64> {
-        out.iter().filter(|(q, _)| *q == p).map(|(_, o)| *o).collect()
+        out.iter()
+            .filter(|(q, _)| *q == p)
+            .map(|(_, o)| *o)
+            .collect()
     }
 
     #[test]
@@ -943,7 +951,11 @@ mod tests {
         let out = taken(&mut parts, 30, |_| false, |_| true);
         assert_eq!(out.len(), 30);
         for p in 0..3 {
-            assert_eq!(per_partition(&out, p), (0..10).collect::<Vec<_>>(), "partition {p}");
+            assert_eq!(
+                per_partition(&out, p),
+                (0..10).collect::<Vec<_>>(),
+                "partition {p}"
+            );
         }
         // The next batch goes on where each partition stopped.
         let out = taken(&mut parts, 3, |_| false, |_| true);
