@@ -170,8 +170,8 @@ impl EffectSink {
 /// it, and the run's clock stops there. The plain consumers' clocks stop at their last
 /// batch, before their client is dropped; closing a client (leaving a Kafka group, which
 /// waits out a poll and a synchronous commit, or cancelling a RabbitMQ consumer) is a fixed
-/// cost of every consumer, not a message's, and timing it for idemq alone had cost the
-/// Kafka adapter about a third of a 100 000-message run.
+/// cost of every consumer, not a message's, and timing it for idemq alone had added about
+/// 0.14 s (an eighth) to the Kafka adapter's 100 000-message run.
 struct ClockedSource<'s, 'a> {
     inner: &'s mut (dyn Source + 'a),
     closing_at: Option<Instant>,
@@ -405,6 +405,8 @@ impl Consumers {
 
     /// Whether `name` is measured.
     pub fn has(&self, name: &str) -> bool {
+        // A misspelt name in the bench itself would silently skip a consumer.
+        debug_assert!(Self::NAMES.contains(&name), "unknown consumer {name:?}");
         self.0.contains(&name)
     }
 }
