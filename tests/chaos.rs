@@ -786,14 +786,11 @@ async fn create_topic(brokers: &str, topic: &str) {
     }
 }
 
-/// Publishes every key once, every fifth twice (a producer resend), then the first tenth
-/// again (a replay). Returns how many messages went out.
-async fn publish(broker: Broker, url: &str, destination: &str, keys: usize) -> usize {
-    let publisher: Box<dyn Publisher> = match broker {
-        Broker::Kafka | Broker::KafkaTxn | Broker::KafkaDb => {
-            create_topic(url, destination).await;
-            Box::new(KafkaPublisher::new(&KafkaProducerConfig::idempotent(url)).expect("kafka"))
-        }
+/// Creates what the consumers read (Kafka topic, RabbitMQ quorum queue) before anything is
+/// published to it.
+async fn create_destination(broker: Broker, url: &str, destination: &str) {
+    match broker {
+        Broker::Kafka | Broker::KafkaTxn | Broker::KafkaDb => create_topic(url, destination).await,
         Broker::RabbitMq => {
             // The queue must exist before the first publish: its source declares it.
             let mut s = RabbitSource::connect(
@@ -802,21 +799,125 @@ async fn publish(broker: Broker, url: &str, destination: &str, keys: usize) -> u
             .await
             .expect("declare queue");
             s.close().await.expect("close declaring source");
-            Box::new(RabbitPublisher::connect(url).await.expect("rabbitmq"))
         }
+        Broker::RabbitStream | Broker::RocketMq => {}
+    }
+}
+
+async fn connect_publisher(
+    broker: Broker,
+    url: &str,
+    destination: &str,
+) -> Result<Box<dyn Publisher>, String> {
+    Ok(match broker {
+        Broker::Kafka | Broker::KafkaTxn | Broker::KafkaDb => Box::new(
+            KafkaPublisher::new(&KafkaProducerConfig::idempotent(url))
+                .map_err(|e| e.to_string())?,
+        ),
+        Broker::RabbitMq => Box::new(
+            RabbitPublisher::connect(url)
+                .await
+                .map_err(|e| e.to_string())?,
+        ),
         // Unnamed: a named producer's broker-side dedup would drop the resends before the
         // consumers could meet them.
         Broker::RabbitStream => Box::new(
             StreamPublisher::connect(StreamPublisherConfig::new(url, destination))
                 .await
-                .expect("stream publisher"),
+                .map_err(|e| e.to_string())?,
         ),
         Broker::RocketMq => Box::new(
             RocketPublisher::connect(PublisherConfig::new(url, unique("producer")))
                 .await
-                .expect("rocketmq"),
+                .map_err(|e| e.to_string())?,
         ),
-    };
+    })
+}
+
+/// Publishes the keys in order, as far as the parent allows: every key once, every fifth
+/// twice (a producer resend), and the first tenth again once half the keys are out (a
+/// replay). The parent allows the keys up to a little past its next planned fault, so a run
+/// cannot reach its end before every fault has fired (at 3000 keys a run can otherwise go
+/// from its first kill to done between two of the parent's observations).
+struct Feeder {
+    allow: tokio::sync::watch::Sender<usize>,
+    published: Arc<std::sync::atomic::AtomicUsize>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Feeder {
+    fn start(broker: Broker, url: &str, destination: &str, keys: usize) -> Self {
+        let (allow, allowed) = tokio::sync::watch::channel(0);
+        let published = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (url, destination, count) =
+            (url.to_string(), destination.to_string(), published.clone());
+        let task = tokio::spawn(async move {
+            feed(broker, &url, &destination, keys, allowed, &count).await;
+        });
+        Feeder {
+            allow,
+            published,
+            task,
+        }
+    }
+
+    /// Lets the feeder publish the keys below `keys` (never fewer than before).
+    fn allow(&self, keys: usize) {
+        self.allow.send_if_modified(|a| {
+            let raise = keys > *a;
+            *a = (*a).max(keys);
+            raise
+        });
+    }
+
+    fn published(&self) -> usize {
+        self.published.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn done(&self) -> bool {
+        self.task.is_finished()
+    }
+}
+
+async fn feed(
+    broker: Broker,
+    url: &str,
+    destination: &str,
+    keys: usize,
+    mut allowed: tokio::sync::watch::Receiver<usize>,
+    published: &std::sync::atomic::AtomicUsize,
+) {
+    let mut publisher = None;
+    let (mut next, mut replayed) = (0, false);
+    while next < keys || !replayed {
+        let limit = (*allowed.borrow_and_update()).min(keys);
+        let mut order = Vec::new();
+        if !replayed && next >= keys / 2 {
+            order.extend(0..keys / 10);
+            replayed = true;
+        } else if next < limit {
+            let end = (next + 500).min(limit);
+            order.extend((next..end).flat_map(|i| if i % 5 == 0 { vec![i, i] } else { vec![i] }));
+            next = end;
+        } else if allowed.changed().await.is_err() {
+            return; // the parent is gone
+        }
+        for chunk in order.chunks(500) {
+            send(broker, url, destination, &mut publisher, chunk, published).await;
+        }
+    }
+}
+
+/// Sends the keys in `chunk` until each one is confirmed, reconnecting after a failure (the
+/// broker restarted): a message sent again is one more duplicate for the consumers.
+async fn send(
+    broker: Broker,
+    url: &str,
+    destination: &str,
+    publisher: &mut Option<Box<dyn Publisher>>,
+    chunk: &[usize],
+    published: &std::sync::atomic::AtomicUsize,
+) {
     // The record key is the business key: every copy of a key lands on one Kafka partition,
     // which flow 2's business dedup requires.
     let message = |i: usize| {
@@ -824,26 +925,46 @@ async fn publish(broker: Broker, url: &str, destination: &str, keys: usize) -> u
             .with_key(format!("o-{i:07}"))
             .with_dedup_key(format!("o-{i:07}"))
     };
-    let mut batch = Vec::new();
-    let mut sent = 0;
-    let order = (0..keys)
-        .flat_map(|i| if i % 5 == 0 { vec![i, i] } else { vec![i] })
-        .chain(0..keys / 10);
-    for i in order {
-        batch.push(message(i));
-        if batch.len() == 500 {
-            sent += flush(&*publisher, &mut batch).await;
+    let mut unconfirmed = chunk.to_vec();
+    let mut failures = 0;
+    while !unconfirmed.is_empty() {
+        let p = match publisher {
+            Some(p) => p,
+            None => match connect_publisher(broker, url, destination).await {
+                Ok(p) => publisher.insert(p),
+                Err(e) => {
+                    failures += 1;
+                    if failures == 1 {
+                        eprintln!("publisher: connect failed, retrying: {e}");
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            },
+        };
+        let batch = unconfirmed.iter().map(|&i| message(i)).collect();
+        let results = tokio::time::timeout(Duration::from_secs(60), p.publish_batch(batch))
+            .await
+            .unwrap_or_default();
+        let before = unconfirmed.len();
+        let mut results = results.into_iter();
+        unconfirmed.retain(|_| !matches!(results.next(), Some(Ok(_))));
+        published.fetch_add(
+            before - unconfirmed.len(),
+            std::sync::atomic::Ordering::SeqCst,
+        );
+        if !unconfirmed.is_empty() {
+            failures += 1;
+            if failures == 1 {
+                eprintln!(
+                    "publisher: {} of {before} unconfirmed, reconnecting",
+                    unconfirmed.len()
+                );
+            }
+            *publisher = None;
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }
-    sent + flush(&*publisher, &mut batch).await
-}
-
-async fn flush(publisher: &dyn Publisher, batch: &mut Vec<OutgoingMessage>) -> usize {
-    let n = batch.len();
-    for r in publisher.publish_batch(std::mem::take(batch)).await {
-        r.expect("confirmed publish");
-    }
-    n
 }
 
 fn send_signal(child: &ChildProcess, signal: &str) {
@@ -877,8 +998,9 @@ async fn restart_server(env: &str) {
 /// Pairs share the servers and restart them mid-run: one pair at a time.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// Progress (share of the keys applied) at which the store's server is crashed, and at
-/// which the broker is restarted.
+/// Progress (share of the keys applied) at which a consumer is paused, the store's server
+/// crashed, and the broker restarted.
+const PAUSE_AT: f64 = 0.3;
 const STORE_RESTART_AT: f64 = 0.5;
 const BROKER_RESTART_AT: f64 = 0.7;
 
@@ -910,10 +1032,11 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
         db.create_offsets_table().await;
     }
     let destination = unique("orders");
-    let published = publish(broker, &broker_url, &destination, keys).await;
+    create_destination(broker, &broker_url, &destination).await;
+    let feeder = Feeder::start(broker, &broker_url, &destination, keys);
     // Every consumer of the run is one group.
     let group = unique("billing");
-    let spawn = |slot: usize, abort_after: usize, abort_at: &str| {
+    let spawn = |slot: usize, (abort_after, abort_at): (usize, &str)| {
         let p = Plan {
             broker,
             store,
@@ -927,21 +1050,48 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
         };
         ChildProcess::spawn_self(test, CHILD, &p.encode()).expect("spawn a consumer")
     };
-    // One consumer aborts itself between claim and effect, one between commit and ack; the
-    // ones started after a SIGKILL run clean.
-    let mut children = vec![
-        spawn(0, keys / 7 + 1, "before-effect"),
-        spawn(1, keys / 5 + 1, "before-ack"),
-    ];
+    // One consumer aborts itself between claim and effect, one between commit and ack, each
+    // after about half what it sees before the first SIGKILL (a consumer sees about half the
+    // keys). A consumer SIGKILLed before its abort hands the plan on to its replacement; the
+    // ones started after an abort run clean.
+    const CLEAN: (usize, &str) = (0, "");
+    let abort_after = keys / (4 * (kills + 2)) + 1;
+    let mut plans = [(abort_after, "before-effect"), (abort_after, "before-ack")];
+    let planned_aborts = plans.len();
+    let mut children: Vec<_> = plans
+        .iter()
+        .enumerate()
+        .map(|(i, &p)| spawn(i, p))
+        .collect();
     debug_assert_eq!(children.len(), CONSUMERS);
 
+    // The faults, each at a number of keys applied: SIGKILLs spread over the run, the pause,
+    // the store's crash, the broker's restart.
+    let kill_at = |k: usize| (k + 1) * keys / (kills + 2);
+    let share = |f: f64| (keys as f64 * f) as usize;
+    let store_planned = store_restart && store.restart_env().is_some();
+    // The feeder stays this far (the SIGKILLs' spacing) past the next fault: the consumers
+    // are still busy when it fires (the parent looks every 100 ms; a fast pair applies a few
+    // hundred keys in that time), and cannot finish before it.
+    let margin = keys / (kills + 2) + 1;
+
     let started = Instant::now();
-    let (mut killed, mut paused, mut respawned) = (0, false, 0);
+    let (mut killed, mut paused, mut aborts, mut deaths) = (0, false, 0, 0);
     let (mut store_restarted, mut broker_restarted) = (false, false);
     // A paused consumer and when it gets SIGCONT (the loop goes on meanwhile).
     let mut resume: Option<(usize, Instant)> = None;
     let mut tails = Vec::new();
     loop {
+        let next_fault = [
+            (killed < kills).then(|| kill_at(killed)),
+            (pause && !paused).then(|| share(PAUSE_AT)),
+            (store_planned && !store_restarted).then(|| share(STORE_RESTART_AT)),
+            (broker_restart && !broker_restarted).then(|| share(BROKER_RESTART_AT)),
+        ]
+        .into_iter()
+        .flatten()
+        .min();
+        feeder.allow(next_fault.map_or(keys, |at| at + margin));
         tokio::time::sleep(Duration::from_millis(100)).await;
         let Some((_, done)) = db.counts().await else {
             // The store is restarting; the time limit still holds.
@@ -950,28 +1100,35 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
             }
             continue;
         };
-        if (done >= keys as i64 && resume.is_none()) || started.elapsed() > limit {
+        let applied = done as usize;
+        if (applied >= keys && resume.is_none() && feeder.done()) || started.elapsed() > limit {
             break;
         }
-        // Children that aborted (as planned) or died are replaced by clean ones.
+        // Children that aborted (as planned) or died are replaced.
         for (slot, c) in children.iter_mut().enumerate() {
             if let Ok(Some(status)) = c.try_wait() {
                 tails.push(format!("[{status}] {}", c.stderr_tail(1500)));
-                *c = spawn(slot, 0, "");
-                respawned += 1;
+                // SIGABRT: the planned abort fired. Anything else is a death (a client that
+                // gave up during an outage), whose plan goes to the replacement.
+                if std::os::unix::process::ExitStatusExt::signal(&status) == Some(6) {
+                    aborts += 1;
+                    plans[slot] = CLEAN;
+                } else {
+                    deaths += 1;
+                }
+                *c = spawn(slot, plans[slot]);
             }
         }
-        let progress = done as f64 / keys as f64;
-        if killed < kills && progress >= (killed + 1) as f64 / (kills + 2) as f64 {
+        if killed < kills && applied >= kill_at(killed) {
             let i = rand::thread_rng().gen_range(0..children.len());
             tokio::time::sleep(Duration::from_millis(rand::thread_rng().gen_range(0..50))).await;
             children[i].kill().expect("SIGKILL");
             tails.push(children[i].stderr_tail(1500));
-            children[i] = spawn(i, 0, "");
+            children[i] = spawn(i, plans[i]);
             killed += 1;
             eprintln!("{broker:?}/{store:?}: SIGKILL {killed} at {done} of {keys}");
         }
-        if pause && !paused && progress >= 0.3 {
+        if pause && !paused && applied >= share(PAUSE_AT) {
             paused = true;
             let i = rand::thread_rng().gen_range(0..children.len());
             send_signal(&children[i], "-STOP");
@@ -988,7 +1145,7 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
         }
         if let Some(cmd) = store
             .restart_env()
-            .filter(|_| store_restart && !store_restarted && progress >= STORE_RESTART_AT)
+            .filter(|_| store_planned && !store_restarted && applied >= share(STORE_RESTART_AT))
         {
             store_restarted = true;
             let t = Instant::now();
@@ -998,7 +1155,7 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
                 t.elapsed()
             );
         }
-        if broker_restart && !broker_restarted && progress >= BROKER_RESTART_AT {
+        if broker_restart && !broker_restarted && applied >= share(BROKER_RESTART_AT) {
             broker_restarted = true;
             let t = Instant::now();
             restart_server(broker.restart_env()).await;
@@ -1032,10 +1189,13 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
     } else {
         String::new()
     };
+    let published = feeder.published();
+    feeder.task.abort();
     println!(
-        "chaos {}/{}: keys={keys} published={published} sigkills={killed} aborts+deaths={respawned} \
-         sigstop={paused} store_restart={store_restarted} broker_restart={broker_restarted} \
-         rows={total} double_effects={double_effects} lost={lost} in {:.0?}",
+        "chaos {}/{}: keys={keys} published={published} sigkills={killed} aborts={aborts} \
+         deaths={deaths} sigstop={paused} store_restart={store_restarted} \
+         broker_restart={broker_restarted} rows={total} double_effects={double_effects} \
+         lost={lost} in {:.0?}",
         broker.name(),
         store.name(),
         started.elapsed()
@@ -1043,13 +1203,16 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
     assert_eq!(
         (double_effects, lost),
         (0, 0),
-        "{broker:?}/{store:?}: {total} effects for {done} of {keys} keys; \
-         keys without an effect and their records:{records}\nchildren said:\n{}",
+        "{broker:?}/{store:?}: {total} effects for {done} of {keys} keys ({published} \
+         published); keys without an effect and their records:{records}\nchildren said:\n{}",
         tails.join("\n---\n")
     );
-    assert!(
-        !broker_restart || broker_restarted,
-        "{broker:?}/{store:?}: the broker restart was planned but never reached"
+    // Every planned fault fired: the feeder held the keys past each one back until it had.
+    assert_eq!(
+        (killed, aborts, paused, store_restarted, broker_restarted),
+        (kills, planned_aborts, pause, store_planned, broker_restart),
+        "{broker:?}/{store:?}: planned faults that did not fire \
+         (SIGKILLs, self-aborts, SIGSTOP, store crash, broker restart)"
     );
     db.drop().await;
 }

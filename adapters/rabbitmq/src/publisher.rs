@@ -104,8 +104,8 @@ impl RabbitPublisher {
         Ok(p)
     }
 
-    /// Waits at most `timeout` for each confirm; past it the outcome is
-    /// [`PublishError::Ambiguous`].
+    /// Waits at most `timeout` after each message's send for its confirm (in a batch too);
+    /// past it the outcome is [`PublishError::Ambiguous`].
     pub fn with_confirm_timeout(mut self, timeout: Duration) -> Self {
         self.confirm_timeout = timeout;
         self
@@ -167,12 +167,15 @@ impl RabbitPublisher {
             .map_err(|e| PublishError::Disconnected(e.to_string()))
     }
 
+    /// Waits for `confirm` until `deadline`, set when the message was sent: a batch settles
+    /// within one `confirm_timeout` of its last send, not one per message.
     async fn settle(
         &self,
         destination: &str,
         confirm: PublisherConfirm,
+        deadline: tokio::time::Instant,
     ) -> Result<PublishReceipt, PublishError> {
-        let outcome = match tokio::time::timeout(self.confirm_timeout, confirm).await {
+        let outcome = match tokio::time::timeout_at(deadline, confirm).await {
             Err(_) => Err(PublishError::Ambiguous(format!(
                 "no confirm within {:?}",
                 self.confirm_timeout
@@ -209,7 +212,8 @@ impl Publisher for RabbitPublisher {
     async fn publish(&self, msg: OutgoingMessage) -> Result<PublishReceipt, PublishError> {
         let ch = self.channel().await?;
         let confirm = self.send(&ch, &msg).await?;
-        self.settle(&msg.destination, confirm).await
+        let deadline = tokio::time::Instant::now() + self.confirm_timeout;
+        self.settle(&msg.destination, confirm, deadline).await
     }
 
     /// Pipelined: every message is sent first, then the confirms are collected.
@@ -223,12 +227,13 @@ impl Publisher for RabbitPublisher {
         };
         let mut pending = Vec::with_capacity(msgs.len());
         for m in &msgs {
-            pending.push(self.send(&ch, m).await);
+            let sent = self.send(&ch, m).await;
+            pending.push((sent, tokio::time::Instant::now() + self.confirm_timeout));
         }
         let mut out = Vec::with_capacity(msgs.len());
-        for (m, sent) in msgs.iter().zip(pending) {
+        for (m, (sent, deadline)) in msgs.iter().zip(pending) {
             out.push(match sent {
-                Ok(confirm) => self.settle(&m.destination, confirm).await,
+                Ok(confirm) => self.settle(&m.destination, confirm, deadline).await,
                 Err(e) => Err(e),
             });
         }

@@ -31,7 +31,8 @@ pub struct StreamPublisherConfig {
     pub producer_name: Option<String>,
     /// Create the stream when it does not exist (default true).
     pub create: bool,
-    /// Longest wait for a confirm; past it the outcome is [`PublishError::Ambiguous`].
+    /// Longest wait for a confirm, from the message's send (in a batch too); past it the
+    /// outcome is [`PublishError::Ambiguous`].
     pub confirm_timeout: Duration,
 }
 
@@ -68,8 +69,10 @@ impl Inner {
     }
 }
 
-/// The confirm of one sent message, and its publishing id while in flight.
-type Confirm = (mpsc::Receiver<Confirmed>, Option<u64>);
+/// A sent message's confirm, its publishing id, and when to stop waiting for it. The deadline
+/// is set at the send: a batch whose connection died settles within one `confirm_timeout`,
+/// not one per message (the stream client keeps a lost connection's callbacks unanswered).
+type Confirm = (mpsc::Receiver<Confirmed>, Option<u64>, tokio::time::Instant);
 
 /// Publishes to a RabbitMQ stream and answers only after the broker's confirm. With a
 /// producer name ([`StreamPublisherConfig::named`]) a resend of a publishing id the broker
@@ -220,12 +223,13 @@ impl StreamPublisher {
             None => return Err(PublishError::Disconnected("no stream producer".into())),
         };
         sent.map_err(|e| PublishError::Disconnected(e.to_string()))?;
-        Ok((rx, publishing_id))
+        let deadline = tokio::time::Instant::now() + self.cfg.confirm_timeout;
+        Ok((rx, publishing_id, deadline))
     }
 
     async fn settle(&self, confirm: Confirm) -> Result<PublishReceipt, PublishError> {
-        let (mut rx, id) = confirm;
-        let answer = tokio::time::timeout(self.cfg.confirm_timeout, rx.recv()).await;
+        let (mut rx, id, deadline) = confirm;
+        let answer = tokio::time::timeout_at(deadline, rx.recv()).await;
         if let Some(id) = id {
             self.release(id);
         }
