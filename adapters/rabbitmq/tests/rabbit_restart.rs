@@ -168,3 +168,46 @@ async fn messages_parked_in_a_retry_tier_come_back_after_a_broker_restart() {
     queues.extend(tiers);
     support::delete_queues(&url, &queues).await;
 }
+
+/// A stream publisher publishes again after a broker restart, without being rebuilt. The
+/// stream client neither marks its producer closed when the connection drops nor answers
+/// the confirms it was waiting for: before the publisher opened a new producer after a
+/// failed send or an unanswered confirm, every publish after a restart timed out, for good.
+#[cfg(feature = "streams")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_publisher_publishes_again_after_a_broker_restart() {
+    use idemq_rabbitmq::stream::{
+        delete_stream, read_stream, StreamPublisher, StreamPublisherConfig,
+    };
+    let Some((_, restart, _turn)) = restart_turn().await else {
+        return;
+    };
+    let Some(url) = support::stream_url() else {
+        return;
+    };
+    let stream = support::fresh_queue("stream-restart");
+    let mut cfg = StreamPublisherConfig::new(&url, &stream);
+    // Short, so the unanswered confirms after the restart fail fast.
+    cfg.confirm_timeout = Duration::from_secs(2);
+    let p = StreamPublisher::connect(cfg)
+        .await
+        .expect("stream publisher");
+    publish_range(&p, &stream, 0..10).await;
+    restart_broker(&restart).await;
+    // Each key until confirmed (publish_range gives up after 100 tries).
+    publish_range(&p, &stream, 10..20).await;
+    let mut stored: Vec<String> = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while stored.len() < 20 && tokio::time::Instant::now() < deadline {
+        // The stream may still be electing its leader: a failed read is retried.
+        if let Ok(all) = read_stream(&url, &stream, Duration::from_secs(1)).await {
+            stored = all.into_iter().filter_map(|e| e.message_id).collect();
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    stored.sort();
+    stored.dedup();
+    let expected: Vec<String> = (0..20).map(|i| format!("order-{i:03}")).collect();
+    assert_eq!(stored, expected, "what the stream holds after the restart");
+    let _ = delete_stream(&url, &stream).await;
+}

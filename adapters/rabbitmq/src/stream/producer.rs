@@ -9,6 +9,7 @@ use crate::RabbitError;
 use async_trait::async_trait;
 use idemq_core::publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher};
 use rabbitmq_stream_client::{Dedup, Environment, NoDedup, Producer};
+use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::time::Duration;
 use tokio::sync::{mpsc, Mutex};
 
@@ -69,10 +70,30 @@ impl Inner {
     }
 }
 
-/// A sent message's confirm, its publishing id, and when to stop waiting for it. The deadline
-/// is set at the send: a batch whose connection died settles within one `confirm_timeout`,
-/// not one per message (the stream client keeps a lost connection's callbacks unanswered).
-type Confirm = (mpsc::Receiver<Confirmed>, Option<u64>, tokio::time::Instant);
+/// A sent message's confirm, on its way.
+struct Confirm {
+    rx: mpsc::Receiver<Confirmed>,
+    publishing_id: Option<u64>,
+    /// Set at the send: a batch whose connection died settles within one `confirm_timeout`,
+    /// not one per message (the stream client leaves a lost connection's confirms unanswered).
+    deadline: tokio::time::Instant,
+    /// The producer it was sent on: only a failure on the current one condemns it.
+    generation: u64,
+}
+
+impl Inner {
+    /// Closes the producer's connection, if the broker still answers. Its batch-send timer
+    /// task is the stream client's and outlives it (rabbitmq-stream-client 0.4.4).
+    async fn close(self) {
+        let closed = match self {
+            Inner::Named(p) => p.close().await,
+            Inner::Plain(p) => p.close().await,
+        };
+        if let Err(e) = closed {
+            tracing::debug!(error = %e, "closing a replaced stream producer");
+        }
+    }
+}
 
 /// Publishes to a RabbitMQ stream and answers only after the broker's confirm. With a
 /// producer name ([`StreamPublisherConfig::named`]) a resend of a publishing id the broker
@@ -88,6 +109,14 @@ pub struct StreamPublisher {
     /// waits for brings its connection task down).
     in_flight: std::sync::Mutex<std::collections::HashSet<u64>>,
     released: tokio::sync::Notify,
+    /// The current producer's generation, counted up at each open (under `inner`'s lock).
+    generation: AtomicU64,
+    /// One more than the newest generation a send failed on or a confirm never came back
+    /// from (0: none): the next send replaces that producer if it is still the current one.
+    /// The stream client does not mark a producer closed when its connection drops (nor
+    /// answer the confirms it was waiting for), so after a broker restart `is_closed` stays
+    /// false and every send on the old one would go unanswered.
+    suspect: AtomicU64,
 }
 
 impl std::fmt::Debug for StreamPublisher {
@@ -114,6 +143,8 @@ impl StreamPublisher {
             inner: Mutex::new(None),
             in_flight: std::sync::Mutex::new(std::collections::HashSet::new()),
             released: tokio::sync::Notify::new(),
+            generation: AtomicU64::new(0),
+            suspect: AtomicU64::new(0),
         };
         let producer = p.open().await?;
         *p.inner.lock().await = Some(producer);
@@ -206,14 +237,26 @@ impl StreamPublisher {
     ) -> Result<Confirm, PublishError> {
         let message = stream_message(msg, publishing_id);
         let mut guard = self.inner.lock().await;
-        if !matches!(guard.as_ref(), Some(p) if !p.is_closed()) {
-            tracing::info!(stream = %self.cfg.stream, "stream producer closed; reconnecting");
+        let mut generation = self.generation.load(SeqCst);
+        let suspect = self.suspect.load(SeqCst) == generation + 1;
+        if suspect || !matches!(guard.as_ref(), Some(p) if !p.is_closed()) {
+            tracing::info!(
+                stream = %self.cfg.stream,
+                suspect,
+                "stream producer closed or unanswered; reconnecting"
+            );
             metrics::counter!(crate::metrics::RECONNECTS).increment(1);
+            // Taken first: a half-dead producer is not used while the new one opens. Closed
+            // on the side, bounded: on a dead connection the close gets no answer either.
+            if let Some(old) = guard.take() {
+                tokio::spawn(tokio::time::timeout(Duration::from_secs(5), old.close()));
+            }
             *guard = Some(
                 self.open()
                     .await
                     .map_err(|e| PublishError::Disconnected(e.to_string()))?,
             );
+            generation = self.generation.fetch_add(1, SeqCst) + 1;
         }
         let (tx, rx) = confirm_channel();
         // A failure here means the message was not handed to the connection: safe to resend.
@@ -222,13 +265,25 @@ impl StreamPublisher {
             Some(Inner::Plain(p)) => p.send(message, confirm_callback!(tx)).await,
             None => return Err(PublishError::Disconnected("no stream producer".into())),
         };
-        sent.map_err(|e| PublishError::Disconnected(e.to_string()))?;
-        let deadline = tokio::time::Instant::now() + self.cfg.confirm_timeout;
-        Ok((rx, publishing_id, deadline))
+        if let Err(e) = sent {
+            self.suspect.fetch_max(generation + 1, SeqCst);
+            return Err(PublishError::Disconnected(e.to_string()));
+        }
+        Ok(Confirm {
+            rx,
+            publishing_id,
+            deadline: tokio::time::Instant::now() + self.cfg.confirm_timeout,
+            generation,
+        })
     }
 
     async fn settle(&self, confirm: Confirm) -> Result<PublishReceipt, PublishError> {
-        let (mut rx, id, deadline) = confirm;
+        let Confirm {
+            mut rx,
+            publishing_id: id,
+            deadline,
+            generation,
+        } = confirm;
         let answer = tokio::time::timeout_at(deadline, rx.recv()).await;
         if let Some(id) = id {
             self.release(id);
@@ -254,7 +309,10 @@ impl StreamPublisher {
         let label = match &outcome {
             Ok(_) => "confirmed",
             Err(PublishError::Rejected(_)) => "rejected",
-            Err(_) => "ambiguous",
+            Err(_) => {
+                self.suspect.fetch_max(generation + 1, SeqCst);
+                "ambiguous"
+            }
         };
         metrics::counter!(crate::metrics::PUBLISHED, "outcome" => label).increment(1);
         outcome
