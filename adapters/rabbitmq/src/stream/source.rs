@@ -113,36 +113,57 @@ struct DeadLetters {
     env: Environment,
     stream: String,
     timeout: Duration,
-    producer: tokio::sync::Mutex<Option<Producer<NoDedup>>>,
+    /// The producer and its generation (counted up at each open).
+    producer: tokio::sync::Mutex<(Option<Producer<NoDedup>>, u64)>,
 }
 
 impl DeadLetters {
     async fn publish(&self, msg: &OutgoingMessage) -> Result<(), SourceError> {
         let fail = |e: String| SourceError::Broker(format!("dead-letter to {}: {e}", self.stream));
         let mut guard = self.producer.lock().await;
-        if !matches!(guard.as_ref(), Some(p) if !p.is_closed()) {
+        if !matches!(guard.0.as_ref(), Some(p) if !p.is_closed()) {
             let p = self
                 .env
                 .producer()
                 .build(&self.stream)
                 .await
                 .map_err(|e| fail(e.to_string()))?;
-            *guard = Some(p);
+            guard.0 = Some(p);
+            guard.1 += 1;
         }
-        let Some(p) = guard.as_ref() else {
+        let generation = guard.1;
+        let Some(p) = guard.0.as_ref() else {
             return Err(fail("no producer".into()));
         };
         let (tx, mut rx) = confirm_channel();
-        p.send(stream_message(msg, None), confirm_callback!(tx))
-            .await
-            .map_err(|e| fail(e.to_string()))?;
+        let sent = p
+            .send(stream_message(msg, None), confirm_callback!(tx))
+            .await;
         drop(guard);
-        match tokio::time::timeout(self.timeout, rx.recv()).await {
-            Ok(Some(Ok(()))) => Ok(()),
-            Ok(Some(Err(ConfirmFailure::Refused(why)))) => Err(fail(why)),
-            Ok(Some(Err(ConfirmFailure::Lost(why)))) => Err(fail(why)),
-            Ok(None) => Err(fail("connection lost before the confirm".into())),
-            Err(_) => Err(fail(format!("no confirm within {:?}", self.timeout))),
+        let outcome = match sent {
+            Err(e) => Err(e.to_string()),
+            Ok(()) => match tokio::time::timeout(self.timeout, rx.recv()).await {
+                Ok(Some(Ok(()))) => return Ok(()),
+                Ok(Some(Err(ConfirmFailure::Refused(why)))) => return Err(fail(why)),
+                Ok(Some(Err(ConfirmFailure::Lost(why)))) => Err(why),
+                Ok(None) => Err("connection lost before the confirm".into()),
+                Err(_) => Err(format!("no confirm within {:?}", self.timeout)),
+            },
+        };
+        self.discard(generation).await;
+        outcome.map_err(fail)
+    }
+
+    /// Drops producer `generation` after a failed send or an unanswered confirm, so the next
+    /// reject opens a new one: the stream client does not mark a producer closed when its
+    /// connection drops (after a broker restart every dead letter would time out, for good).
+    async fn discard(&self, generation: u64) {
+        let mut guard = self.producer.lock().await;
+        if guard.1 == generation {
+            if let Some(old) = guard.0.take() {
+                // On a dead connection the close gets no answer either: bounded, on the side.
+                tokio::spawn(tokio::time::timeout(Duration::from_secs(5), old.close()));
+            }
         }
     }
 }
@@ -194,7 +215,7 @@ impl StreamSource {
                 env: env.clone(),
                 stream: dlq,
                 timeout: cfg.confirm_timeout,
-                producer: tokio::sync::Mutex::new(None),
+                producer: tokio::sync::Mutex::new((None, 0)),
             },
         });
         let mut src = Self {
