@@ -12,7 +12,9 @@ use idemq_core::{
     ClaimedMessage, CompleteOutcome, DedupKey, FencingToken, HandlerError, HandlerResult,
     IdempotentConsumer, StoreError,
 };
-use idemq_sql::{handler_error, map_sqlx_error, LeaseLost, SourceOffsets, SqlBackend, SqlStore};
+use idemq_sql::{
+    handler_error, map_sqlx_error, LeaseLost, PooledTx, SourceOffsets, SqlBackend, SqlStore,
+};
 use std::collections::HashMap;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
@@ -195,10 +197,7 @@ impl<DB: SqlBackend> KafkaToDatabase<DB> {
                 .into(),
             ));
         };
-        let tx = self
-            .store
-            .pool()
-            .begin()
+        let tx = PooledTx::begin(self.store.pool())
             .await
             .map_err(|e| map_sqlx_error::<DB>("begin", e))?;
         Ok(KafkaTx {
@@ -244,7 +243,8 @@ pub fn check_ordering(cfg: &ConsumerConfig) -> Result<(), StoreError> {
 /// # }
 /// ```
 pub struct KafkaTx<DB: SqlBackend> {
-    tx: idemq_sql::sqlx::Transaction<'static, DB>,
+    /// Closed when dropped open (never back to the pool mid-transaction; see [`PooledTx`]).
+    tx: PooledTx<DB>,
     flow: KafkaToDatabase<DB>,
     key: DedupKey,
     token: FencingToken,
@@ -301,7 +301,7 @@ impl<DB: SqlBackend> KafkaTx<DB> {
             .flow
             .store
             .complete_in_tx(
-                &mut self.tx,
+                &mut *self.tx,
                 &self.key,
                 self.token,
                 result.as_deref(),
@@ -317,7 +317,7 @@ impl<DB: SqlBackend> KafkaTx<DB> {
         self.flow
             .offsets
             .advance_in_tx(
-                &mut self.tx,
+                &mut *self.tx,
                 &self.flow.group,
                 &self.topic,
                 self.partition,
@@ -329,7 +329,7 @@ impl<DB: SqlBackend> KafkaTx<DB> {
     }
 
     /// Rolls back (dropping the transaction does too).
-    pub async fn rollback(self) -> Result<(), StoreError> {
+    pub async fn rollback(mut self) -> Result<(), StoreError> {
         self.tx
             .rollback()
             .await

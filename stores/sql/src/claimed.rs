@@ -28,6 +28,91 @@ use sqlx::TransactionManager as _;
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
+/// A pooled connection inside a transaction, closed rather than handed back to the pool
+/// when dropped before its commit or rollback finished.
+///
+/// Not a `sqlx::Transaction`: one dropped while a statement is in flight (a handler cut off
+/// when its lease is lost) would hand its connection back to the pool, and sqlx cannot
+/// always bring a MySQL connection back in step after a cancelled exchange
+/// (launchbadge/sqlx#563). It counts as open from *before* its `BEGIN`: one cut off after
+/// sending `BEGIN` and before reading the answer would otherwise go back to the pool with
+/// the server inside a transaction sqlx does not know about, and every later autocommit
+/// statement on it (claims, completions) would run inside that transaction, never
+/// committed, holding its locks. Closing the connection ends the transaction on the server.
+///
+/// ```no_run
+/// # async fn demo(pool: &idemq_sql::sqlx::PgPool) -> Result<(), idemq_sql::sqlx::Error> {
+/// use idemq_sql::{sqlx, PooledTx};
+/// let mut tx = PooledTx::begin(pool).await?;
+/// sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = 7")
+///     .execute(&mut *tx)
+///     .await?;
+/// tx.commit().await
+/// # }
+/// ```
+pub struct PooledTx<DB: SqlBackend> {
+    conn: PoolConnection<DB>,
+    /// Set from before `BEGIN` until a commit or rollback succeeded.
+    open: bool,
+}
+
+impl<DB: SqlBackend> PooledTx<DB> {
+    /// Takes a connection from `pool` and begins a transaction on it.
+    pub async fn begin(pool: &sqlx::Pool<DB>) -> Result<Self, sqlx::Error> {
+        let mut tx = PooledTx {
+            conn: pool.acquire().await?,
+            open: true,
+        };
+        DB::TransactionManager::begin(&mut *tx.conn, None).await?;
+        Ok(tx)
+    }
+
+    /// Commits. A failed commit leaves the transaction open: the connection is closed when
+    /// this is dropped, never reused.
+    pub async fn commit(&mut self) -> Result<(), sqlx::Error> {
+        DB::TransactionManager::commit(&mut *self.conn).await?;
+        self.open = false;
+        Ok(())
+    }
+
+    /// Rolls back (dropping it does too, by closing the connection).
+    pub async fn rollback(&mut self) -> Result<(), sqlx::Error> {
+        DB::TransactionManager::rollback(&mut *self.conn).await?;
+        self.open = false;
+        Ok(())
+    }
+}
+
+impl<DB: SqlBackend> std::fmt::Debug for PooledTx<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PooledTx")
+            .field("open", &self.open)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: SqlBackend> Deref for PooledTx<DB> {
+    type Target = DB::Connection;
+    fn deref(&self) -> &DB::Connection {
+        &self.conn
+    }
+}
+
+impl<DB: SqlBackend> DerefMut for PooledTx<DB> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        &mut self.conn
+    }
+}
+
+impl<DB: SqlBackend> Drop for PooledTx<DB> {
+    fn drop(&mut self) {
+        if self.open {
+            // Neither committed nor rolled back, maybe cut off mid-statement or mid-BEGIN.
+            self.conn.close_on_drop();
+        }
+    }
+}
+
 /// A transaction on a [`SqlStore`]'s pool for one claimed message: write the effect through
 /// it (it dereferences to the connection: `execute(&mut *tx)`), then [`MessageTx::commit`].
 ///
@@ -45,13 +130,8 @@ use std::time::Duration;
 /// }
 /// ```
 pub struct MessageTx<DB: SqlBackend> {
-    /// The connection, in a transaction while `open`. Not a `sqlx::Transaction`: one
-    /// dropped while a statement is in flight (a handler cut off when its lease is lost)
-    /// would hand its connection back to the pool, and sqlx cannot always bring a MySQL
-    /// connection back in step after a cancelled exchange (launchbadge/sqlx#563). Dropped
-    /// open, this one closes the connection instead; the server rolls the transaction back.
-    conn: PoolConnection<DB>,
-    open: bool,
+    /// Closed when dropped open; the server rolls the transaction back.
+    tx: PooledTx<DB>,
     store: SqlStore<DB>,
     key: DedupKey,
     token: FencingToken,
@@ -70,23 +150,13 @@ impl<DB: SqlBackend> std::fmt::Debug for MessageTx<DB> {
 impl<DB: SqlBackend> Deref for MessageTx<DB> {
     type Target = DB::Connection;
     fn deref(&self) -> &DB::Connection {
-        &self.conn
+        &self.tx
     }
 }
 
 impl<DB: SqlBackend> DerefMut for MessageTx<DB> {
     fn deref_mut(&mut self) -> &mut DB::Connection {
-        &mut self.conn
-    }
-}
-
-impl<DB: SqlBackend> Drop for MessageTx<DB> {
-    fn drop(&mut self) {
-        if self.open {
-            // Neither committed nor rolled back: maybe cut off mid-statement. Closing the
-            // connection ends the transaction on the server without reusing the connection.
-            self.conn.close_on_drop();
-        }
+        &mut self.tx
     }
 }
 
@@ -107,7 +177,7 @@ impl<DB: SqlBackend> MessageTx<DB> {
         let outcome = self
             .store
             .complete_in_tx(
-                &mut *self.conn,
+                &mut *self.tx,
                 &self.key,
                 self.token,
                 result.as_deref(),
@@ -116,19 +186,13 @@ impl<DB: SqlBackend> MessageTx<DB> {
             .await?;
         match outcome {
             CompleteOutcome::Completed => {
-                // A failed commit leaves `open` set: the connection is closed, not reused.
-                DB::TransactionManager::commit(&mut *self.conn)
-                    .await
-                    .map_err(handler_error)?;
-                self.open = false;
+                // A failed commit leaves it open: the connection is closed, not reused.
+                self.tx.commit().await.map_err(handler_error)?;
                 Ok(result)
             }
             CompleteOutcome::Fenced => {
-                match DB::TransactionManager::rollback(&mut *self.conn).await {
-                    Ok(()) => self.open = false,
-                    Err(e) => {
-                        tracing::debug!(key = %self.key, error = %e, "rollback after a lost lease failed (the server rolls back on disconnect)");
-                    }
+                if let Err(e) = self.tx.rollback().await {
+                    tracing::debug!(key = %self.key, error = %e, "rollback after a lost lease failed (the server rolls back on disconnect)");
                 }
                 Err(HandlerError::Retryable(
                     LeaseLost {
@@ -142,11 +206,10 @@ impl<DB: SqlBackend> MessageTx<DB> {
 
     /// Rolls back (dropping the transaction does too).
     pub async fn rollback(mut self) -> Result<(), StoreError> {
-        DB::TransactionManager::rollback(&mut *self.conn)
+        self.tx
+            .rollback()
             .await
-            .map_err(|e| crate::backend::map_sqlx_error::<DB>("rollback", e))?;
-        self.open = false;
-        Ok(())
+            .map_err(|e| crate::backend::map_sqlx_error::<DB>("rollback", e))
     }
 
     /// The message's key.
@@ -161,17 +224,11 @@ impl<DB: SqlBackend> SqlStore<DB> {
     /// back: see [`MessageTx::commit`]). The store handed to the consumer and the one the handler uses
     /// may be clones of each other (cloning shares the pool).
     pub async fn begin_for(&self, msg: &ClaimedMessage) -> Result<MessageTx<DB>, StoreError> {
-        let mut conn = self
-            .pool()
-            .acquire()
-            .await
-            .map_err(|e| crate::backend::map_sqlx_error::<DB>("begin", e))?;
-        DB::TransactionManager::begin(&mut *conn, None)
+        let tx = PooledTx::begin(self.pool())
             .await
             .map_err(|e| crate::backend::map_sqlx_error::<DB>("begin", e))?;
         Ok(MessageTx {
-            conn,
-            open: true,
+            tx,
             store: self.clone(),
             key: msg.key.clone(),
             token: msg.token,

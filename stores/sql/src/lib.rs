@@ -66,7 +66,7 @@ pub mod unique;
 pub use backend::{map_sqlx_error, Dialect, SqlBackend};
 #[doc(hidden)]
 pub use backend::{ErrorClass, Kind, Row, Val};
-pub use claimed::{LeaseLost, MessageTx};
+pub use claimed::{LeaseLost, MessageTx, PooledTx};
 pub use entity::{EntityId, StateMachine, Transition, VersionOutcome, VersionedEntity};
 pub use errors::{handler_error, is_retryable_sqlx_error, SqlResultExt};
 pub use ident::{is_valid_ident, ColumnName, Ident, TableName, DEFAULT_TABLE, MAX_IDENT_LEN};

@@ -625,7 +625,10 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
         items: &[(UniqueMessage, Delivery)],
         which: &[usize],
     ) -> Result<Vec<Fate>, TxFailure> {
-        let mut tx = self.store.pool().begin().await.map_err(TxFailure::Store)?;
+        // Never back to the pool mid-transaction if this is cut off (see `PooledTx`).
+        let mut tx = crate::PooledTx::begin(self.store.pool())
+            .await
+            .map_err(TxFailure::Store)?;
         let batch: Vec<&UniqueMessage> = which.iter().map(|&i| &items[i].0).collect();
         if let Some(written) = self.handler.insert_keyed_effects(&batch, &mut *tx).await {
             // The effect rows carry the keys: what they wrote is what was new.
