@@ -823,11 +823,17 @@ async fn connect_publisher(
         ),
         // Unnamed: a named producer's broker-side dedup would drop the resends before the
         // consumers could meet them.
-        Broker::RabbitStream => Box::new(
-            StreamPublisher::connect(StreamPublisherConfig::new(url, destination))
-                .await
-                .map_err(|e| e.to_string())?,
-        ),
+        Broker::RabbitStream => {
+            let mut cfg = StreamPublisherConfig::new(url, destination);
+            // A broker restart leaves the confirms of what was sent into it unanswered:
+            // give up on them sooner than the default 30 s (they are sent again).
+            cfg.confirm_timeout = Duration::from_secs(5);
+            Box::new(
+                StreamPublisher::connect(cfg)
+                    .await
+                    .map_err(|e| e.to_string())?,
+            )
+        }
         Broker::RocketMq => Box::new(
             RocketPublisher::connect(PublisherConfig::new(url, unique("producer")))
                 .await
