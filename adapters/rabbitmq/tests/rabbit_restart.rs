@@ -229,7 +229,9 @@ async fn a_stream_source_dead_letters_again_after_a_broker_restart() {
         return;
     };
     let stream = support::fresh_queue("stream-dlq-restart");
-    let publisher = StreamPublisher::connect(StreamPublisherConfig::new(&url, &stream))
+    let mut publishing = StreamPublisherConfig::new(&url, &stream);
+    publishing.confirm_timeout = Duration::from_secs(2);
+    let publisher = StreamPublisher::connect(publishing)
         .await
         .expect("stream publisher");
     let mut cfg = StreamSourceConfig::new(&url, &stream, "dlq-restart");

@@ -629,8 +629,23 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
         let mut tx = crate::PooledTx::begin(self.store.pool())
             .await
             .map_err(TxFailure::Store)?;
+        let out = self.run_in_tx(&mut tx, items, which).await;
+        if out.is_err() {
+            // Rolled back here, so the connection goes back to the pool (a deadlock retried
+            // at once needs no new connection); cut off before this, it is closed instead.
+            let _ = tx.rollback().await;
+        }
+        out
+    }
+
+    async fn run_in_tx(
+        &self,
+        tx: &mut crate::PooledTx<DB>,
+        items: &[(UniqueMessage, Delivery)],
+        which: &[usize],
+    ) -> Result<Vec<Fate>, TxFailure> {
         let batch: Vec<&UniqueMessage> = which.iter().map(|&i| &items[i].0).collect();
-        if let Some(written) = self.handler.insert_keyed_effects(&batch, &mut *tx).await {
+        if let Some(written) = self.handler.insert_keyed_effects(&batch, &mut **tx).await {
             // The effect rows carry the keys: what they wrote is what was new.
             let inserted = written.map_err(TxFailure::Handler)?;
             tx.commit().await.map_err(TxFailure::Store)?;
@@ -645,7 +660,7 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
         let keys: Vec<&str> = batch.iter().map(|m| m.key.as_str()).collect();
         let inserted = self
             .insert_sql
-            .insert::<DB>(&mut *tx, &keys)
+            .insert::<DB>(&mut **tx, &keys)
             .await
             .map_err(TxFailure::Store)?;
         let mut fates = Vec::with_capacity(which.len());
@@ -660,8 +675,8 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
             }
         }
         if !new_msgs.is_empty() {
-            if let Err(e) = self.handler.handle_batch(&new_msgs, &mut *tx).await {
-                // Dropping the transaction rolls it back (key inserts included).
+            if let Err(e) = self.handler.handle_batch(&new_msgs, &mut **tx).await {
+                // The caller rolls the transaction back (key inserts included).
                 return Err(TxFailure::Handler(e));
             }
         }
