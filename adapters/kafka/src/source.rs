@@ -52,11 +52,12 @@ pub struct KafkaSourceConfig {
     /// Records buffered per partition (default 10 000). Once a partition's buffer is full
     /// (one held back by a nack aside), the background thread stops taking records from
     /// librdkafka (which keeps what it prefetched, within its own
-    /// `queued.max.messages.kbytes`) for up to a second at a time, then polls anyway, so rebalances and `max.poll.interval.ms` are still served; a
-    /// partition whose buffer reaches twice this is paused (resumed at half), the last
-    /// resort, because a paused partition loses what librdkafka prefetched and is fetched
-    /// again on resume (pausing at this size alone halved the engine's throughput: 73k vs
-    /// 143k records/s, 100 000 small records on 4 partitions).
+    /// `queued.max.messages.kbytes`) for up to a second at a time, then polls anyway, so
+    /// rebalances and `max.poll.interval.ms` are still served; a partition whose buffer
+    /// reaches twice this is paused (resumed at half), the last resort, because a paused
+    /// partition loses what librdkafka prefetched and is fetched again on resume (pausing at
+    /// this size alone halved the engine's throughput: 73k vs 143k records/s, 100 000 small
+    /// records on 4 partitions).
     pub buffer_per_partition: usize,
     /// How often settled offsets are committed besides after each batch (the polling thread
     /// commits on its next turn after a batch is done).

@@ -169,6 +169,32 @@ async fn messages_parked_in_a_retry_tier_come_back_after_a_broker_restart() {
     support::delete_queues(&url, &queues).await;
 }
 
+/// The stream URL, a fresh stream, the broker's restart command and this test's turn to run
+/// it, and a publisher to the stream whose confirms time out after 2 s (the ones left
+/// unanswered by the restart fail fast); `None` (the test is skipped) without a stream
+/// broker or without `IDEMQ_TEST_RABBITMQ_RESTART_CMD`.
+#[cfg(feature = "streams")]
+async fn stream_restart_turn(
+    what: &str,
+) -> Option<(
+    String,
+    String,
+    String,
+    tokio::sync::MutexGuard<'static, ()>,
+    idemq_rabbitmq::stream::StreamPublisher,
+)> {
+    use idemq_rabbitmq::stream::{StreamPublisher, StreamPublisherConfig};
+    let (_, restart, turn) = restart_turn().await?;
+    let url = support::stream_url()?;
+    let stream = support::fresh_queue(what);
+    let mut cfg = StreamPublisherConfig::new(&url, &stream);
+    cfg.confirm_timeout = Duration::from_secs(2);
+    let publisher = StreamPublisher::connect(cfg)
+        .await
+        .expect("stream publisher");
+    Some((url, stream, restart, turn, publisher))
+}
+
 /// A stream publisher publishes again after a broker restart, without being rebuilt. The
 /// stream client neither marks its producer closed when the connection drops nor answers
 /// the confirms it was waiting for: before the publisher opened a new producer after a
@@ -176,22 +202,10 @@ async fn messages_parked_in_a_retry_tier_come_back_after_a_broker_restart() {
 #[cfg(feature = "streams")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_publisher_publishes_again_after_a_broker_restart() {
-    use idemq_rabbitmq::stream::{
-        delete_stream, read_stream, StreamPublisher, StreamPublisherConfig,
-    };
-    let Some((_, restart, _turn)) = restart_turn().await else {
+    use idemq_rabbitmq::stream::{delete_stream, read_stream};
+    let Some((url, stream, restart, _turn, p)) = stream_restart_turn("stream-restart").await else {
         return;
     };
-    let Some(url) = support::stream_url() else {
-        return;
-    };
-    let stream = support::fresh_queue("stream-restart");
-    let mut cfg = StreamPublisherConfig::new(&url, &stream);
-    // Short, so the unanswered confirms after the restart fail fast.
-    cfg.confirm_timeout = Duration::from_secs(2);
-    let p = StreamPublisher::connect(cfg)
-        .await
-        .expect("stream publisher");
     publish_range(&p, &stream, 0..10).await;
     restart_broker(&restart).await;
     // Each key until confirmed (publish_range gives up after 100 tries).
@@ -219,21 +233,12 @@ async fn a_stream_publisher_publishes_again_after_a_broker_restart() {
 #[cfg(feature = "streams")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_source_dead_letters_again_after_a_broker_restart() {
-    use idemq_rabbitmq::stream::{
-        delete_stream, StreamPublisher, StreamPublisherConfig, StreamSource, StreamSourceConfig,
-    };
-    let Some((_, restart, _turn)) = restart_turn().await else {
+    use idemq_rabbitmq::stream::{delete_stream, StreamSource, StreamSourceConfig};
+    let Some((url, stream, restart, _turn, publisher)) =
+        stream_restart_turn("stream-dlq-restart").await
+    else {
         return;
     };
-    let Some(url) = support::stream_url() else {
-        return;
-    };
-    let stream = support::fresh_queue("stream-dlq-restart");
-    let mut publishing = StreamPublisherConfig::new(&url, &stream);
-    publishing.confirm_timeout = Duration::from_secs(2);
-    let publisher = StreamPublisher::connect(publishing)
-        .await
-        .expect("stream publisher");
     let mut cfg = StreamSourceConfig::new(&url, &stream, "dlq-restart");
     cfg.confirm_timeout = Duration::from_secs(2);
     let mut src = StreamSource::connect(cfg).await.expect("stream source");

@@ -8,8 +8,8 @@ use super::{
 use crate::RabbitError;
 use async_trait::async_trait;
 use idemq_core::publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher};
+use rabbitmq_stream_client::types::Message;
 use rabbitmq_stream_client::{Dedup, Environment, NoDedup, Producer};
-use std::sync::atomic::{AtomicU64, Ordering::SeqCst};
 use std::time::Duration;
 use tokio::sync::{mpsc, Mutex};
 
@@ -56,7 +56,7 @@ impl StreamPublisherConfig {
     }
 }
 
-enum Inner {
+pub(crate) enum Inner {
     Named(Producer<Dedup>),
     Plain(Producer<NoDedup>),
 }
@@ -82,6 +82,14 @@ struct Confirm {
 }
 
 impl Inner {
+    async fn send(&mut self, message: Message, tx: mpsc::Sender<Confirmed>) -> Result<(), String> {
+        match self {
+            Inner::Named(p) => p.send(message, confirm_callback!(tx)).await,
+            Inner::Plain(p) => p.send(message, confirm_callback!(tx)).await,
+        }
+        .map_err(|e| e.to_string())
+    }
+
     /// Closes the producer's connection, if the broker still answers. Its batch-send timer
     /// task is the stream client's and outlives it (rabbitmq-stream-client 0.4.4).
     async fn close(self) {
@@ -95,6 +103,79 @@ impl Inner {
     }
 }
 
+/// A stream producer that is replaced after a send or a confirm failed on it: the stream
+/// client (0.4.4) neither marks a producer closed when its connection drops nor answers the
+/// confirms it was waiting for, so after a broker restart `is_closed` stays false and every
+/// send on the old producer would go unanswered, for good. The publisher and the stream
+/// source's dead-letter producer both hold one.
+pub(crate) struct ProducerSlot {
+    /// The producer (none before the first send, or after a discard) and its generation,
+    /// counted up at each open.
+    current: Mutex<(Option<Inner>, u64)>,
+}
+
+impl ProducerSlot {
+    pub(crate) fn new(first: Option<Inner>) -> Self {
+        Self {
+            current: Mutex::new((first, 0)),
+        }
+    }
+
+    /// Hands `message` to the current producer, opened with `open` first when there is none
+    /// or it is closed; returns the producer's generation, to [`ProducerSlot::discard`] it if
+    /// the confirm does not come. A failed send discards it at once. An error means the
+    /// message was not handed to a connection: safe to resend.
+    pub(crate) async fn send<F, Fut>(
+        &self,
+        message: Message,
+        tx: mpsc::Sender<Confirmed>,
+        open: F,
+    ) -> Result<u64, String>
+    where
+        F: FnOnce() -> Fut,
+        Fut: std::future::Future<Output = Result<Inner, String>>,
+    {
+        let mut current = self.current.lock().await;
+        if !matches!(current.0.as_ref(), Some(p) if !p.is_closed()) {
+            if let Some(old) = current.0.take() {
+                Self::retire(old, "closed");
+            }
+            current.0 = Some(open().await?);
+            current.1 += 1;
+        }
+        let generation = current.1;
+        let Some(p) = current.0.as_mut() else {
+            return Err("no stream producer".into());
+        };
+        if let Err(e) = p.send(message, tx).await {
+            if let Some(old) = current.0.take() {
+                Self::retire(old, "a send failed");
+            }
+            return Err(e);
+        }
+        Ok(generation)
+    }
+
+    /// Drops producer `generation` (a confirm did not come) if it is still the current one,
+    /// so the next send opens a new one; a later failure of an older one changes nothing.
+    pub(crate) async fn discard(&self, generation: u64) {
+        let mut current = self.current.lock().await;
+        if current.1 == generation {
+            if let Some(old) = current.0.take() {
+                Self::retire(old, "a confirm did not come");
+            }
+        }
+    }
+
+    /// Closes `old` on the side, bounded: on a dead connection the close gets no answer
+    /// either.
+    fn retire(old: Inner, why: &str) {
+        tracing::info!(why, "stream producer replaced at the next send");
+        metrics::counter!(crate::metrics::RECONNECTS).increment(1);
+        tokio::spawn(tokio::time::timeout(Duration::from_secs(5), old.close()));
+    }
+}
+
 /// Publishes to a RabbitMQ stream and answers only after the broker's confirm. With a
 /// producer name ([`StreamPublisherConfig::named`]) a resend of a publishing id the broker
 /// already stored — after a lost confirm, or by a restarted producer *process* — is
@@ -103,20 +184,12 @@ pub struct StreamPublisher {
     cfg: StreamPublisherConfig,
     endpoint: StreamEndpoint,
     env: Environment,
-    inner: Mutex<Option<Inner>>,
+    producer: ProducerSlot,
     /// Publishing ids sent and not yet confirmed: one id is never in flight twice (the
     /// client keys its confirm waiters by id, and a second confirm for an id it no longer
     /// waits for brings its connection task down).
     in_flight: std::sync::Mutex<std::collections::HashSet<u64>>,
     released: tokio::sync::Notify,
-    /// The current producer's generation, counted up at each open (under `inner`'s lock).
-    generation: AtomicU64,
-    /// One more than the newest generation a send failed on or a confirm never came back
-    /// from (0: none): the next send replaces that producer if it is still the current one.
-    /// The stream client does not mark a producer closed when its connection drops (nor
-    /// answer the confirms it was waiting for), so after a broker restart `is_closed` stays
-    /// false and every send on the old one would go unanswered.
-    suspect: AtomicU64,
 }
 
 impl std::fmt::Debug for StreamPublisher {
@@ -136,18 +209,15 @@ impl StreamPublisher {
         if cfg.create {
             create_stream(&env, &cfg.stream).await?;
         }
-        let p = Self {
+        let mut p = Self {
             cfg,
             endpoint,
             env,
-            inner: Mutex::new(None),
+            producer: ProducerSlot::new(None),
             in_flight: std::sync::Mutex::new(std::collections::HashSet::new()),
             released: tokio::sync::Notify::new(),
-            generation: AtomicU64::new(0),
-            suspect: AtomicU64::new(0),
         };
-        let producer = p.open().await?;
-        *p.inner.lock().await = Some(producer);
+        p.producer = ProducerSlot::new(Some(p.open().await?));
         Ok(p)
     }
 
@@ -236,39 +306,13 @@ impl StreamPublisher {
         publishing_id: Option<u64>,
     ) -> Result<Confirm, PublishError> {
         let message = stream_message(msg, publishing_id);
-        let mut guard = self.inner.lock().await;
-        let mut generation = self.generation.load(SeqCst);
-        let suspect = self.suspect.load(SeqCst) == generation + 1;
-        if suspect || !matches!(guard.as_ref(), Some(p) if !p.is_closed()) {
-            tracing::info!(
-                stream = %self.cfg.stream,
-                suspect,
-                "stream producer closed or unanswered; reconnecting"
-            );
-            metrics::counter!(crate::metrics::RECONNECTS).increment(1);
-            // Taken first: a half-dead producer is not used while the new one opens. Closed
-            // on the side, bounded: on a dead connection the close gets no answer either.
-            if let Some(old) = guard.take() {
-                tokio::spawn(tokio::time::timeout(Duration::from_secs(5), old.close()));
-            }
-            *guard = Some(
-                self.open()
-                    .await
-                    .map_err(|e| PublishError::Disconnected(e.to_string()))?,
-            );
-            generation = self.generation.fetch_add(1, SeqCst) + 1;
-        }
         let (tx, rx) = confirm_channel();
-        // A failure here means the message was not handed to the connection: safe to resend.
-        let sent = match guard.as_mut() {
-            Some(Inner::Named(p)) => p.send(message, confirm_callback!(tx)).await,
-            Some(Inner::Plain(p)) => p.send(message, confirm_callback!(tx)).await,
-            None => return Err(PublishError::Disconnected("no stream producer".into())),
-        };
-        if let Err(e) = sent {
-            self.suspect.fetch_max(generation + 1, SeqCst);
-            return Err(PublishError::Disconnected(e.to_string()));
-        }
+        let open = || async { self.open().await.map_err(|e| e.to_string()) };
+        let generation = self
+            .producer
+            .send(message, tx, open)
+            .await
+            .map_err(PublishError::Disconnected)?;
         Ok(Confirm {
             rx,
             publishing_id,
@@ -309,11 +353,11 @@ impl StreamPublisher {
         let label = match &outcome {
             Ok(_) => "confirmed",
             Err(PublishError::Rejected(_)) => "rejected",
-            Err(_) => {
-                self.suspect.fetch_max(generation + 1, SeqCst);
-                "ambiguous"
-            }
+            Err(_) => "ambiguous",
         };
+        if label == "ambiguous" {
+            self.producer.discard(generation).await;
+        }
         metrics::counter!(crate::metrics::PUBLISHED, "outcome" => label).increment(1);
         outcome
     }

@@ -1,9 +1,9 @@
 //! The stream [`Source`]: a named consumer reading from the offset stored on the broker, the
 //! contiguous settled prefix stored back after each batch.
 
+use super::producer::{Inner, ProducerSlot};
 use super::{
-    confirm_callback, confirm_channel, create_stream, stream_envelope, stream_message,
-    ConfirmFailure, StreamEndpoint,
+    confirm_channel, create_stream, stream_envelope, stream_message, ConfirmFailure, StreamEndpoint,
 };
 use crate::{RabbitError, DLQ_QUEUE, DLQ_REASON};
 use async_trait::async_trait;
@@ -18,7 +18,7 @@ use idemq_core::source::{Capabilities, Delivery, Source, SourceError};
 use idemq_core::Envelope;
 use rabbitmq_stream_client::error::ClientError;
 use rabbitmq_stream_client::types::{OffsetSpecification, ResponseCode};
-use rabbitmq_stream_client::{Consumer, Environment, NoDedup, Producer};
+use rabbitmq_stream_client::{Consumer, Environment};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -113,58 +113,31 @@ struct DeadLetters {
     env: Environment,
     stream: String,
     timeout: Duration,
-    /// The producer and its generation (counted up at each open).
-    producer: tokio::sync::Mutex<(Option<Producer<NoDedup>>, u64)>,
+    producer: ProducerSlot,
 }
 
 impl DeadLetters {
     async fn publish(&self, msg: &OutgoingMessage) -> Result<(), SourceError> {
         let fail = |e: String| SourceError::Broker(format!("dead-letter to {}: {e}", self.stream));
-        let mut guard = self.producer.lock().await;
-        if !matches!(guard.0.as_ref(), Some(p) if !p.is_closed()) {
-            let p = self
-                .env
-                .producer()
-                .build(&self.stream)
-                .await
-                .map_err(|e| fail(e.to_string()))?;
-            guard.0 = Some(p);
-            guard.1 += 1;
-        }
-        let generation = guard.1;
-        let Some(p) = guard.0.as_ref() else {
-            return Err(fail("no producer".into()));
-        };
         let (tx, mut rx) = confirm_channel();
-        let sent = p
-            .send(stream_message(msg, None), confirm_callback!(tx))
-            .await;
-        drop(guard);
-        let outcome = match sent {
-            Err(e) => Err(e.to_string()),
-            Ok(()) => match tokio::time::timeout(self.timeout, rx.recv()).await {
-                Ok(Some(Ok(()))) => return Ok(()),
-                Ok(Some(Err(ConfirmFailure::Refused(why)))) => return Err(fail(why)),
-                Ok(Some(Err(ConfirmFailure::Lost(why)))) => Err(why),
-                Ok(None) => Err("connection lost before the confirm".into()),
-                Err(_) => Err(format!("no confirm within {:?}", self.timeout)),
-            },
+        let open = || async {
+            let p = self.env.producer().build(&self.stream).await;
+            p.map(Inner::Plain).map_err(|e| e.to_string())
         };
-        self.discard(generation).await;
-        outcome.map_err(fail)
-    }
-
-    /// Drops producer `generation` after a failed send or an unanswered confirm, so the next
-    /// reject opens a new one: the stream client does not mark a producer closed when its
-    /// connection drops (after a broker restart every dead letter would time out, for good).
-    async fn discard(&self, generation: u64) {
-        let mut guard = self.producer.lock().await;
-        if guard.1 == generation {
-            if let Some(old) = guard.0.take() {
-                // On a dead connection the close gets no answer either: bounded, on the side.
-                tokio::spawn(tokio::time::timeout(Duration::from_secs(5), old.close()));
-            }
-        }
+        let generation = self
+            .producer
+            .send(stream_message(msg, None), tx, open)
+            .await
+            .map_err(fail)?;
+        let lost = match tokio::time::timeout(self.timeout, rx.recv()).await {
+            Ok(Some(Ok(()))) => return Ok(()),
+            Ok(Some(Err(ConfirmFailure::Refused(why)))) => return Err(fail(why)),
+            Ok(Some(Err(ConfirmFailure::Lost(why)))) => why,
+            Ok(None) => "connection lost before the confirm".into(),
+            Err(_) => format!("no confirm within {:?}", self.timeout),
+        };
+        self.producer.discard(generation).await;
+        Err(fail(lost))
     }
 }
 
@@ -215,7 +188,7 @@ impl StreamSource {
                 env: env.clone(),
                 stream: dlq,
                 timeout: cfg.confirm_timeout,
-                producer: tokio::sync::Mutex::new((None, 0)),
+                producer: ProducerSlot::new(None),
             },
         });
         let mut src = Self {
