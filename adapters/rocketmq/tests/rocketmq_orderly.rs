@@ -1,9 +1,10 @@
 #![recursion_limit = "512"]
 //! Orderly consumption at a scale that means something, on the real (rocketmq-rust) broker:
 //! 200 keys × 10 versions (every seventh version sent twice, as a producer retry would),
-//! spread over the topic's queues by sharding key, consumed orderly with dedup on and
-//! injected handler failures (some versions fail once, some twice), while a second member
-//! joins the group and the first leaves (two rebalances). Every key's versions are applied
+//! spread over the topic's queues by sharding key (half of it as pipelined batches),
+//! consumed orderly with dedup on and injected handler failures (some versions fail once,
+//! some twice), while a second member joins the group and the first leaves (two
+//! rebalances). Every key's versions are applied
 //! in order, each exactly once.
 
 mod support;
@@ -64,6 +65,7 @@ async fn orderly_consumption_keeps_per_key_order_with_dedup_and_injected_failure
         let topic = topic.clone();
         sends.push(tokio::spawn(async move {
             let mut copies_sent = 0usize;
+            let mut batch = Vec::new();
             for v in 1..=VERSIONS {
                 for k in (p..KEYS).step_by(PUBLISHERS) {
                     let copies = match (k + v as usize) % 7 {
@@ -77,10 +79,20 @@ async fn orderly_consumption_keeps_per_key_order_with_dedup_and_injected_failure
                         )
                         .with_ordering_key(account(k))
                         .with_dedup_key(format!("{}:v{v}", account(k)));
-                        publisher.publish(m).await.expect("SEND_OK");
+                        // Half the publishers send one at a time, half as one pipelined
+                        // batch of all their keys' versions (many sends in flight, one
+                        // key's never at once).
+                        if p % 2 == 0 {
+                            publisher.publish(m).await.expect("SEND_OK");
+                        } else {
+                            batch.push(m);
+                        }
                         copies_sent += 1;
                     }
                 }
+            }
+            for r in publisher.publish_batch(batch).await {
+                r.expect("SEND_OK in the batch");
             }
             publisher.shutdown().await;
             copies_sent

@@ -59,11 +59,28 @@ pub struct PooledTx<DB: SqlBackend> {
 impl<DB: SqlBackend> PooledTx<DB> {
     /// Takes a connection from `pool` and begins a transaction on it.
     pub async fn begin(pool: &sqlx::Pool<DB>) -> Result<Self, sqlx::Error> {
+        Self::open(pool, None).await
+    }
+
+    /// Like [`PooledTx::begin`], with `statement` in place of `BEGIN`: SQLite's
+    /// `BEGIN IMMEDIATE` takes the write lock up front, so a read-then-write transaction
+    /// cannot fail to upgrade its lock half-way through.
+    pub async fn begin_with(
+        pool: &sqlx::Pool<DB>,
+        statement: &'static str,
+    ) -> Result<Self, sqlx::Error> {
+        Self::open(pool, Some(statement.into())).await
+    }
+
+    async fn open(
+        pool: &sqlx::Pool<DB>,
+        statement: Option<std::borrow::Cow<'static, str>>,
+    ) -> Result<Self, sqlx::Error> {
         let mut tx = PooledTx {
             conn: pool.acquire().await?,
             open: true,
         };
-        DB::TransactionManager::begin(&mut *tx.conn, None).await?;
+        DB::TransactionManager::begin(&mut *tx.conn, statement).await?;
         Ok(tx)
     }
 

@@ -58,6 +58,7 @@
 use crate::backend::{
     error_class, map_sqlx_error, Dialect, ErrorClass, Kind, Row, SqlBackend, Val,
 };
+use crate::claimed::PooledTx;
 use crate::ident::{TableName, MAX_IDENT_LEN};
 use crate::migrate;
 use bytes::Bytes;
@@ -1120,9 +1121,12 @@ impl<DB: SqlBackend, P: Publisher> OutboxRelay<DB, P> {
         let err = |e| db_err::<DB>("claim", e);
         let token = rand::thread_rng().gen_range(1..i64::MAX);
         let now = now_ms();
+        // A PooledTx, not a sqlx::Transaction: a relay_once cancelled between sending BEGIN
+        // and reading its answer must not hand the pool a connection inside a transaction.
+        let pool = &self.outbox.pool;
         let mut tx = match d {
-            Dialect::Sqlite => self.outbox.pool.begin_with("BEGIN IMMEDIATE").await,
-            Dialect::Postgres | Dialect::MySql => self.outbox.pool.begin().await,
+            Dialect::Sqlite => PooledTx::begin_with(pool, "BEGIN IMMEDIATE").await,
+            Dialect::Postgres | Dialect::MySql => PooledTx::begin(pool).await,
         }
         .map_err(err)?;
         let sql = if self.opts.failed_blocks_lane {

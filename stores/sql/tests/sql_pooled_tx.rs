@@ -119,3 +119,70 @@ async fn a_transaction_dropped_open_closes_its_connection_on_postgres() {
         "the connection dropped mid-transaction went back to the pool"
     );
 }
+
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn begin_immediate_takes_sqlites_write_lock_and_a_dropped_one_gives_it_back() {
+    use sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions};
+    let dir = std::env::temp_dir().join(format!("idemq-pooled-tx-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let options = SqliteConnectOptions::new()
+        .filename(dir.join("lock.db"))
+        .create_if_missing(true)
+        // A writer that finds the lock taken fails at once instead of waiting.
+        .busy_timeout(Duration::ZERO);
+    let pool = SqlitePoolOptions::new()
+        .max_connections(2)
+        .connect_with(options)
+        .await
+        .expect("open SQLite");
+    sqlx::query("CREATE TABLE IF NOT EXISTS t (v INTEGER)")
+        .execute(&pool)
+        .await
+        .expect("create");
+
+    let held = PooledTx::begin_with(&pool, "BEGIN IMMEDIATE")
+        .await
+        .expect("first BEGIN IMMEDIATE");
+    let second = PooledTx::begin_with(&pool, "BEGIN IMMEDIATE").await;
+    let err = second.expect_err("a second writer got in while the first held the lock");
+    assert!(
+        err.to_string().contains("locked"),
+        "expected SQLITE_BUSY, got: {err}"
+    );
+    // A plain BEGIN is deferred: it takes no lock until it writes.
+    let mut reader = PooledTx::begin(&pool).await.expect("deferred BEGIN");
+    let rows: i64 = sqlx::query_scalar("SELECT COUNT(*) FROM t")
+        .fetch_one(&mut *reader)
+        .await
+        .expect("read under the writer's lock");
+    assert_eq!(rows, 0);
+    reader.rollback().await.expect("rollback");
+    drop(reader);
+
+    // Dropped open: its connection is closed (on a task of the pool's, so not at once),
+    // which rolls back and frees the lock.
+    drop(held);
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let mut next = loop {
+        match PooledTx::begin_with(&pool, "BEGIN IMMEDIATE").await {
+            Ok(tx) => break tx,
+            Err(e) if e.to_string().contains("locked") => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the dropped transaction kept the write lock"
+                );
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(e) => panic!("BEGIN IMMEDIATE: {e}"),
+        }
+    };
+    sqlx::query("INSERT INTO t (v) VALUES (1)")
+        .execute(&mut *next)
+        .await
+        .expect("write");
+    next.commit().await.expect("commit");
+    drop(next);
+    pool.close().await;
+    std::fs::remove_dir_all(&dir).expect("clean up");
+}
