@@ -10,6 +10,7 @@
 //! | [`PublishError::Rejected`] | no (broker refused: size, ACL, nack) | after fixing the cause |
 //! | [`PublishError::Unroutable`] | no (no queue bound, unknown topic) | after routing exists |
 //! | [`PublishError::Disconnected`] | no (never left the client) | yes |
+//! | [`PublishError::Busy`] | no (the broker's flow control turned it away) | yes, after a pause |
 //! | [`PublishError::Fenced`] | no (another producer owns the transactional id) | never from this producer: stop it |
 //! | [`PublishError::Config`] | no | after fixing the configuration |
 //!
@@ -138,6 +139,10 @@ pub enum PublishError {
     /// The client could not reach the broker; the message did not leave.
     #[error("broker unreachable ({0}); not sent: resending is safe")]
     Disconnected(String),
+    /// The broker turned the message away under load (flow control, RocketMQ
+    /// `SYSTEM_BUSY`) for longer than the publisher retries; it was not stored.
+    #[error("broker busy ({0}); not stored: resend after a pause")]
+    Busy(String),
     /// Another producer instance took over this producer's transactional identity.
     #[error("producer fenced ({0}): another instance owns this transactional id; stop this producer, do not resend from it")]
     Fenced(String),
@@ -157,7 +162,7 @@ impl PublishError {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            PublishError::Ambiguous(_) | PublishError::Disconnected(_)
+            PublishError::Ambiguous(_) | PublishError::Disconnected(_) | PublishError::Busy(_)
         )
     }
 }

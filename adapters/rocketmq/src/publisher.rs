@@ -15,6 +15,7 @@ use rocketmq_model::result::{SendResult, SendStatus};
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::RwLock;
 
 /// Publisher settings.
@@ -78,7 +79,37 @@ impl RocketPublisher {
     }
 
     /// Sends an already built RocketMQ message (tags, keys and properties as given).
+    ///
+    /// A broker that answers `SYSTEM_BUSY` (its flow control: not stored) is asked again
+    /// after a pause (5 ms, doubling up to 200 ms) until `send_timeout_ms` has passed, then
+    /// the answer is [`PublishError::Busy`]. The client does not retry these for a send with
+    /// a queue selector, and a publisher with many sends in flight meets them.
     pub async fn send_raw(
+        &self,
+        msg: Message,
+        ordering_key: Option<&[u8]>,
+    ) -> Result<PublishReceipt, PublishError> {
+        let patience = Duration::from_millis(self.cfg.send_timeout_ms);
+        let started = Instant::now();
+        let mut pause = Duration::from_millis(5);
+        loop {
+            match self.send_once(msg.clone(), ordering_key).await {
+                Err(PublishError::Busy(why)) => {
+                    metrics::counter!("idemq_rocketmq_publish_busy_total").increment(1);
+                    if started.elapsed() + pause > patience {
+                        return Err(PublishError::Busy(format!(
+                            "{why}; still busy after {patience:?}"
+                        )));
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_millis(200));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn send_once(
         &self,
         msg: Message,
         ordering_key: Option<&[u8]>,
@@ -171,7 +202,13 @@ pub(crate) fn confirmed(
 /// A client error: a broker response code means refused (not stored); anything else (a
 /// timeout, a lost connection mid-request) may have been stored.
 pub(crate) fn classify(topic: &str, e: ClientError) -> PublishError {
-    match e.broker_response_code() {
+    classify_code(topic, e.broker_response_code(), &e.to_string())
+}
+
+fn classify_code(topic: &str, code: Option<i32>, e: &str) -> PublishError {
+    match code {
+        // SYSTEM_BUSY: flow control ("broker busy, retry later"), not stored.
+        Some(2) => PublishError::Busy(format!("{topic}: broker code 2 (system busy): {e}")),
         // TOPIC_NOT_EXIST
         Some(17) => PublishError::Unroutable(format!("{topic}: {e}")),
         Some(code) => PublishError::Rejected(format!("{topic}: broker code {code}: {e}")),
@@ -247,6 +284,23 @@ mod tests {
             m = m.with_ordering_key(o.to_string());
         }
         m
+    }
+
+    #[test]
+    fn broker_codes_say_whether_the_message_was_stored_and_may_be_resent() {
+        let busy = classify_code("t", Some(2), "broker operation failed");
+        assert!(matches!(busy, PublishError::Busy(_)), "{busy:?}");
+        assert!(busy.is_retryable() && !busy.may_be_stored());
+        let missing = classify_code("t", Some(17), "no route");
+        assert!(
+            matches!(missing, PublishError::Unroutable(_)),
+            "{missing:?}"
+        );
+        let refused = classify_code("t", Some(13), "message illegal");
+        assert!(matches!(refused, PublishError::Rejected(_)), "{refused:?}");
+        assert!(!refused.is_retryable());
+        let lost = classify_code("t", None, "timeout");
+        assert!(lost.may_be_stored() && lost.is_retryable());
     }
 
     #[test]
