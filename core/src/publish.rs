@@ -140,7 +140,9 @@ pub enum PublishError {
     #[error("broker unreachable ({0}); not sent: resending is safe")]
     Disconnected(String),
     /// The broker turned the message away under load (flow control, RocketMQ
-    /// `SYSTEM_BUSY`) for longer than the publisher retries; it was not stored.
+    /// `SYSTEM_BUSY`); it was not stored. `RocketPublisher` asks again within its send
+    /// timeout before it answers this; RocketMQ's transactional publisher answers it at
+    /// once (the half message was not stored and the local transaction never ran).
     #[error("broker busy ({0}); not stored: resend after a pause")]
     Busy(String),
     /// Another producer instance took over this producer's transactional identity.

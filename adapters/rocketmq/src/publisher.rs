@@ -8,6 +8,7 @@ use bytes::Bytes;
 use futures::StreamExt;
 use idemq_core::envelope::Position;
 use idemq_core::publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher};
+use rand::Rng;
 use rocketmq_client_rust::{ClientError, DefaultMQProducer};
 use rocketmq_model::common::message::message_queue::MessageQueue;
 use rocketmq_model::common::message::message_single::Message;
@@ -29,7 +30,8 @@ pub struct PublisherConfig {
     pub send_timeout_ms: u64,
     /// Sends [`Publisher::publish_batch`] keeps in flight at once (at least 1). One
     /// ordering lane (the ordering key, else the message key) is never sent concurrently
-    /// with itself, so its order holds.
+    /// with itself, and after one of its messages fails the rest of it is not sent, so its
+    /// order holds.
     pub max_in_flight: usize,
 }
 
@@ -50,9 +52,12 @@ impl PublisherConfig {
 /// `KEYS` = dedup key first, then the message key; the ordering key becomes the sharding
 /// key. The ordering key, else the message key, picks the queue (hash modulo the queue
 /// count), so one key's messages stay in one queue, in order, for orderly consumers;
-/// messages without either are spread over the queues. Only `SEND_OK` confirms; flush-disk / flush-slave /
-/// slave-unavailable statuses and timeouts are [`PublishError::Ambiguous`]; a broker
-/// refusal with a response code is [`PublishError::Rejected`].
+/// messages without either are spread over the queues. Only `SEND_OK` confirms: flush-disk /
+/// flush-slave / slave-unavailable statuses and timeouts are [`PublishError::Ambiguous`];
+/// `SYSTEM_BUSY` (flow control, or a broker whose disk is too full to write) is retried
+/// within `send_timeout_ms`, then [`PublishError::Busy`]; an unknown topic is
+/// [`PublishError::Unroutable`]; any other broker response code is
+/// [`PublishError::Rejected`].
 pub struct RocketPublisher {
     /// Sends share the producer (the client's sends take `&self`); only shutdown is
     /// exclusive.
@@ -81,9 +86,10 @@ impl RocketPublisher {
     /// Sends an already built RocketMQ message (tags, keys and properties as given).
     ///
     /// A broker that answers `SYSTEM_BUSY` (its flow control: not stored) is asked again
-    /// after a pause (5 ms, doubling up to 200 ms) until `send_timeout_ms` has passed, then
-    /// the answer is [`PublishError::Busy`]. The client does not retry these for a send with
-    /// a queue selector, and a publisher with many sends in flight meets them.
+    /// after a pause (5 ms, doubling up to 200 ms, jittered) while `send_timeout_ms` lasts,
+    /// each attempt bounded by what is left of it; then the answer is
+    /// [`PublishError::Busy`]. The client does not retry these for a send with a queue
+    /// selector, and a publisher with many sends in flight meets them.
     pub async fn send_raw(
         &self,
         msg: Message,
@@ -93,15 +99,19 @@ impl RocketPublisher {
         let started = Instant::now();
         let mut pause = Duration::from_millis(5);
         loop {
-            match self.send_once(msg.clone(), ordering_key).await {
+            let left = patience.saturating_sub(started.elapsed());
+            let left_ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1);
+            match self.send_once(msg.clone(), ordering_key, left_ms).await {
                 Err(PublishError::Busy(why)) => {
                     metrics::counter!("idemq_rocketmq_publish_busy_total").increment(1);
-                    if started.elapsed() + pause > patience {
+                    // Jittered, so lanes turned away together do not come back together.
+                    let nap = pause.mul_f64(rand::thread_rng().gen_range(0.5..1.5));
+                    if started.elapsed() + nap >= patience {
                         return Err(PublishError::Busy(format!(
                             "{why}; still busy after {patience:?}"
                         )));
                     }
-                    tokio::time::sleep(pause).await;
+                    tokio::time::sleep(nap).await;
                     pause = (pause * 2).min(Duration::from_millis(200));
                 }
                 other => return other,
@@ -113,6 +123,7 @@ impl RocketPublisher {
         &self,
         msg: Message,
         ordering_key: Option<&[u8]>,
+        timeout_ms: u64,
     ) -> Result<PublishReceipt, PublishError> {
         let topic = msg.topic().to_string();
         let producer = self.producer.read().await;
@@ -122,21 +133,18 @@ impl RocketPublisher {
                 k.hash(&mut h);
                 let slot = h.finish();
                 producer
-                    .send_with_selector(
+                    .send_with_selector_timeout(
                         msg,
                         |mqs: &[MessageQueue], _m: &Message, slot: &u64| {
                             (!mqs.is_empty())
                                 .then(|| mqs[(*slot % mqs.len() as u64) as usize].clone())
                         },
                         slot,
+                        timeout_ms,
                     )
                     .await
             }
-            None => {
-                producer
-                    .send_with_timeout(msg, self.cfg.send_timeout_ms)
-                    .await
-            }
+            None => producer.send_with_timeout(msg, timeout_ms).await,
         };
         drop(producer);
         let result = sent.map_err(|e| classify(&topic, e))?;
@@ -233,42 +241,65 @@ impl Publisher for RocketPublisher {
     }
 
     /// Pipelined: up to `max_in_flight` sends at once, one lane's messages one after
-    /// another in batch order (a failed one does not hold back the rest of its lane, as in
-    /// the one-at-a-time default). A synchronous send costs a broker round trip, so the
+    /// another in batch order. After a failure the rest of that lane is not sent
+    /// ([`PublishError::Disconnected`]: resending is safe): sent, a later message could be
+    /// stored before the failed one's resend and overtake it in its queue. A synchronous send costs a broker round trip, so the
     /// one-at-a-time default bounded a publisher to a few hundred messages a second.
     async fn publish_batch(
         &self,
         msgs: Vec<OutgoingMessage>,
     ) -> Vec<Result<PublishReceipt, PublishError>> {
-        let n = msgs.len();
-        let sent: Vec<Vec<(usize, Result<PublishReceipt, PublishError>)>> =
-            futures::stream::iter(lanes(msgs))
-                .map(|lane| async move {
-                    let mut out = Vec::with_capacity(lane.len());
-                    for (i, m) in lane {
-                        out.push((i, self.publish(m).await));
-                    }
-                    out
-                })
-                .buffer_unordered(self.cfg.max_in_flight.max(1))
-                .collect()
-                .await;
-        let mut results: Vec<Option<Result<PublishReceipt, PublishError>>> =
-            (0..n).map(|_| None).collect();
-        for (i, r) in sent.into_iter().flatten() {
-            results[i] = Some(r);
-        }
-        results
-            .into_iter()
-            .map(|r| {
-                r.unwrap_or_else(|| {
-                    Err(PublishError::Ambiguous(
-                        "the batch lost track of this message".into(),
-                    ))
-                })
-            })
-            .collect()
+        in_lanes(msgs, self.cfg.max_in_flight, |m| self.publish(m)).await
     }
+}
+
+type Outcome = Result<PublishReceipt, PublishError>;
+
+/// Sends `msgs` through `send`, up to `max_in_flight` lanes at once, one lane's messages one
+/// after another; after a failure the rest of its lane is not sent. Results in batch order.
+async fn in_lanes<F, Fut>(msgs: Vec<OutgoingMessage>, max_in_flight: usize, send: F) -> Vec<Outcome>
+where
+    F: Fn(OutgoingMessage) -> Fut,
+    Fut: std::future::Future<Output = Outcome>,
+{
+    let n = msgs.len();
+    let send = &send;
+    let sent: Vec<Vec<(usize, Outcome)>> = futures::stream::iter(lanes(msgs))
+        .map(|lane| async move {
+            let mut out = Vec::with_capacity(lane.len());
+            let mut failed = false;
+            for (i, m) in lane {
+                let r = if failed {
+                    Err(PublishError::Disconnected(
+                        "not sent: an earlier message of its ordering lane failed, \
+                         and this one would overtake its resend"
+                            .into(),
+                    ))
+                } else {
+                    send(m).await
+                };
+                failed |= r.is_err();
+                out.push((i, r));
+            }
+            out
+        })
+        .buffer_unordered(max_in_flight.max(1))
+        .collect()
+        .await;
+    let mut results: Vec<Option<Outcome>> = (0..n).map(|_| None).collect();
+    for (i, r) in sent.into_iter().flatten() {
+        results[i] = Some(r);
+    }
+    results
+        .into_iter()
+        .map(|r| {
+            r.unwrap_or_else(|| {
+                Err(PublishError::Ambiguous(
+                    "the batch lost track of this message".into(),
+                ))
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -301,6 +332,53 @@ mod tests {
         assert!(!refused.is_retryable());
         let lost = classify_code("t", None, "timeout");
         assert!(lost.may_be_stored() && lost.is_retryable());
+    }
+
+    #[tokio::test]
+    async fn a_failed_send_stops_its_lane_and_no_other() {
+        let sent = std::sync::Mutex::new(Vec::new());
+        let batch = vec![
+            msg(Some("a"), None).with_dedup_key("a1"),
+            msg(Some("b"), None).with_dedup_key("b1"),
+            msg(Some("a"), None).with_dedup_key("a2"), // fails
+            msg(Some("b"), None).with_dedup_key("b2"),
+            msg(Some("a"), None).with_dedup_key("a3"), // must not go out
+        ];
+        let results = in_lanes(batch, 8, |m| {
+            let key = m.dedup_key.clone().unwrap_or_default();
+            sent.lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(key.clone());
+            async move {
+                if key == "a2" {
+                    return Err(PublishError::Ambiguous("timeout".into()));
+                }
+                Ok(PublishReceipt {
+                    destination: "t".into(),
+                    partition: None,
+                    position: None,
+                    message_id: Some(key),
+                })
+            }
+        })
+        .await;
+        let ids: Vec<String> = results
+            .iter()
+            .map(|r| match r {
+                Ok(receipt) => receipt.message_id.clone().unwrap_or_default(),
+                Err(PublishError::Ambiguous(_)) => "ambiguous".into(),
+                Err(PublishError::Disconnected(_)) => "not sent".into(),
+                Err(e) => format!("{e}"),
+            })
+            .collect();
+        assert_eq!(ids, ["a1", "b1", "ambiguous", "b2", "not sent"]);
+        let mut sent = sent.into_inner().unwrap_or_else(|e| e.into_inner());
+        sent.sort();
+        assert_eq!(
+            sent,
+            ["a1", "a2", "b1", "b2"],
+            "a3 went out after a2 failed"
+        );
     }
 
     #[test]

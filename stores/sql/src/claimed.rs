@@ -80,7 +80,15 @@ impl<DB: SqlBackend> PooledTx<DB> {
             conn: pool.acquire().await?,
             open: true,
         };
-        DB::TransactionManager::begin(&mut *tx.conn, statement).await?;
+        if let Err(e) = DB::TransactionManager::begin(&mut *tx.conn, statement).await {
+            // The server answered (SQLite busy, say): the connection is in step and outside
+            // any transaction, so it goes back to the pool. (Closing it would also lose an
+            // in-memory SQLite database that lives on that one connection.)
+            if matches!(e, sqlx::Error::Database(_)) {
+                tx.open = false;
+            }
+            return Err(e);
+        }
         Ok(tx)
     }
 
