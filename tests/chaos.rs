@@ -27,7 +27,8 @@
 //! - crashes the store's server once (`scripts/servers.sh restart-postgres`,
 //!   `restart-mariadb`: no clean shutdown; `restart-redis`);
 //! - restarts the broker once on the pairs that ask for it (`restart-kafka`,
-//!   `restart-rabbitmq`, `restart-rocketmq`; every pair with `IDEMQ_CHAOS_BROKER_RESTART=all`);
+//!   `restart-rabbitmq`, `restart-rocketmq`; every pair with `IDEMQ_CHAOS_BROKER_RESTART=all`,
+//!   none with `=never`);
 //!
 //! and then requires every key's effect exactly once (`double_effects=0 lost=0`) and every
 //! planned fault to have fired. The keys go out in stages, each a little past the next
@@ -1075,8 +1076,16 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
     let keys = knob("IDEMQ_CHAOS_MESSAGES", 3000);
     let kills = knob("IDEMQ_CHAOS_KILLS", 3);
     let limit = Duration::from_secs(knob("IDEMQ_CHAOS_LIMIT_SECS", 420) as u64);
-    let broker_restart =
-        broker_restart || var("IDEMQ_CHAOS_BROKER_RESTART").as_deref() == Some("all");
+    // `never`: no broker restart, not even on the pairs that ask for one. The rocketmq-rust
+    // 1.0.0 broker gives queue offsets out twice after a restart under load (the commit log's
+    // tail, not yet in the consume queue at shutdown, is forgotten when the offsets are
+    // recovered), so a message it confirmed can be unreachable (docs/reliability.md): the
+    // long profile runs RocketMQ with this.
+    let broker_restart = match var("IDEMQ_CHAOS_BROKER_RESTART").as_deref() {
+        Some("all") => true,
+        Some("never") => false,
+        _ => broker_restart,
+    };
     // `never`: leave the store's server up (to chase a failure without the crash in it).
     let store_restart = var("IDEMQ_CHAOS_STORE_RESTART").as_deref() != Some("never");
     // Quarantined: on MariaDB, two runs of 60 stalled for good right after the paused
