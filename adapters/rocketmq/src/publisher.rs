@@ -6,9 +6,9 @@ use crate::RocketError;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
+use idemq_core::engine::RetryPolicy;
 use idemq_core::envelope::Position;
 use idemq_core::publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher};
-use rand::Rng;
 use rocketmq_client_rust::{ClientError, DefaultMQProducer};
 use rocketmq_model::common::message::message_queue::MessageQueue;
 use rocketmq_model::common::message::message_single::Message;
@@ -46,6 +46,17 @@ impl PublisherConfig {
         }
     }
 }
+
+/// The pauses between sends the broker answered `SYSTEM_BUSY`: 5 ms doubling to 200 ms,
+/// jittered ±50% (so lanes turned away together do not come back together); bounded by
+/// `send_timeout_ms`, not by a count.
+const BUSY_RETRY: RetryPolicy = RetryPolicy {
+    initial_delay: Duration::from_millis(5),
+    max_delay: Duration::from_millis(200),
+    multiplier: 2.0,
+    jitter: 0.5,
+    max_attempts: None,
+};
 
 /// A [`Publisher`] over RocketMQ's `DefaultMQProducer`.
 ///
@@ -97,22 +108,21 @@ impl RocketPublisher {
     ) -> Result<PublishReceipt, PublishError> {
         let patience = Duration::from_millis(self.cfg.send_timeout_ms);
         let started = Instant::now();
-        let mut pause = Duration::from_millis(5);
+        let mut attempt = 0;
         loop {
             let left = patience.saturating_sub(started.elapsed());
             let left_ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1);
             match self.send_once(msg.clone(), ordering_key, left_ms).await {
                 Err(PublishError::Busy(why)) => {
                     metrics::counter!("idemq_rocketmq_publish_busy_total").increment(1);
-                    // Jittered, so lanes turned away together do not come back together.
-                    let nap = pause.mul_f64(rand::thread_rng().gen_range(0.5..1.5));
+                    attempt += 1;
+                    let nap = BUSY_RETRY.delay(attempt);
                     if started.elapsed() + nap >= patience {
                         return Err(PublishError::Busy(format!(
                             "{why}; still busy after {patience:?}"
                         )));
                     }
                     tokio::time::sleep(nap).await;
-                    pause = (pause * 2).min(Duration::from_millis(200));
                 }
                 other => return other,
             }
