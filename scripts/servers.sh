@@ -18,7 +18,7 @@
 #   scripts/servers.sh restart-rocketmq   stop + start RocketMQ only (same ports, same store)
 #
 # SERVER is any of: postgres mariadb redis redis-cluster kafka rabbitmq rocketmq (default: all of them;
-# the first RocketMQ start builds its servers from source: ~15-30 min, once per machine).
+# the first RocketMQ start builds its servers from source: ~15-40 min on 2 cores, once per machine).
 # Every server gets a private data dir under $IDEMQ_STATE_DIR, listens on
 # 127.0.0.1 only, on a non-default port, so it never collides with a
 # system-wide instance or another checkout's defaults. Data is thrown away on
@@ -989,12 +989,12 @@ ROCKET_BROKER_PID=$ROCKET_DIR/broker.pid
 # The broker is ready in ~0.4 s; the budget is for a loaded machine.
 ROCKET_TIMEOUT=${IDEMQ_ROCKETMQ_TIMEOUT:-60}
 
-# Build both servers once (~15-25 min on 2 cores), into the cache, outside the repo.
+# Build both servers once (~15-25 min on 2 idle cores, ~35 min beside a cargo build), into the cache, outside the repo.
 install_rocketmq() {
   [[ -x $ROCKET_NAMESRV_BIN && -x $ROCKET_BROKER_BIN ]] && return 0
   command -v cargo >/dev/null || die "cargo is needed to build the rocketmq-rust servers"
   local start=$SECONDS
-  log "building rocketmq-namesrv + rocketmq-broker $ROCKET_VERSION into $ROCKET_HOME (15-25 min, once)"
+  log "building rocketmq-namesrv + rocketmq-broker $ROCKET_VERSION into $ROCKET_HOME (15-40 min, once)"
   mkdir -p "$ROCKET_HOME"
   cargo install rocketmq-namesrv rocketmq-broker --version "$ROCKET_VERSION" --locked \
     --root "$ROCKET_HOME" >"$ROCKET_HOME/install.log" 2>&1 9>&- ||
