@@ -22,7 +22,8 @@ pub struct ConsumeArgs {
     #[arg(long, env = "IDEMQ_STORE_URL")]
     store: String,
     /// Where the business key is: header:NAME, json:/POINTER, dedup-header (the
-    /// `idemq-dedup-key` header, else the broker's native id slot), message-key.
+    /// `idemq-dedup-key` header, else the broker's native slots: on RabbitMQ
+    /// `x-deduplication-header` then `message_id`, on RocketMQ `KEYS`), message-key.
     #[arg(long)]
     key: String,
     /// Consumer group: the Kafka/RocketMQ group and the dedup key's namespace.

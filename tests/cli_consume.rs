@@ -1,93 +1,254 @@
-//! `idemq consume` against the real Kafka broker: producer duplicates are skipped and each
-//! message processed is printed once as a JSON line.
-#![cfg(all(feature = "cli", feature = "kafka", feature = "sqlite"))]
+//! `idemq consume` against the real brokers, run as the binary a user runs: producer
+//! duplicates are skipped and each message processed is printed as a JSON line.
+#![cfg(all(feature = "cli", feature = "sqlite"))]
 
 mod support;
 
-use idemq::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use idemq::kafka::rdkafka::client::DefaultClientContext;
-use idemq::kafka::rdkafka::ClientConfig;
-use idemq::kafka::{KafkaProducerConfig, KafkaPublisher};
-use idemq::{OutgoingMessage, Publisher};
 use std::collections::BTreeSet;
+use std::path::PathBuf;
 use std::time::Duration;
 use support::server_url;
 
+/// A SQLite dedup store in a fresh directory, removed at the end.
+struct TempStore(PathBuf);
+
+impl TempStore {
+    fn new(tag: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "idemq-cli-{tag}-{}-{:08x}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        Self(dir)
+    }
+    fn url(&self) -> String {
+        format!("sqlite://{}?mode=rwc", self.0.join("dedup.db").display())
+    }
+}
+
+impl Drop for TempStore {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Runs `idemq ARGS` to its end (failing the test after `limit`).
+async fn idemq(args: &[&str], limit: Duration) -> std::process::Output {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemq"))
+        .args(args)
+        .kill_on_drop(true)
+        .output();
+    tokio::time::timeout(limit, out)
+        .await
+        .unwrap_or_else(|_| panic!("idemq {args:?} still running after {limit:?}"))
+        .expect("run idemq")
+}
+
+/// stdout's JSON lines.
+fn json_lines(stdout: &str) -> Vec<serde_json::Value> {
+    stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("not a JSON line ({e}): {l}")))
+        .collect()
+}
+
+#[cfg(feature = "rabbitmq")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn consume_prints_each_kafka_message_once_and_skips_the_resends() {
-    let Some(brokers) = server_url("IDEMQ_TEST_KAFKA_BROKERS") else {
+async fn dedup_header_reads_the_dedup_plugins_header_as_pika_sends_it() {
+    use idemq::rabbitmq::lapin::options::{
+        BasicPublishOptions, ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
+    };
+    use idemq::rabbitmq::lapin::publisher_confirm::Confirmation;
+    use idemq::rabbitmq::lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+    use idemq::rabbitmq::lapin::BasicProperties;
+
+    let Some(url) = server_url("IDEMQ_TEST_AMQP_URL") else {
         return;
     };
-    let topic = format!("idemq_cli_consume_{:08x}", rand::random::<u32>());
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", &brokers)
-        .create()
-        .expect("admin");
-    let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
-    for r in admin
-        .create_topics(
-            [&NewTopic::new(&topic, 2, TopicReplication::Fixed(1))],
-            &opts,
-        )
+    let queue = format!("idemq_cli_plugin_{:08x}", rand::random::<u32>());
+    let conn = idemq::rabbitmq::connect(&url, "idemq cli test")
         .await
-        .expect("create topic")
-    {
-        r.expect("topic created");
-    }
-    let publisher =
-        KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers)).expect("publisher");
-    // 20 payments, the first 5 resent by the provider with the same payment id.
-    let batch = (0..20)
-        .chain(0..5)
-        .map(|i| {
-            OutgoingMessage::new(
-                &topic,
-                format!("{{\"payment_id\":\"pay-{i}\",\"amount\":{i}}}"),
+        .expect("connect");
+    let ch = conn.create_channel().await.expect("channel");
+    let durable = QueueDeclareOptions {
+        durable: true,
+        ..QueueDeclareOptions::default()
+    };
+    ch.queue_declare(&queue, durable, FieldTable::default())
+        .await
+        .expect("declare queue");
+    ch.confirm_select(ConfirmSelectOptions::default())
+        .await
+        .expect("confirms");
+    // What a pika producer of the message-deduplication plugin sends: persistent, confirmed,
+    // the key in `x-deduplication-header` and nowhere else. 12 payments, the first 4 resent.
+    for i in (0..12).chain(0..4) {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ShortString::from("x-deduplication-header"),
+            AMQPValue::LongString(LongString::from(format!("pay-{i}"))),
+        );
+        let props = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_headers(headers);
+        let payload = format!("{{\"amount\":{i}}}");
+        let confirm = ch
+            .basic_publish(
+                "",
+                &queue,
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..BasicPublishOptions::default()
+                },
+                payload.as_bytes(),
+                props,
             )
-        })
-        .collect();
-    for r in publisher.publish_batch(batch).await {
-        r.expect("confirmed");
+            .await
+            .expect("publish")
+            .await
+            .expect("confirm");
+        assert_eq!(
+            confirm,
+            Confirmation::Ack(None),
+            "publish {i} not confirmed"
+        );
     }
-    let dir = std::env::temp_dir().join(format!("idemq-cli-consume-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let store = format!("sqlite://{}?mode=rwc", dir.join("dedup.db").display());
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemq"))
-        .args([
+    let store = TempStore::new("plugin");
+    let sep = if url.contains('?') { '&' } else { '?' };
+    let out = idemq(
+        &[
             "consume",
             "--broker",
-            &format!("kafka://{brokers}/{topic}"),
+            &format!("{url}{sep}queue={queue}"),
             "--store",
-            &store,
+            &store.url(),
             "--key",
-            "json:/payment_id",
-            "--group",
-            &format!("{topic}-g"),
+            "dedup-header",
             "--idle-exit",
-            "10",
-        ])
-        .output();
-    let out = tokio::time::timeout(Duration::from_secs(120), out)
-        .await
-        .expect("consume exits when idle")
-        .expect("run idemq consume");
+            "5",
+        ],
+        Duration::from_secs(120),
+    )
+    .await;
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{stderr}");
-    let lines: Vec<serde_json::Value> = stdout
-        .lines()
-        .map(|l| serde_json::from_str(l).expect("a JSON line"))
-        .collect();
+    let lines = json_lines(&stdout);
     let keys: BTreeSet<&str> = lines.iter().filter_map(|v| v["key"].as_str()).collect();
-    assert_eq!(lines.len(), 20, "one line per payment:\n{stdout}\n{stderr}");
-    assert_eq!(keys.len(), 20, "{stdout}");
-    assert!(
-        lines.iter().all(|v| v["source"] == topic.as_str()),
-        "{stdout}"
+    let want: BTreeSet<String> = (0..12).map(|i| format!("pay-{i}")).collect();
+    assert_eq!(
+        keys,
+        want.iter().map(String::as_str).collect(),
+        "each payment once, keyed by the plugin header:\n{stdout}\n{stderr}"
     );
+    assert_eq!(lines.len(), 12, "{stdout}");
     assert!(
-        stderr.contains("processed=20 duplicates_skipped=5"),
+        stderr.contains("processed=12 duplicates_skipped=4 dead_lettered=0"),
         "{stderr}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
+    let dlq = ch
+        .queue_declare(
+            &format!("{queue}.dlq"),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("the dead-letter queue");
+    assert_eq!(dlq.message_count(), 0, "nothing dead-lettered: {stderr}");
+    for q in [queue.clone(), format!("{queue}.dlq")] {
+        let _ = ch.queue_delete(&q, QueueDeleteOptions::default()).await;
+    }
+}
+
+#[cfg(feature = "kafka")]
+mod kafka {
+    use super::*;
+    use idemq::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+    use idemq::kafka::rdkafka::client::DefaultClientContext;
+    use idemq::kafka::rdkafka::ClientConfig;
+    use idemq::kafka::{KafkaProducerConfig, KafkaPublisher};
+    use idemq::{OutgoingMessage, Publisher};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn consume_prints_each_kafka_message_once_and_skips_the_resends() {
+        let Some(brokers) = server_url("IDEMQ_TEST_KAFKA_BROKERS") else {
+            return;
+        };
+        let topic = format!("idemq_cli_consume_{:08x}", rand::random::<u32>());
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", &brokers)
+            .create()
+            .expect("admin");
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
+        for r in admin
+            .create_topics(
+                [&NewTopic::new(&topic, 2, TopicReplication::Fixed(1))],
+                &opts,
+            )
+            .await
+            .expect("create topic")
+        {
+            r.expect("topic created");
+        }
+        let publisher =
+            KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers)).expect("publisher");
+        // 20 payments, the first 5 resent by the provider with the same payment id.
+        let batch = (0..20)
+            .chain(0..5)
+            .map(|i| {
+                OutgoingMessage::new(
+                    &topic,
+                    format!("{{\"payment_id\":\"pay-{i}\",\"amount\":{i}}}"),
+                )
+            })
+            .collect();
+        for r in publisher.publish_batch(batch).await {
+            r.expect("confirmed");
+        }
+        let dir = std::env::temp_dir().join(format!("idemq-cli-consume-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let store = format!("sqlite://{}?mode=rwc", dir.join("dedup.db").display());
+        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemq"))
+            .args([
+                "consume",
+                "--broker",
+                &format!("kafka://{brokers}/{topic}"),
+                "--store",
+                &store,
+                "--key",
+                "json:/payment_id",
+                "--group",
+                &format!("{topic}-g"),
+                "--idle-exit",
+                "10",
+            ])
+            .output();
+        let out = tokio::time::timeout(Duration::from_secs(120), out)
+            .await
+            .expect("consume exits when idle")
+            .expect("run idemq consume");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        let lines: Vec<serde_json::Value> = stdout
+            .lines()
+            .map(|l| serde_json::from_str(l).expect("a JSON line"))
+            .collect();
+        let keys: BTreeSet<&str> = lines.iter().filter_map(|v| v["key"].as_str()).collect();
+        assert_eq!(lines.len(), 20, "one line per payment:\n{stdout}\n{stderr}");
+        assert_eq!(keys.len(), 20, "{stdout}");
+        assert!(
+            lines.iter().all(|v| v["source"] == topic.as_str()),
+            "{stdout}"
+        );
+        assert!(
+            stderr.contains("processed=20 duplicates_skipped=5"),
+            "{stderr}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -54,6 +54,10 @@ pub enum KeyError {
         "message has no header `{0}`: the producer must set it, or configure another key strategy"
     )]
     MissingHeader(String),
+    /// [`KeySource::DedupHeader`] found no key in any of the slots it reads on this broker;
+    /// the text names each of them.
+    #[error("message has no dedup key: none of {0} is set; publish with OutgoingMessage::with_dedup_key (or set one of them at the producer), or configure another key strategy")]
+    MissingDedupKey(String),
     /// The message has no broker key.
     #[error("message has no message key (Kafka key / RocketMQ keys / AMQP message_id): set one at the producer, or configure another key strategy")]
     MissingMessageKey,
@@ -213,9 +217,12 @@ pub enum KeySource {
     /// The broker's own message id. Opt-in: producer retries get new ids on some brokers.
     BrokerMessageId,
     /// The key an idemq [`Publisher`](crate::publish::Publisher) wrote: the
-    /// [`DEDUP_HEADER`](crate::publish::DEDUP_HEADER) header, else the broker's native slot
-    /// that adapters also fill (AMQP `message_id`, RocketMQ `KEYS`; Kafka has only the
-    /// header, its record key being an entity key).
+    /// [`DEDUP_HEADER`](crate::publish::DEDUP_HEADER) header, else the broker's native slots
+    /// that adapters also fill, in this order: on RabbitMQ the message-deduplication plugin's
+    /// [`AMQP_PLUGIN_DEDUP_HEADER`] (what producers outside idemq set for the plugin), then
+    /// AMQP `message_id`; on RocketMQ the first of `KEYS`; on the memory broker the message
+    /// id. Kafka has only the header, its record key being an entity key. A message with
+    /// none of them is dead-lettered with a reason naming every slot looked in.
     DedupHeader,
     /// A closure.
     Custom(KeyFn),
@@ -376,28 +383,76 @@ impl KeyStrategy {
     }
 }
 
-fn dedup_header_key(env: &Envelope) -> Result<Cow<'_, str>, KeyError> {
-    use crate::envelope::BrokerKind;
-    let name = crate::publish::DEDUP_HEADER;
-    if let Some(v) = env.headers.get(name) {
-        return utf8(v, || format!("header `{name}`")).map(Cow::Borrowed);
+/// The header of the rabbitmq-message-deduplication plugin (exchange type
+/// `x-message-deduplication`): producers written for the plugin put the dedup key there, and
+/// idemq's RabbitMQ publisher writes it too. [`KeySource::DedupHeader`] reads it on RabbitMQ.
+pub const AMQP_PLUGIN_DEDUP_HEADER: &str = "x-deduplication-header";
+
+/// Where [`KeySource::DedupHeader`] looks on one broker, in order.
+#[derive(Clone, Copy)]
+enum DedupSlot {
+    Header(&'static str),
+    MessageId,
+    FirstRocketKey,
+}
+
+impl DedupSlot {
+    fn describe(self) -> String {
+        match self {
+            DedupSlot::Header(h) => format!("header `{h}`"),
+            DedupSlot::MessageId => "AMQP `message_id`".to_string(),
+            DedupSlot::FirstRocketKey => "RocketMQ `KEYS`".to_string(),
+        }
     }
-    // The native slot, where the header did not survive (a producer outside idemq that
-    // follows the broker's own convention).
-    let native = match env.broker {
-        BrokerKind::RabbitMq | BrokerKind::Memory => env.message_id.as_deref(),
-        // KEYS holds space-separated keys; adapters put the dedup key first.
-        BrokerKind::RocketMq => env
-            .key
-            .as_ref()
-            .map(|k| utf8(k, || "the RocketMQ KEYS".to_string()))
-            .transpose()?
-            .and_then(|k| k.split(' ').find(|s| !s.is_empty())),
-        BrokerKind::Kafka => None,
-    };
-    native
-        .map(Cow::Borrowed)
-        .ok_or_else(|| KeyError::MissingHeader(name.to_string()))
+
+    fn read(self, env: &Envelope) -> Result<Option<&str>, KeyError> {
+        Ok(match self {
+            DedupSlot::Header(h) => env
+                .headers
+                .get(h)
+                .map(|v| utf8(v, || self.describe()))
+                .transpose()?,
+            DedupSlot::MessageId => env.message_id.as_deref(),
+            // KEYS holds space-separated keys; adapters put the dedup key first.
+            DedupSlot::FirstRocketKey => env
+                .key
+                .as_ref()
+                .map(|k| utf8(k, || self.describe()))
+                .transpose()?
+                .map(|k| k.split(' ').find(|s| !s.is_empty()).unwrap_or("")),
+        })
+    }
+}
+
+fn dedup_slots(broker: crate::envelope::BrokerKind) -> &'static [DedupSlot] {
+    use crate::envelope::BrokerKind;
+    use DedupSlot::*;
+    const OURS: DedupSlot = Header(crate::publish::DEDUP_HEADER);
+    match broker {
+        // The plugin's header before `message_id`: a header set for deduplication is the
+        // producer's deliberate key, while some client libraries stamp every message,
+        // resends included, with a fresh random `message_id`.
+        BrokerKind::RabbitMq => &[OURS, Header(AMQP_PLUGIN_DEDUP_HEADER), MessageId],
+        BrokerKind::Memory => &[OURS, MessageId],
+        BrokerKind::RocketMq => &[OURS, FirstRocketKey],
+        BrokerKind::Kafka => &[OURS],
+    }
+}
+
+/// The first slot that holds a value; an empty value is an error naming its slot (a
+/// producer bug, not a reason to look further).
+fn dedup_header_key(env: &Envelope) -> Result<Cow<'_, str>, KeyError> {
+    let slots = dedup_slots(env.broker);
+    for slot in slots {
+        if let Some(v) = slot.read(env)? {
+            if v.is_empty() {
+                return Err(KeyError::Empty(slot.describe()));
+            }
+            return Ok(Cow::Borrowed(v));
+        }
+    }
+    let looked_in: Vec<String> = slots.iter().map(|s| s.describe()).collect();
+    Err(KeyError::MissingDedupKey(looked_in.join(", ")))
 }
 
 /// What a hashed business key starts with. Raw keys that start with `#` are stored with one
@@ -699,6 +754,55 @@ mod tests {
         );
         let c = KeyStrategy::custom("g", |e| Ok(format!("len-{}", e.payload.len()))).unwrap();
         assert_eq!(c.derive(&env("abc")).unwrap().as_str(), "g:len-3");
+    }
+
+    #[test]
+    fn dedup_header_reads_the_dedup_plugins_header_on_rabbitmq() {
+        // What pika or any client following rabbitmq-message-deduplication sends: the key in
+        // `x-deduplication-header` only, no `idemq-dedup-key`, no `message_id`.
+        let k = KeyStrategy::dedup_header("g").unwrap();
+        let plugin = Envelope::new(BrokerKind::RabbitMq, "payments", "{}")
+            .with_header("x-deduplication-header", "pay-7");
+        assert_eq!(k.derive(&plugin).unwrap().as_str(), "g:pay-7");
+        // A client library that stamps every message with a random `message_id` must not
+        // turn a resend with the same plugin header into a new key.
+        let stamped = plugin.clone().with_message_id("4f0c-random");
+        assert_eq!(k.derive(&stamped).unwrap().as_str(), "g:pay-7");
+        // idemq's own header still comes first; `message_id` alone is still read.
+        let ours = stamped
+            .clone()
+            .with_header(crate::publish::DEDUP_HEADER, "pay-8");
+        assert_eq!(k.derive(&ours).unwrap().as_str(), "g:pay-8");
+        let id_only =
+            Envelope::new(BrokerKind::RabbitMq, "payments", "{}").with_message_id("pay-9");
+        assert_eq!(k.derive(&id_only).unwrap().as_str(), "g:pay-9");
+    }
+
+    #[test]
+    fn a_missing_dedup_key_names_every_slot_looked_in() {
+        let k = KeyStrategy::dedup_header("g").unwrap();
+        let bare = |b| Envelope::new(b, "payments", "{}");
+        let reason = k
+            .derive(&bare(BrokerKind::RabbitMq))
+            .unwrap_err()
+            .to_string();
+        for slot in ["idemq-dedup-key", "x-deduplication-header", "message_id"] {
+            assert!(reason.contains(slot), "{slot} not named: {reason}");
+        }
+        let reason = k
+            .derive(&bare(BrokerKind::RocketMq))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            reason.contains("idemq-dedup-key") && reason.contains("KEYS"),
+            "{reason}"
+        );
+        let reason = k.derive(&bare(BrokerKind::Kafka)).unwrap_err().to_string();
+        assert!(reason.contains("idemq-dedup-key"), "{reason}");
+        // An empty value is named by the slot it came from.
+        let empty = bare(BrokerKind::RabbitMq).with_header("x-deduplication-header", "");
+        let reason = k.derive(&empty).unwrap_err().to_string();
+        assert!(reason.contains("x-deduplication-header"), "{reason}");
     }
 
     #[test]

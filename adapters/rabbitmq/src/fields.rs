@@ -172,6 +172,35 @@ mod tests {
     }
 
     #[test]
+    fn the_dedup_header_strategy_reads_the_plugin_header_a_producer_set() {
+        // The slot the key strategy reads on RabbitMQ is the header this crate's publisher
+        // writes for the plugin.
+        assert_eq!(
+            crate::PLUGIN_DEDUP_HEADER,
+            idemq_core::key::AMQP_PLUGIN_DEDUP_HEADER
+        );
+        let mut t = FieldTable::default();
+        t.insert(
+            crate::PLUGIN_DEDUP_HEADER.into(),
+            AMQPValue::LongString("pay-7".into()),
+        );
+        let mut env = idemq_core::Envelope::new(idemq_core::BrokerKind::RabbitMq, "payments", "{}");
+        table_to_headers(&t, &mut env.headers);
+        let keys = idemq_core::KeyStrategy::dedup_header("billing").unwrap();
+        assert_eq!(keys.derive(&env).unwrap().as_str(), "billing:pay-7");
+        // Without it, the dead-letter reason names each slot looked in.
+        env.headers = Headers::new();
+        let reason = keys.derive(&env).unwrap_err().to_string();
+        for slot in [
+            idemq_core::DEDUP_HEADER,
+            crate::PLUGIN_DEDUP_HEADER,
+            "message_id",
+        ] {
+            assert!(reason.contains(slot), "{slot}: {reason}");
+        }
+    }
+
+    #[test]
     fn tables_render_as_text() {
         let mut inner = FieldTable::default();
         inner.insert("count".into(), AMQPValue::LongLongInt(2));
