@@ -5,24 +5,51 @@
 //! store under the message's dedup key, e.g. with the unique-index strategy), and commits or
 //! rolls back the half message by its outcome. When that last step is lost (the producer
 //! crashed after its local commit, or the outcome was [`LocalOutcome::Unknown`]), the broker
-//! checks back after `transactionTimeout` (≥ 6 s here) and [`StoreCheckBack`] answers from
-//! the store: completed → COMMIT, a live lease → UNKNOWN (asked again later), no record, an
-//! expired lease or a released key → ROLLBACK.
+//! checks back and [`StoreCheckBack`] answers from the store.
+//!
+//! ROLLBACK drops the half message for good, so it is answered only once the local
+//! transaction can no longer commit: the check-back *claims* the key, and only a claim the
+//! store grants (no record, a released key, or an ended lease taken over — decided on the
+//! store's clock) answers ROLLBACK. The takeover gives the key a new fencing token, so the old
+//! holder's `complete` (and `complete_in_tx`, with its effect in the same transaction) answers
+//! `Fenced`; the check-back then releases the key so a new attempt of the operation can claim
+//! it. Completed → COMMIT. A live lease, a local transaction still running in this process,
+//! a store that cannot answer → UNKNOWN (the broker asks again).
+//!
+//! The local transaction is bounded ([`LOCAL_TIMEOUT`]): past it the publisher answers UNKNOWN
+//! and *cancels* the local future (it is dropped at its next await: an open database
+//! transaction rolls back), so it cannot complete after the answer. The broker's first
+//! check-back of a half message waits [`CHECK_IMMUNITY`], longer than that bound, so a
+//! producer of the group that did not run the local transaction is not asked while it runs.
 
 use crate::client::{env, own_client};
 use crate::fields::to_message;
 use crate::publisher::{classify, confirmed};
 use crate::RocketError;
+use cheetah_string::CheetahString;
 use futures::future::BoxFuture;
 use idemq_core::key::{ConsumerGroup, DedupKey};
 use idemq_core::publish::{OutgoingMessage, PublishError, PublishReceipt, DEDUP_HEADER};
-use idemq_core::store::{DedupStore, RecordStatus};
+use idemq_core::store::{ClaimOutcome, ClaimRequest, DedupStore, FencingToken, RecordStatus};
 use rocketmq_client_rust::{LocalTransactionState, TransactionListener, TransactionMQProducer};
 use rocketmq_model::common::message::message_ext::MessageExt;
-use rocketmq_model::common::message::MessageTrait;
+use rocketmq_model::common::message::{MessageConst, MessageTrait};
 use std::any::Any;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
+
+/// How long a local transaction may run before the publisher answers UNKNOWN and cancels it.
+pub const LOCAL_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// How long after its send the broker first checks a half message back
+/// (`CHECK_IMMUNITY_TIME_IN_SECONDS`): past [`LOCAL_TIMEOUT`], so the local transaction has
+/// ended or been cancelled by then.
+pub const CHECK_IMMUNITY: Duration = Duration::from_secs(40);
+
+/// The lease of the check-back's own claim (it releases the key at once; the lease only
+/// bounds a release that failed).
+const CHECK_LEASE: Duration = Duration::from_secs(30);
 
 /// What the local transaction decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -35,11 +62,61 @@ pub enum LocalOutcome {
     Unknown,
 }
 
+/// Dedup keys whose local transaction is running in this process (its future not yet
+/// dropped): a check-back for one of them answers UNKNOWN, whatever the store holds (the
+/// transaction may not have claimed its key yet).
+#[derive(Debug, Default)]
+struct Running {
+    keys: Mutex<HashMap<String, usize>>,
+}
+
+impl Running {
+    fn enter(self: &Arc<Self>, key: &str) -> RunningGuard {
+        *self
+            .keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .entry(key.to_string())
+            .or_default() += 1;
+        RunningGuard {
+            running: self.clone(),
+            key: key.to_string(),
+        }
+    }
+
+    fn contains(&self, key: &str) -> bool {
+        self.keys
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains_key(key)
+    }
+}
+
+/// Removes its key from [`Running`] when the local future holding it is dropped (finished
+/// or cancelled).
+struct RunningGuard {
+    running: Arc<Running>,
+    key: String,
+}
+
+impl Drop for RunningGuard {
+    fn drop(&mut self) {
+        let mut keys = self.running.keys.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(n) = keys.get_mut(&self.key) {
+            *n -= 1;
+            if *n == 0 {
+                keys.remove(&self.key);
+            }
+        }
+    }
+}
+
 /// Answers the broker's check-back from the dedup store's record of the message's key.
 pub struct StoreCheckBack {
     store: Arc<dyn DedupStore>,
     group: ConsumerGroup,
     timeout: Duration,
+    running: Arc<Running>,
 }
 
 impl StoreCheckBack {
@@ -52,26 +129,56 @@ impl StoreCheckBack {
             store,
             group,
             timeout: Duration::from_secs(3),
+            running: Arc::default(),
         })
     }
 
-    /// The state for a message, from the store (UNKNOWN when the store cannot answer).
+    fn key(&self, dedup_key: &str) -> Result<DedupKey, String> {
+        DedupKey::new(&self.group, dedup_key).map_err(|e| e.to_string())
+    }
+
+    /// The state for a message, from the store: COMMIT when its key is completed; ROLLBACK
+    /// only after the store granted this check-back a claim of the key (no record, released,
+    /// or an ended lease taken over, which fences the old holder), the key then released;
+    /// UNKNOWN for a live lease, a local transaction of the key still running in this
+    /// process, or a store that cannot answer.
     pub async fn state_of(&self, dedup_key: &str) -> LocalTransactionState {
-        let key = match DedupKey::new(&self.group, dedup_key) {
+        let key = match self.key(dedup_key) {
             Ok(k) => k,
             Err(e) => {
-                tracing::warn!(key = dedup_key, error = %e, "check-back: bad dedup key; rolling back");
-                return LocalTransactionState::RollbackMessage;
+                tracing::warn!(key = dedup_key, error = %e, "check-back: bad dedup key; unknown");
+                return LocalTransactionState::Unknown;
             }
         };
-        match self.store.get(&key).await {
-            Ok(Some(r)) if r.status == RecordStatus::Completed => {
+        if self.running.contains(dedup_key) {
+            return LocalTransactionState::Unknown;
+        }
+        let claim = ClaimRequest::new(key.clone(), CHECK_LEASE)
+            .with_token(FencingToken::random())
+            .with_worker("rocketmq-check-back");
+        match self.store.claim(&claim).await {
+            Ok(ClaimOutcome::Duplicate(_)) => LocalTransactionState::CommitMessage,
+            Ok(ClaimOutcome::PayloadConflict(r)) if r.status == RecordStatus::Completed => {
                 LocalTransactionState::CommitMessage
             }
-            Ok(Some(r)) if r.status == RecordStatus::InProgress && r.lease_until_ms > now_ms() => {
+            Ok(ClaimOutcome::InFlight { .. }) | Ok(ClaimOutcome::PayloadConflict(_)) => {
                 LocalTransactionState::Unknown
             }
-            Ok(_) => LocalTransactionState::RollbackMessage,
+            Ok(ClaimOutcome::Acquired(lease)) => {
+                // The key is ours now: whoever held it before is fenced. Give it back so a
+                // new attempt of the operation can claim it (if this fails, the lease ends).
+                if let Err(e) = self.store.release(&key, lease.token).await {
+                    tracing::warn!(key = dedup_key, error = %e, "check-back: release after the rollback failed; the key frees up when its lease ends");
+                }
+                metrics::counter!("idemq_rocketmq_tx_check_rollbacks_total").increment(1);
+                tracing::info!(
+                    key = dedup_key,
+                    takeover = lease.takeover,
+                    attempt = lease.attempt,
+                    "check-back: key fenced; rolling back"
+                );
+                LocalTransactionState::RollbackMessage
+            }
             Err(e) => {
                 tracing::warn!(key = dedup_key, error = %e, "check-back: store unavailable; answering unknown");
                 LocalTransactionState::Unknown
@@ -80,24 +187,24 @@ impl StoreCheckBack {
     }
 }
 
-fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
-}
-
-/// Runs a future on the bridge runtime from a client blocking thread, bounded.
-fn wait_on_bridge<T: Send + 'static>(
+/// Runs a future on the bridge runtime from a client blocking thread, bounded; past the
+/// bound the future is cancelled (dropped at its next await), never left running.
+fn run_bounded<T: Send + 'static>(
     fut: impl std::future::Future<Output = T> + Send + 'static,
     within: Duration,
 ) -> Option<T> {
     let env = env().ok()?;
     let (tx, rx) = std::sync::mpsc::channel();
-    env.bridge.spawn(async move {
+    let task = env.bridge.spawn(async move {
         let _ = tx.send(fut.await);
     });
-    rx.recv_timeout(within).ok()
+    match rx.recv_timeout(within) {
+        Ok(v) => Some(v),
+        Err(_) => {
+            task.abort();
+            None
+        }
+    }
 }
 
 type LocalTx = Mutex<Option<BoxFuture<'static, LocalOutcome>>>;
@@ -123,10 +230,15 @@ impl TransactionListener for Listener {
         else {
             return LocalTransactionState::Unknown;
         };
-        match wait_on_bridge(fut, self.local_timeout) {
+        match run_bounded(fut, self.local_timeout) {
             Some(LocalOutcome::Commit) => LocalTransactionState::CommitMessage,
             Some(LocalOutcome::Rollback) => LocalTransactionState::RollbackMessage,
-            Some(LocalOutcome::Unknown) | None => LocalTransactionState::Unknown,
+            Some(LocalOutcome::Unknown) => LocalTransactionState::Unknown,
+            None => {
+                metrics::counter!("idemq_rocketmq_tx_local_timeouts_total").increment(1);
+                tracing::warn!(timeout = ?self.local_timeout, "local transaction timed out; cancelled, answering unknown");
+                LocalTransactionState::Unknown
+            }
         }
     }
 
@@ -139,16 +251,30 @@ impl TransactionListener for Listener {
         let check = self.check.clone();
         let timeout = check.timeout;
         let k = key.clone();
-        let state = wait_on_bridge(async move { check.state_of(&k).await }, timeout)
+        let state = run_bounded(async move { check.state_of(&k).await }, timeout)
             .unwrap_or(LocalTransactionState::Unknown);
         tracing::info!(key = %key, ?state, "rocketmq transaction check-back answered from the store");
         state
     }
 }
 
+/// The local transaction of `key` as the listener runs it: registered as running here until
+/// the future is dropped (finished or cancelled).
+fn local_tx<F>(running: &Arc<Running>, key: &str, local: F) -> LocalTx
+where
+    F: std::future::Future<Output = LocalOutcome> + Send + 'static,
+{
+    let guard = running.enter(key);
+    Mutex::new(Some(Box::pin(async move {
+        let _running = guard;
+        local.await
+    })))
+}
+
 /// A transactional producer whose check-back answers from the dedup store.
 pub struct TransactionalPublisher {
     producer: tokio::sync::Mutex<TransactionMQProducer>,
+    check: Arc<StoreCheckBack>,
 }
 
 impl TransactionalPublisher {
@@ -160,13 +286,14 @@ impl TransactionalPublisher {
         check: StoreCheckBack,
     ) -> Result<Self, RocketError> {
         let env = env()?;
+        let check = Arc::new(check);
         let mut p = TransactionMQProducer::builder(env.client.clone())
             .client_config(own_client(name_server)?)
             .producer_group(group.to_string())
             .topics(topics)
             .transaction_listener(Listener {
-                check: Arc::new(check),
-                local_timeout: Duration::from_secs(30),
+                check: check.clone(),
+                local_timeout: LOCAL_TIMEOUT,
             })
             .build();
         p.start()
@@ -174,11 +301,18 @@ impl TransactionalPublisher {
             .map_err(|e| RocketError::Client(format!("transactional producer {group}: {e}")))?;
         Ok(Self {
             producer: tokio::sync::Mutex::new(p),
+            check,
         })
     }
 
     /// Sends `msg` as a half message, runs `local` (the business effect), and ends the
     /// transaction by its outcome. The message needs a dedup key: the check-back looks it up.
+    ///
+    /// `local` runs at most [`LOCAL_TIMEOUT`]: past it the outcome is
+    /// [`LocalOutcome::Unknown`] and `local` is cancelled (dropped at its next await), so
+    /// write its effect and complete its key in one store transaction (`complete_in_tx`),
+    /// which then rolls back. Claim the key first thing: the check-back rolls back a key
+    /// nobody holds.
     pub async fn send_in_transaction<F>(
         &self,
         msg: OutgoingMessage,
@@ -187,14 +321,23 @@ impl TransactionalPublisher {
     where
         F: std::future::Future<Output = LocalOutcome> + Send + 'static,
     {
-        if msg.dedup_key.is_none() {
+        let Some(dedup_key) = msg.dedup_key.clone() else {
             return Err(PublishError::Config(
                 "a transactional message needs a dedup key: the check-back reads the store by it"
                     .into(),
             ));
-        }
-        let m = to_message(&msg)?;
-        let arg: LocalTx = Mutex::new(Some(Box::pin(local)));
+        };
+        self.check.key(&dedup_key).map_err(|e| {
+            PublishError::Config(format!(
+                "dedup key `{dedup_key}` of a transactional message: {e}"
+            ))
+        })?;
+        let mut m = to_message(&msg)?;
+        m.put_property(
+            CheetahString::from_static_str(MessageConst::PROPERTY_CHECK_IMMUNITY_TIME_IN_SECONDS),
+            CheetahString::from_string(CHECK_IMMUNITY.as_secs().to_string()),
+        );
+        let arg = local_tx(&self.check.running, &dedup_key, local);
         let r = self
             .producer
             .lock()
@@ -215,5 +358,162 @@ impl TransactionalPublisher {
     /// producer group, or after a restart).
     pub async fn shutdown(&self) {
         self.producer.lock().await.shutdown().await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use idemq_core::store::CompleteOutcome;
+    use idemq_core::MemoryStore;
+    use rocketmq_model::common::message::message_single::Message;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::Instant;
+
+    const GROUP: &str = "orders";
+
+    fn key(k: &str) -> DedupKey {
+        DedupKey::new(&ConsumerGroup::new(GROUP).expect("group"), k).expect("key")
+    }
+
+    fn half_message() -> Message {
+        Message::builder()
+            .topic("orders")
+            .body_slice(b"{}")
+            .build()
+            .expect("message")
+    }
+
+    fn checked_back(k: &str) -> MessageExt {
+        let mut m = MessageExt::default();
+        m.put_property(
+            CheetahString::from_static_str(DEDUP_HEADER),
+            CheetahString::from_string(k.to_string()),
+        );
+        m
+    }
+
+    /// Sets its flag when dropped: the future holding it is gone.
+    struct DropFlag(Arc<AtomicBool>);
+
+    impl Drop for DropFlag {
+        fn drop(&mut self) {
+            self.0.store(true, Ordering::SeqCst);
+        }
+    }
+
+    fn wait_for(what: &str, within: Duration, done: impl Fn() -> bool) {
+        let deadline = Instant::now() + within;
+        while !done() {
+            assert!(Instant::now() < deadline, "{what} within {within:?}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// A local transaction that outlives the publisher's bound is cancelled when the publisher
+    /// answers UNKNOWN: woken afterwards, it never completes its key.
+    #[test]
+    fn a_local_transaction_past_its_bound_is_cancelled_and_never_completes() {
+        let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+        let check = Arc::new(StoreCheckBack::new(store.clone(), GROUP).expect("check-back"));
+        let listener = Listener {
+            check: check.clone(),
+            local_timeout: Duration::from_millis(300),
+        };
+        let (go, wake) = tokio::sync::oneshot::channel::<()>();
+        let completed: Arc<Mutex<Option<CompleteOutcome>>> = Arc::default();
+        let dropped = Arc::new(AtomicBool::new(false));
+        let (db, done, flag) = (store.clone(), completed.clone(), dropped.clone());
+        let local = async move {
+            let _flag = DropFlag(flag);
+            let k = key("order-slow");
+            let lease = match db.claim(&ClaimRequest::new(k.clone(), CHECK_LEASE)).await {
+                Ok(ClaimOutcome::Acquired(l)) => l,
+                other => panic!("claim: {other:?}"),
+            };
+            let _ = wake.await;
+            let c = db
+                .complete(&k, lease.token, None, Duration::from_secs(3600))
+                .await;
+            *done.lock().unwrap_or_else(|e| e.into_inner()) = c.ok();
+            LocalOutcome::Commit
+        };
+        let arg = local_tx(&check.running, "order-slow", local);
+        let state = listener.execute_local_transaction(&half_message(), Some(&arg));
+        assert_eq!(state, LocalTransactionState::Unknown, "past its bound");
+        // The slow transaction would wake up now.
+        let _ = go.send(());
+        wait_for(
+            "the local future is dropped",
+            Duration::from_secs(20),
+            || dropped.load(Ordering::SeqCst),
+        );
+        let late = *completed.lock().unwrap_or_else(|e| e.into_inner());
+        assert_eq!(
+            late, None,
+            "the local transaction abandoned at its bound ran on after the publisher answered \
+             UNKNOWN and completed its key"
+        );
+        assert!(
+            !check.running.contains("order-slow"),
+            "a cancelled local transaction no longer counts as running"
+        );
+    }
+
+    /// A check-back that arrives while the local transaction runs in this process (it has
+    /// not even claimed its key yet) answers UNKNOWN: that transaction may still commit.
+    #[test]
+    fn a_check_back_while_the_local_transaction_runs_here_answers_unknown() {
+        let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+        let check = Arc::new(StoreCheckBack::new(store.clone(), GROUP).expect("check-back"));
+        let listener = Arc::new(Listener {
+            check: check.clone(),
+            local_timeout: Duration::from_secs(30),
+        });
+        let (go, wake) = tokio::sync::oneshot::channel::<()>();
+        let started = Arc::new(AtomicBool::new(false));
+        let (db, began) = (store.clone(), started.clone());
+        let local = async move {
+            began.store(true, Ordering::SeqCst);
+            let _ = wake.await;
+            let k = key("order-late");
+            let lease = match db.claim(&ClaimRequest::new(k.clone(), CHECK_LEASE)).await {
+                Ok(ClaimOutcome::Acquired(l)) => l,
+                other => panic!("claim after the check-back: {other:?}"),
+            };
+            match db
+                .complete(&k, lease.token, None, Duration::from_secs(3600))
+                .await
+            {
+                Ok(CompleteOutcome::Completed) => LocalOutcome::Commit,
+                _ => LocalOutcome::Unknown,
+            }
+        };
+        let arg = local_tx(&check.running, "order-late", local);
+        let runner = listener.clone();
+        let local_run = std::thread::spawn(move || {
+            runner.execute_local_transaction(&half_message(), Some(&arg))
+        });
+        wait_for(
+            "the local transaction starts",
+            Duration::from_secs(20),
+            || started.load(Ordering::SeqCst),
+        );
+        let answer = listener.check_local_transaction(&checked_back("order-late"));
+        let _ = go.send(());
+        let outcome = local_run.join().expect("listener thread");
+        assert!(
+            !(answer == LocalTransactionState::RollbackMessage
+                && outcome == LocalTransactionState::CommitMessage),
+            "the check-back answered {answer:?} while the local transaction ran here, which then \
+             committed ({outcome:?}): effect applied, message never delivered"
+        );
+        assert_eq!(answer, LocalTransactionState::Unknown);
+        assert_eq!(outcome, LocalTransactionState::CommitMessage);
+        assert_eq!(
+            listener.check_local_transaction(&checked_back("order-late")),
+            LocalTransactionState::CommitMessage,
+            "asked again once it committed"
+        );
     }
 }
