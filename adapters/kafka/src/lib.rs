@@ -28,7 +28,14 @@
 //!
 //! **Back-pressure.** A background thread keeps polling librdkafka, so a slow batch never
 //! exceeds `max.poll.interval.ms`; a partition whose local buffer is full is paused and
-//! resumed once drained.
+//! resumed once drained. A panic on that thread is caught and returned by every later
+//! `poll` as an error, instead of leaving `poll` waiting for records that never come.
+//!
+//! **Every record becomes an envelope** ([`to_envelope`], never a panic): key, payload and
+//! header values are bytes taken as they are; a header name that is not UTF-8 (the broker
+//! does not check) is carried under [`escape_header_name`]'s spelling; a record whose
+//! headers librdkafka cannot parse is dead-lettered by the source with the reason
+//! ([`UNREADABLE_HEADERS`]) instead of reaching a handler.
 //!
 //! **Kafka → Kafka exactly once.** [`TransactionalProcessor`] consumes `read_committed`, produces
 //! a batch's outputs and `send_offsets_to_transaction` in one transaction; a failure aborts and
@@ -84,7 +91,7 @@ pub use config::{
     DEFAULT_BROKER_MAX_TRANSACTION_TIMEOUT, MAX_IDEMPOTENT_IN_FLIGHT,
 };
 pub use db_offsets::{OffsetStore, OffsetStoreError};
-pub use envelope::{to_envelope, NULL_HEADER_TYPE};
+pub use envelope::{escape_header_name, to_envelope, NULL_HEADER_TYPE, UNREADABLE_HEADERS};
 pub use publisher::{partition_of, publish_error, KafkaPublisher};
 pub use source::{
     KafkaSource, KafkaSourceConfig, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC,

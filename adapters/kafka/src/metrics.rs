@@ -7,6 +7,7 @@
 //! | `idemq_kafka_dead_letters_total` | counter | `topic` (the dead-letter topic) |
 //! | `idemq_kafka_partitions_revoked_total` | counter | — |
 //! | `idemq_kafka_partitions_paused_total` | counter | — (back-pressure pauses) |
+//! | `idemq_kafka_header_names_escaped_total` | counter | — (header names that are not UTF-8, carried escaped) |
 
 /// Offset commits the broker refused.
 pub const COMMIT_FAILURES: &str = "idemq_kafka_commit_failures_total";
@@ -16,3 +17,5 @@ pub const DEAD_LETTERS: &str = "idemq_kafka_dead_letters_total";
 pub const PARTITIONS_REVOKED: &str = "idemq_kafka_partitions_revoked_total";
 /// Partitions paused because their local buffer was full.
 pub const PARTITIONS_PAUSED: &str = "idemq_kafka_partitions_paused_total";
+/// Header names that were not UTF-8, carried escaped (see [`crate::escape_header_name`]).
+pub const HEADER_NAMES_ESCAPED: &str = "idemq_kafka_header_names_escaped_total";

@@ -1,7 +1,7 @@
 //! The consumer-group [`Source`].
 
 use crate::db_offsets::OffsetStore;
-use crate::envelope::to_envelope;
+use crate::envelope::{to_envelope, UNREADABLE_HEADERS};
 use crate::publisher::{produce, KafkaPublisher};
 use crate::KafkaSourceError;
 use async_trait::async_trait;
@@ -419,9 +419,7 @@ impl KafkaSource {
             let consumer = consumer.clone();
             let shared = shared.clone();
             let cfg = cfg.clone();
-            std::thread::Builder::new()
-                .name("idemq-kafka-poll".into())
-                .spawn(move || poll_thread(consumer, shared, cfg))
+            spawn_poller(shared.clone(), move || poll_thread(consumer, shared, cfg))
                 .map_err(|e| KafkaSourceError::Client(e.to_string()))?
         };
         Ok(Self {
@@ -643,6 +641,65 @@ fn poll_thread(consumer: Arc<Consumer_>, shared: Arc<Shared>, cfg: KafkaSourceCo
     }
 }
 
+/// Starts the polling thread running `body`. A panic on it is caught and kept as the
+/// source's fatal error, which `poll` returns from then on: a thread that died must not
+/// leave `poll` waiting for records that will never come (while the group, after
+/// `max.poll.interval.ms`, hands the partitions to another member).
+fn spawn_poller(
+    shared: Arc<Shared>,
+    body: impl FnOnce() + Send + 'static,
+) -> std::io::Result<JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("idemq-kafka-poll".into())
+        .spawn(move || {
+            // Nothing `body` shares is left half-updated by a panic: the state's lock does
+            // not poison and every update under it is one step.
+            let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) else {
+                return;
+            };
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic without a message".to_string());
+            tracing::error!(panic = %what, "the kafka polling thread panicked: the source stops");
+            shared.sync.lock().fatal = Some(format!("the polling thread panicked: {what}"));
+            shared.sync.wake_one();
+        })
+}
+
+/// Takes out of a batch the records that could not become envelopes (their headers were
+/// unreadable, see [`UNREADABLE_HEADERS`]) and dead-letters each with the reason, on a task
+/// of its own so that dropping `poll` cannot interrupt it; a dead letter that fails is held
+/// and comes back like a nacked record, to be dead-lettered again.
+fn dead_letter_unreadable(batch: Vec<Delivery>) -> Vec<Delivery> {
+    if !batch
+        .iter()
+        .any(|d| d.envelope.headers.get(UNREADABLE_HEADERS).is_some())
+    {
+        return batch;
+    }
+    let mut out = Vec::with_capacity(batch.len());
+    for d in batch {
+        let Some(why) = d.envelope.headers.get(UNREADABLE_HEADERS) else {
+            out.push(d);
+            continue;
+        };
+        let reason = format!(
+            "the record cannot become an envelope: {}",
+            String::from_utf8_lossy(why)
+        );
+        let at = &d.envelope.source;
+        tracing::warn!(topic = %at.name, partition = ?at.partition, position = ?at.position, %reason, "dead-lettering a record the source cannot convert");
+        tokio::spawn(async move {
+            if let Err(e) = d.reject(&reason).await {
+                tracing::warn!(error = %e, "dead-lettering an unconvertible record failed; it is held and tried again");
+            }
+        });
+    }
+    out
+}
+
 /// Commits the settled offsets when a batch asked for it or `commit_interval` has passed.
 fn commit_when_due(
     consumer: &Consumer_,
@@ -713,10 +770,17 @@ impl Source for KafkaSource {
                     return Err(SourceError::Broker(f.clone()));
                 }
                 let batch = self.take_batch(&mut st, max);
-                if !batch.is_empty() {
-                    return Ok(Some(batch));
+                if batch.is_empty() {
+                    st.delayed.next_due()
+                } else {
+                    drop(st);
+                    let batch = dead_letter_unreadable(batch);
+                    if !batch.is_empty() {
+                        return Ok(Some(batch));
+                    }
+                    // Every record taken was dead-lettered: look again at once.
+                    continue;
                 }
-                st.delayed.next_due()
             };
             // Nothing has left the shared state yet: dropping this future loses nothing.
             let far = Instant::now() + Duration::from_secs(3600);
@@ -989,5 +1053,83 @@ mod tests {
         // Nothing left to take: the loop ends short of the room.
         let out = taken(&mut parts, 100, held, |_| true);
         assert_eq!(out.len(), 3 + 6);
+    }
+}
+
+#[cfg(test)]
+mod poll_safety_tests {
+    //! The polling thread's panic guard and the dead-lettering of records that cannot become
+    //! envelopes, without a broker (librdkafka creates clients without connecting).
+    use super::*;
+    use idemq_core::adapter::{SettleRecorder, Settlement};
+    use idemq_core::BrokerKind;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panic_on_the_polling_thread_makes_poll_fail() {
+        let cfg = KafkaSourceConfig::new("127.0.0.1:1", "poll-safety", &["t"]);
+        let mut source = KafkaSource::new(cfg).expect("a source starts without a broker");
+        // A second thread under the same guard as the polling thread, panicking where the
+        // real one did: converting a record.
+        let injected = spawn_poller(source.shared.clone(), || {
+            panic!("injected: a header name that is not UTF-8")
+        })
+        .expect("thread");
+        let polled = tokio::time::timeout(Duration::from_secs(30), source.poll(10)).await;
+        match polled {
+            Err(_) => panic!("poll still waits 30 s after the polling thread panicked"),
+            Ok(Ok(got)) => panic!("poll returned {got:?} instead of the panic"),
+            Ok(Err(e)) => assert!(
+                e.to_string()
+                    .contains("the polling thread panicked: injected: a header name"),
+                "{e}"
+            ),
+        }
+        assert!(
+            source.poll(10).await.is_err(),
+            "the source stays failed: nothing polls the consumer any more"
+        );
+        tokio::task::spawn_blocking(move || injected.join())
+            .await
+            .expect("join")
+            .expect("the guard caught the panic");
+        source.close().await.expect("close");
+    }
+
+    #[tokio::test]
+    async fn a_record_that_cannot_become_an_envelope_is_dead_lettered_with_the_reason() {
+        let mut outcomes = Vec::new();
+        let mut batch = Vec::new();
+        for i in 0..6 {
+            let (settle, outcome) = SettleRecorder::new();
+            let mut env = Envelope::new(BrokerKind::Kafka, "t", format!("r{i}"));
+            if i % 3 == 1 {
+                env.headers
+                    .insert(UNREADABLE_HEADERS, format!("broken {i}"));
+            }
+            batch.push(Delivery::new(env, Box::new(settle)));
+            outcomes.push(outcome);
+        }
+        let kept = dead_letter_unreadable(batch);
+        let payloads: Vec<&[u8]> = kept.iter().map(|d| &d.envelope.payload[..]).collect();
+        assert_eq!(
+            payloads,
+            [&b"r0"[..], b"r2", b"r3", b"r5"],
+            "the others go on"
+        );
+        for d in kept {
+            d.ack().await.expect("ack");
+        }
+        for (i, outcome) in outcomes.into_iter().enumerate() {
+            let settled = tokio::time::timeout(Duration::from_secs(30), outcome)
+                .await
+                .expect("settled within 30 s")
+                .expect("settled, not dropped");
+            let want = if i % 3 == 1 {
+                Settlement::Reject(format!("the record cannot become an envelope: broken {i}"))
+            } else {
+                Settlement::Ack
+            };
+            assert_eq!(settled, want, "record {i}");
+        }
     }
 }
