@@ -35,7 +35,7 @@ pub use async_trait::async_trait;
 pub use bytes::Bytes;
 pub use engine::{
     ConsumerConfig, ConsumerError, ConsumerStats, DeliveryOrder, Health, HealthReport, HealthState,
-    IdempotentConsumer, RetryPolicy,
+    IdempotentConsumer, LeaseKeepAlive, LeaseState, LossCause, RetryPolicy,
 };
 pub use envelope::{BrokerKind, Envelope, Headers, Position, SourceRef, TRACEPARENT_HEADER};
 pub use handler::{

@@ -11,6 +11,7 @@
 //! | `idemq_store_errors_total` | counter | `op` (claim, complete, release, extend) |
 //! | `idemq_payload_conflicts_total` | counter | `group` |
 //! | `idemq_settle_failures_total` | counter | `broker`, `settlement` (ack, nack, reject) |
+//! | `idemq_hook_failures_total` | counter | `hook` (on_duplicate, on_dead_letter, key_function), `failure` (panic, timeout) |
 //! | `idemq_consumer_ready` | gauge | – (consumers of this process whose [`Health`](crate::engine::Health) is ready) |
 
 /// Messages by outcome.
@@ -31,6 +32,9 @@ pub const STORE_ERRORS: &str = "idemq_store_errors_total";
 pub const PAYLOAD_CONFLICTS: &str = "idemq_payload_conflicts_total";
 /// Settlements (ack, nack, reject) the broker refused.
 pub const SETTLE_FAILURES: &str = "idemq_settle_failures_total";
+/// User hooks (and key functions) that panicked or overran `hook_timeout`; the message was
+/// settled as it would have been anyway.
+pub const HOOK_FAILURES: &str = "idemq_hook_failures_total";
 /// Consumers of this process that are ready (polling, store and broker answering).
 pub const READY: &str = "idemq_consumer_ready";
 

@@ -735,3 +735,422 @@ async fn a_pipeline_depth_above_one_is_refused_with_an_ordering_and_zero_always(
         assert_eq!(broker.pending(), 1, "nothing consumed");
     }
 }
+
+/// Runs `consumer` over `broker` until the broker is drained, on a task of its own so that a
+/// panic escaping the engine shows as a dead consumer rather than a failed test thread.
+async fn run_to_idle<H: idemq_core::Handler>(
+    consumer: IdempotentConsumer<H>,
+    broker: &MemoryBroker,
+) -> IdempotentConsumer<H> {
+    let mut src = broker.subscribe();
+    let run = tokio::spawn(async move {
+        let out =
+            tokio::time::timeout(Duration::from_secs(120), consumer.run_until_idle(&mut src)).await;
+        (consumer, out)
+    });
+    match run.await {
+        Ok((consumer, Ok(Ok(())))) => consumer,
+        Ok((_, Ok(Err(e)))) => panic!("the consumer stopped with an error: {e}"),
+        Ok((_, Err(_))) => panic!("the consumer hung: the broker was not drained in 120 s"),
+        Err(e) => panic!("the consumer died: {e}"),
+    }
+}
+
+/// A handler whose hooks misbehave as asked; `handle` records effects, and fails
+/// permanently on a payload of `poison`.
+#[derive(Default)]
+struct BadHooks {
+    effects: Effects,
+    panic_on_duplicate: bool,
+    panic_on_dead_letter: bool,
+    hang_on_duplicate: bool,
+}
+
+#[async_trait::async_trait]
+impl idemq_core::Handler for BadHooks {
+    async fn handle(&self, m: ClaimedMessage) -> idemq_core::HandlerResult {
+        if m.envelope.payload.as_ref() == b"poison" {
+            return Err(HandlerError::permanent("a poison message"));
+        }
+        *self
+            .effects
+            .lock()
+            .expect("lock")
+            .entry(m.key.as_str().to_string())
+            .or_default() += 1;
+        Ok(None)
+    }
+    async fn on_duplicate(&self, _e: &Envelope, _r: &idemq_core::DedupRecord) {
+        if self.panic_on_duplicate {
+            panic!("on_duplicate exploded");
+        }
+        if self.hang_on_duplicate {
+            std::future::pending::<()>().await;
+        }
+    }
+    async fn on_dead_letter(&self, _e: &Envelope, _reason: &str) {
+        if self.panic_on_dead_letter {
+            panic!("on_dead_letter exploded");
+        }
+    }
+}
+
+fn header_keyed(key: &str, payload: &str) -> Envelope {
+    Envelope::new(BrokerKind::Memory, "orders", payload.to_string())
+        .with_header("k", key.to_string())
+}
+
+fn header_keys() -> KeyStrategy {
+    KeyStrategy::header("orders", "k").expect("strategy")
+}
+
+#[tokio::test]
+async fn a_panicking_key_function_dead_letters_its_message_and_the_consumer_goes_on() {
+    let broker = MemoryBroker::new();
+    for p in ["boom", "p1", "p2"] {
+        broker.publish(Envelope::new(BrokerKind::Memory, "orders", p));
+    }
+    let keys = KeyStrategy::custom("orders", |e: &Envelope| {
+        if e.payload.as_ref() == b"boom" {
+            panic!("key function exploded");
+        }
+        Ok(String::from_utf8_lossy(&e.payload).into_owned())
+    })
+    .expect("strategy");
+    let effects: Effects = Arc::default();
+    let c = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        keys,
+        recording(effects.clone()),
+    )
+    .with_config(ConsumerConfig {
+        max_batch: 1,
+        ..fast()
+    });
+    let c = run_to_idle(c, &broker).await;
+    let dead = broker.dead_letters();
+    assert_eq!(
+        dead.len(),
+        1,
+        "the message whose key function panicked is dead-lettered"
+    );
+    assert!(
+        dead[0].reason.contains("key function exploded"),
+        "the panic message is the reason: {}",
+        dead[0].reason
+    );
+    assert_eq!(dead[0].envelope.payload.as_ref(), b"boom");
+    let e = counts(&effects);
+    assert_eq!(e.len(), 2, "the next messages are processed: {e:?}");
+    assert!(e.values().all(|&n| n == 1), "{e:?}");
+    assert_eq!(c.stats().rejected, 1);
+    assert_eq!(broker.pending(), 0);
+}
+
+#[tokio::test]
+async fn a_panicking_on_duplicate_still_acks_the_duplicate_and_the_consumer_goes_on() {
+    let broker = MemoryBroker::new();
+    broker.publish(header_keyed("o-1", "a"));
+    broker.publish(header_keyed("o-1", "a")); // the producer retried
+    broker.publish(header_keyed("o-2", "b"));
+    let effects: Effects = Arc::default();
+    let handler = BadHooks {
+        effects: effects.clone(),
+        panic_on_duplicate: true,
+        ..BadHooks::default()
+    };
+    let c = IdempotentConsumer::new(Arc::new(MemoryStore::new()), header_keys(), handler)
+        .with_config(ConsumerConfig {
+            max_batch: 1,
+            ..fast()
+        });
+    let c = run_to_idle(c, &broker).await;
+    let e = counts(&effects);
+    assert_eq!(e.get("orders:o-1"), Some(&1), "no double effect: {e:?}");
+    assert_eq!(
+        e.get("orders:o-2"),
+        Some(&1),
+        "the next message is processed: {e:?}"
+    );
+    assert_eq!(c.stats().duplicates, 1, "{:?}", c.stats());
+    assert!(
+        broker.dead_letters().is_empty(),
+        "the duplicate is acked, not dead-lettered"
+    );
+    assert_eq!(broker.pending(), 0, "nothing left unsettled");
+}
+
+#[tokio::test]
+async fn a_panicking_on_dead_letter_still_dead_letters_and_the_consumer_goes_on() {
+    let broker = MemoryBroker::new();
+    broker.publish(header_keyed("o-1", "poison"));
+    broker.publish(header_keyed("o-2", "b"));
+    let effects: Effects = Arc::default();
+    let handler = BadHooks {
+        effects: effects.clone(),
+        panic_on_dead_letter: true,
+        ..BadHooks::default()
+    };
+    let c = IdempotentConsumer::new(Arc::new(MemoryStore::new()), header_keys(), handler)
+        .with_config(ConsumerConfig {
+            max_batch: 1,
+            ..fast()
+        });
+    let c = run_to_idle(c, &broker).await;
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 1, "the poison message is still dead-lettered");
+    assert!(
+        dead[0].reason.contains("a poison message"),
+        "{}",
+        dead[0].reason
+    );
+    let e = counts(&effects);
+    assert_eq!(
+        e.get("orders:o-2"),
+        Some(&1),
+        "the next message is processed: {e:?}"
+    );
+    assert_eq!(c.stats().rejected, 1);
+    assert_eq!(broker.pending(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hanging_on_duplicate_is_cut_off_and_the_duplicate_still_acked() {
+    let broker = MemoryBroker::new();
+    broker.publish(header_keyed("o-1", "a"));
+    broker.publish(header_keyed("o-1", "a"));
+    broker.publish(header_keyed("o-2", "b"));
+    let effects: Effects = Arc::default();
+    let handler = BadHooks {
+        effects: effects.clone(),
+        hang_on_duplicate: true,
+        ..BadHooks::default()
+    };
+    let c = IdempotentConsumer::new(Arc::new(MemoryStore::new()), header_keys(), handler)
+        .with_config(ConsumerConfig {
+            max_batch: 1,
+            ..fast()
+        });
+    let c = run_to_idle(c, &broker).await;
+    let e = counts(&effects);
+    assert_eq!(e.get("orders:o-1"), Some(&1), "{e:?}");
+    assert_eq!(
+        e.get("orders:o-2"),
+        Some(&1),
+        "the next message is processed: {e:?}"
+    );
+    assert_eq!(c.stats().duplicates, 1);
+    assert_eq!(broker.pending(), 0);
+}
+
+/// What the engine ran and dead-lettered, in order: `run:<payload>` and `dead:<payload>`.
+#[derive(Clone, Default)]
+struct Journal(Arc<Mutex<Vec<String>>>);
+
+#[async_trait::async_trait]
+impl idemq_core::Handler for Journal {
+    async fn handle(&self, m: ClaimedMessage) -> idemq_core::HandlerResult {
+        let p = String::from_utf8_lossy(&m.envelope.payload).into_owned();
+        self.0.lock().expect("lock").push(format!("run:{p}"));
+        Ok(None)
+    }
+    async fn on_dead_letter(&self, e: &Envelope, _reason: &str) {
+        let p = String::from_utf8_lossy(&e.payload).into_owned();
+        self.0.lock().expect("lock").push(format!("dead:{p}"));
+    }
+}
+
+async fn a_conflicting_copy_in_the_batch_holds_its_lane(mode: idemq_core::DeliveryOrder) {
+    let broker = MemoryBroker::new();
+    broker.set_ordering(mode);
+    // One partition, one ordering key: offsets 0..3 of one lane. Offset 1 repeats offset
+    // 0's key with another payload (a producer bug); offset 2 must not overtake it.
+    for (key, payload) in [("a", "a-x"), ("a", "a-y"), ("b", "b")] {
+        broker.publish(
+            header_keyed(key, payload)
+                .with_partition(0)
+                .with_ordering_key("entity-1"),
+        );
+    }
+    let journal = Journal::default();
+    let c = IdempotentConsumer::new(Arc::new(MemoryStore::new()), header_keys(), journal.clone())
+        .with_config(ConsumerConfig {
+            ordering: mode,
+            redelivery_delay: Duration::from_millis(50),
+            ..fast()
+        });
+    let c = run_to_idle(c, &broker).await;
+    let seen = journal.0.lock().expect("lock").clone();
+    let at = |what: &str| {
+        seen.iter()
+            .position(|s| s == what)
+            .unwrap_or_else(|| panic!("{what} missing from {seen:?}"))
+    };
+    assert!(at("run:a-x") < at("dead:a-y"), "{mode:?}: {seen:?}");
+    assert!(
+        at("dead:a-y") < at("run:b"),
+        "{mode:?}: offset 2 ran before offset 1 of its lane was settled: {seen:?}"
+    );
+    assert_eq!(
+        seen.len(),
+        3,
+        "each ran or was dead-lettered once: {seen:?}"
+    );
+    assert_eq!(broker.pending(), 0);
+    assert_eq!(c.stats().processed, 2);
+}
+
+#[tokio::test]
+async fn per_partition_a_conflicting_copy_in_the_batch_holds_its_partition() {
+    a_conflicting_copy_in_the_batch_holds_its_lane(idemq_core::DeliveryOrder::PerPartition).await;
+}
+
+#[tokio::test]
+async fn per_key_a_conflicting_copy_in_the_batch_holds_its_key() {
+    a_conflicting_copy_in_the_batch_holds_its_lane(idemq_core::DeliveryOrder::PerKey).await;
+}
+
+/// The memory store, noting the keys whose completion it answered and every extend of such
+/// a key afterwards.
+#[derive(Default)]
+struct ExtendsAfterCompletion {
+    inner: MemoryStore,
+    completed: Mutex<std::collections::HashSet<String>>,
+    late_extends: Mutex<Vec<String>>,
+}
+
+#[async_trait::async_trait]
+impl DedupStore for ExtendsAfterCompletion {
+    async fn claim_batch(
+        &self,
+        reqs: &[idemq_core::ClaimRequest],
+    ) -> Result<Vec<idemq_core::ClaimOutcome>, idemq_core::StoreError> {
+        self.inner.claim_batch(reqs).await
+    }
+    async fn complete_batch(
+        &self,
+        items: &[idemq_core::Completion],
+    ) -> Result<Vec<idemq_core::CompleteOutcome>, idemq_core::StoreError> {
+        let outs = self.inner.complete_batch(items).await?;
+        let mut done = self.completed.lock().expect("lock");
+        for (c, o) in items.iter().zip(&outs) {
+            if *o == idemq_core::CompleteOutcome::Completed {
+                done.insert(c.key.as_str().to_string());
+            }
+        }
+        Ok(outs)
+    }
+    async fn release(
+        &self,
+        key: &idemq_core::DedupKey,
+        token: idemq_core::FencingToken,
+    ) -> Result<idemq_core::ReleaseOutcome, idemq_core::StoreError> {
+        self.inner.release(key, token).await
+    }
+    async fn extend(
+        &self,
+        key: &idemq_core::DedupKey,
+        token: idemq_core::FencingToken,
+        lease: Duration,
+    ) -> Result<idemq_core::ExtendOutcome, idemq_core::StoreError> {
+        if self.completed.lock().expect("lock").contains(key.as_str()) {
+            self.late_extends
+                .lock()
+                .expect("lock")
+                .push(key.as_str().to_string());
+        }
+        self.inner.extend(key, token, lease).await
+    }
+    async fn get(
+        &self,
+        key: &idemq_core::DedupKey,
+    ) -> Result<Option<idemq_core::DedupRecord>, idemq_core::StoreError> {
+        self.inner.get(key).await
+    }
+    async fn purge_expired(&self, limit: usize) -> Result<u64, idemq_core::StoreError> {
+        self.inner.purge_expired(limit).await
+    }
+    async fn list_stuck(
+        &self,
+        stale_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<idemq_core::DedupRecord>, idemq_core::StoreError> {
+        self.inner.list_stuck(stale_for, limit).await
+    }
+    async fn forget(&self, key: &idemq_core::DedupKey) -> Result<bool, idemq_core::StoreError> {
+        self.inner.forget(key).await
+    }
+}
+
+/// The message of every warning or error the code under test logs.
+#[derive(Clone, Default)]
+struct Warnings(Arc<Mutex<Vec<String>>>);
+
+struct MessageOf<'a>(&'a mut String);
+
+impl tracing::field::Visit for MessageOf<'_> {
+    fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+        if field.name() == "message" {
+            *self.0 = format!("{value:?}");
+        }
+    }
+}
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Warnings {
+    fn on_event(
+        &self,
+        event: &tracing::Event<'_>,
+        _ctx: tracing_subscriber::layer::Context<'_, S>,
+    ) {
+        if *event.metadata().level() <= tracing::Level::WARN {
+            let mut message = String::new();
+            event.record(&mut MessageOf(&mut message));
+            self.0.lock().expect("lock").push(message);
+        }
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completed_key_gets_no_further_heartbeat_and_no_false_lease_loss() {
+    use tracing_subscriber::layer::SubscriberExt;
+    let warnings = Warnings::default();
+    let _log =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(warnings.clone()));
+    let broker = MemoryBroker::new();
+    broker.publish(header_keyed("quick", "q"));
+    broker.publish(header_keyed("slow", "s"));
+    let store = Arc::new(ExtendsAfterCompletion::default());
+    // The quick handler finishes at once; the slow one for many beats of the same batch.
+    let c = IdempotentConsumer::new(
+        store.clone(),
+        header_keys(),
+        |m: ClaimedMessage| async move {
+            if m.envelope.payload.as_ref() == b"s" {
+                tokio::time::sleep(Duration::from_millis(600)).await;
+            }
+            Ok::<_, HandlerError>(None)
+        },
+    )
+    .with_config(ConsumerConfig {
+        lease: Duration::from_millis(300),
+        heartbeat: Some(Duration::from_millis(50)),
+        ..fast()
+    });
+    let c = run_to_idle(c, &broker).await;
+    assert_eq!(c.stats().processed, 2, "{:?}", c.stats());
+    assert_eq!(c.stats().fenced, 0);
+    let late = store.late_extends.lock().expect("lock").clone();
+    assert!(
+        late.is_empty(),
+        "keys extended after their completion: {late:?}"
+    );
+    let lost: Vec<String> = warnings
+        .0
+        .lock()
+        .expect("lock")
+        .iter()
+        .filter(|w| w.contains("lease lost") || w.contains("lease ran out"))
+        .cloned()
+        .collect();
+    assert!(lost.is_empty(), "false lease losses reported: {lost:?}");
+}

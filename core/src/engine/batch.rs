@@ -58,7 +58,7 @@ enum Settlement {
 /// Why a handler produced no result.
 #[derive(Debug)]
 enum HandlerFailure {
-    Panicked,
+    Panicked(String),
     TimedOut(Duration),
     LeaseLost,
 }
@@ -66,7 +66,7 @@ enum HandlerFailure {
 impl std::fmt::Display for HandlerFailure {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            HandlerFailure::Panicked => f.write_str("handler panicked"),
+            HandlerFailure::Panicked(why) => write!(f, "handler panicked: {why}"),
             HandlerFailure::TimedOut(t) => write!(f, "handler exceeded its {t:?} timeout"),
             HandlerFailure::LeaseLost => {
                 f.write_str("lease lost while the handler ran; it was cancelled")
@@ -239,18 +239,33 @@ impl<H: Handler> IdempotentConsumer<H> {
     }
 
     /// Stage 1: keys. Rejects messages without a usable key; folds in-batch copies of a key
-    /// into its first delivery.
+    /// into its first delivery. A copy with another payload is sent back (it meets the
+    /// stored record on its own, where the conflict is reported), and it holds its lane:
+    /// the lane's later messages in this batch go back with it, unrun, so that none is
+    /// settled ahead of it (a database that stores the offset with the effect would
+    /// otherwise store one past it).
     async fn stage_keys(&self, batch: Vec<Delivery>) -> Vec<Item> {
         let mut items: Vec<Item> = Vec::with_capacity(batch.len());
         let mut index: HashMap<DedupKey, usize, foldhash::fast::RandomState> =
             HashMap::with_capacity_and_hasher(batch.len(), Default::default());
+        // Lanes with a message sent back in this stage, and the delay it went back with.
+        let mut held: HashMap<Lane, Duration> = HashMap::new();
         for d in batch {
-            let key = match self.keys.derive(&d.envelope) {
+            let lane = self.lane_of(&d);
+            if let Some(&delay) = lane.as_ref().and_then(|l| held.get(l)) {
+                self.count(&Outcome::DEFERRED, &d, 1);
+                self.settle(d, Settlement::Nack(delay)).await;
+                continue;
+            }
+            let key = match self.derive_key(&d.envelope) {
                 Ok(k) => k,
-                Err(e) => {
-                    let reason = format!("no usable dedup key: {e}");
+                Err(reason) => {
                     tracing::warn!(source = %d.envelope.source.name, %reason, "rejecting message");
-                    self.handler.on_dead_letter(&d.envelope, &reason).await;
+                    self.call_hook(
+                        "on_dead_letter",
+                        self.handler.on_dead_letter(&d.envelope, &reason),
+                    )
+                    .await;
                     self.count(&Outcome::REJECTED, &d, 1);
                     self.settle(d, Settlement::Reject(reason)).await;
                     continue;
@@ -263,15 +278,15 @@ impl<H: Handler> IdempotentConsumer<H> {
             match index.get(&key) {
                 Some(&i) if items[i].hash == hash => items[i].followers.push(d),
                 Some(_) => {
-                    // Same key, other payload, same batch: let it meet the stored record
-                    // on its own, where a conflict is reported.
+                    let delay = self.cfg.redelivery_delay;
+                    if let Some(lane) = lane {
+                        held.insert(lane, delay);
+                    }
                     self.count(&Outcome::IN_FLIGHT, &d, 1);
-                    self.settle(d, Settlement::Nack(self.cfg.redelivery_delay))
-                        .await;
+                    self.settle(d, Settlement::Nack(delay)).await;
                 }
                 None => {
                     index.insert(key.clone(), items.len());
-                    let lane = self.lane_of(&d);
                     items.push(Box::new(ItemData {
                         index: items.len(),
                         delivery: d,
@@ -284,6 +299,44 @@ impl<H: Handler> IdempotentConsumer<H> {
             }
         }
         items
+    }
+
+    /// The message's dedup key, or why it has none. The key strategy may run a user's
+    /// function: a panic in it is this message's problem (its reason), not the consumer's.
+    fn derive_key(&self, envelope: &Envelope) -> Result<DedupKey, String> {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| self.keys.derive(envelope))) {
+            Ok(Ok(key)) => Ok(key),
+            Ok(Err(e)) => Err(format!("no usable dedup key: {e}")),
+            Err(panic) => {
+                let why = super::panic_message(panic.as_ref());
+                tracing::error!(panic = %why, "the key function panicked");
+                metrics::counter!(m::HOOK_FAILURES, "hook" => "key_function", "failure" => "panic")
+                    .increment(1);
+                Err(format!(
+                    "no usable dedup key: the key function panicked: {why}"
+                ))
+            }
+        }
+    }
+
+    /// Runs one of the user's hooks (`on_duplicate`, `on_dead_letter`) isolated like the
+    /// handler: a panic, or a hook still running after `hook_timeout`, is logged and
+    /// counted, and the message is settled as it would have been anyway.
+    async fn call_hook(&self, hook: &'static str, call: impl Future<Output = ()>) {
+        let guarded = AssertUnwindSafe(call).catch_unwind();
+        let failure = match tokio::time::timeout(self.cfg.hook_timeout, guarded).await {
+            Ok(Ok(())) => return,
+            Ok(Err(panic)) => {
+                let why = super::panic_message(panic.as_ref());
+                tracing::error!(hook, panic = %why, "a user hook panicked; the message is settled as it would be anyway");
+                "panic"
+            }
+            Err(_) => {
+                tracing::error!(hook, timeout = ?self.cfg.hook_timeout, "a user hook overran hook_timeout and was cut off; the message is settled as it would be anyway");
+                "timeout"
+            }
+        };
+        metrics::counter!(m::HOOK_FAILURES, "hook" => hook, "failure" => failure).increment(1);
     }
 
     fn lane_of(&self, d: &Delivery) -> Option<Lane> {
@@ -459,9 +512,8 @@ impl<H: Handler> IdempotentConsumer<H> {
                     }
                     async {
                         tracing::debug!("duplicate skipped");
-                        self.handler
-                            .on_duplicate(&item.delivery.envelope, &record)
-                            .await;
+                        let hook = self.handler.on_duplicate(&item.delivery.envelope, &record);
+                        self.call_hook("on_duplicate", hook).await;
                     }
                     .instrument(span)
                     .await;
@@ -618,12 +670,7 @@ impl<H: Handler> IdempotentConsumer<H> {
             if store_down {
                 // The effects happened, but the store stayed down past our patience: no ack.
                 for (item, _, _) in chunk {
-                    self.settle_item(
-                        item,
-                        Settlement::Nack(self.cfg.store_backoff),
-                        Outcome::STORE_DOWN,
-                    )
-                    .await;
+                    self.not_durable(live, item).await;
                 }
                 continue;
             }
@@ -641,6 +688,9 @@ impl<H: Handler> IdempotentConsumer<H> {
         // wait beside them in the same order.
         let (held, completions): (Vec<(Item, Lease)>, Vec<Completion>) =
             chunk.into_iter().map(|(i, l, c)| ((i, l), c)).unzip();
+        for (item, _) in &held {
+            live.completing(item.index);
+        }
         // The effects already happened, so a single completion keeps trying (the heartbeat
         // keeps the lease) rather than nack and run them again. A batch tries briefly, then
         // falls back to one key at a time so that one bad completion cannot hold the rest.
@@ -656,8 +706,12 @@ impl<H: Handler> IdempotentConsumer<H> {
             .await;
         match batch {
             Ok(outs) if outs.len() == held.len() => {
+                // Answered: none of these leases needs renewing while the acks go out.
+                for (item, _) in &held {
+                    live.remove(item.index);
+                }
                 for ((item, _), out) in held.into_iter().zip(outs) {
-                    self.settle_completed(item, out).await;
+                    self.settle_completed(live, item, out).await;
                 }
                 return false;
             }
@@ -679,12 +733,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         let mut store_down = false;
         for ((item, lease), c) in held.into_iter().zip(&completions) {
             if store_down {
-                self.settle_item(
-                    item,
-                    Settlement::Nack(self.cfg.store_backoff),
-                    Outcome::STORE_DOWN,
-                )
-                .await;
+                self.not_durable(live, item).await;
                 continue;
             }
             let one = std::slice::from_ref(c);
@@ -696,7 +745,7 @@ impl<H: Handler> IdempotentConsumer<H> {
             {
                 Ok(mut outs) if outs.len() == 1 => {
                     if let Some(out) = outs.pop() {
-                        self.settle_completed(item, out).await;
+                        self.settle_completed(live, item, out).await;
                     }
                 }
                 Ok(_) => {
@@ -721,12 +770,7 @@ impl<H: Handler> IdempotentConsumer<H> {
     ) -> bool {
         if e.is_retryable() {
             tracing::error!(key = %item.key, error = %e, "completion not durable; nacking (the handler may run again)");
-            self.settle_item(
-                item,
-                Settlement::Nack(self.cfg.store_backoff),
-                Outcome::STORE_DOWN,
-            )
-            .await;
+            self.not_durable(live, item).await;
             return true;
         }
         let how = retry_or_give_up(
@@ -741,7 +785,22 @@ impl<H: Handler> IdempotentConsumer<H> {
         false
     }
 
-    async fn settle_completed(&self, mut item: Item, out: CompleteOutcome) {
+    /// An effect whose completion the store did not make durable: no ack. Its lease is
+    /// left to run out, so the redelivery is a takeover.
+    async fn not_durable(&self, live: &LiveLeases, item: Item) {
+        live.remove(item.index);
+        self.settle_item(
+            item,
+            Settlement::Nack(self.cfg.store_backoff),
+            Outcome::STORE_DOWN,
+        )
+        .await;
+    }
+
+    /// Settles a message the store answered a completion for. Its lease is done with
+    /// either way: completed, or fenced (another worker owns the key now).
+    async fn settle_completed(&self, live: &LiveLeases, mut item: Item, out: CompleteOutcome) {
+        live.remove(item.index);
         match out {
             CompleteOutcome::Completed => {
                 let followers = std::mem::take(&mut item.followers);
@@ -861,9 +920,10 @@ impl<H: Handler> IdempotentConsumer<H> {
     }
 
     async fn dead_letter(&self, item: Item, reason: String) {
-        self.handler
-            .on_dead_letter(&item.delivery.envelope, &reason)
-            .await;
+        let hook = self
+            .handler
+            .on_dead_letter(&item.delivery.envelope, &reason);
+        self.call_hook("on_dead_letter", hook).await;
         self.settle_item(item, Settlement::Reject(reason), Outcome::REJECTED)
             .await;
     }
@@ -991,13 +1051,16 @@ async fn run_handler<H: Handler>(
 ) -> Result<HandlerResult, HandlerFailure> {
     let lease: LeaseWatch = msg.lease.clone();
     let work = AssertUnwindSafe(handler.handle(msg)).catch_unwind();
+    let panicked = |p: Box<dyn std::any::Any + Send>| {
+        HandlerFailure::Panicked(super::panic_message(p.as_ref()))
+    };
     let bounded = async {
         match limit {
             Some(t) => match tokio::time::timeout(t, work).await {
-                Ok(r) => r.map_err(|_| HandlerFailure::Panicked),
+                Ok(r) => r.map_err(panicked),
                 Err(_) => Err(HandlerFailure::TimedOut(t)),
             },
-            None => work.await.map_err(|_| HandlerFailure::Panicked),
+            None => work.await.map_err(panicked),
         }
     };
     tokio::select! {

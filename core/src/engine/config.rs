@@ -163,6 +163,11 @@ pub struct ConsumerConfig {
     /// Longest a handler may run; on expiry it is cancelled, its key released and the
     /// message redelivered. `None`: no limit (the heartbeat keeps the lease).
     pub handler_timeout: Option<Duration>,
+    /// Longest a user hook (`Handler::on_duplicate`, `Handler::on_dead_letter`) may run;
+    /// on expiry it is cut off (logged, counted in `idemq_hook_failures_total`) and the
+    /// message is settled as it would have been anyway, so a hung hook cannot stall the
+    /// consumer.
+    pub hook_timeout: Duration,
     /// Largest result a handler may return for the store to replay to duplicates.
     pub max_result_bytes: usize,
     /// Compare payload hashes: the same key with another payload is rejected, not skipped.
@@ -190,6 +195,7 @@ impl Default for ConsumerConfig {
             store_retries: 4,
             complete_patience: Duration::from_secs(300),
             handler_timeout: None,
+            hook_timeout: Duration::from_secs(30),
             max_result_bytes: 64 * 1024,
             payload_check: true,
             worker_id: format!(
@@ -269,6 +275,9 @@ impl ConsumerConfig {
         }
         if self.handler_timeout.is_some_and(|t| t.is_zero()) {
             return Err("handler_timeout 0 cancels every handler: use None for no limit".into());
+        }
+        if self.hook_timeout.is_zero() {
+            return Err("hook_timeout 0 cuts off every on_duplicate and on_dead_letter hook: use a few seconds".into());
         }
         if self.retention.is_zero() {
             return Err("retention 0 forgets keys at once: every redelivery would run again; use the broker's redelivery horizon (days)".into());

@@ -1,12 +1,36 @@
-//! The leases a batch holds and their heartbeat.
+//! The one lease keep-alive of idemq: the heartbeat that renews a batch's leases in the
+//! engine, and [`LeaseKeepAlive`], the same heartbeat over one lease for code that claims
+//! keys itself (a long job outside the engine).
+//!
+//! Every extend is bounded by a timeout, and a lease is declared lost on this process's
+//! monotonic clock: when no extend has succeeded by the time the lease, counted from the
+//! start of the last successful claim or extend, would end (less a safety margin of one
+//! beat). A store that hangs cannot keep a lease looking held, and the store's own clock
+//! (its `until_ms`) is never compared with ours.
 
 use crate::handler::{LeaseFlags, LeaseWatch};
 use crate::key::DedupKey;
 use crate::metrics as m;
-use crate::store::{DedupStore, ExtendOutcome, FencingToken};
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use crate::store::{DedupStore, ExtendOutcome, FencingToken, Lease};
+use std::sync::atomic::{AtomicI64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
+
+/// Where one slot's lease stands (the values of [`Slot::state`]).
+mod slot_state {
+    /// Held and renewed every beat.
+    pub(super) const RENEWING: u8 = 0;
+    /// Its completion is in flight: still renewed (the completion may retry for a while),
+    /// but a `Fenced` answer now most likely means the completion landed first.
+    pub(super) const COMPLETING: u8 = 1;
+    /// Completed or given back: no longer ours to renew.
+    pub(super) const SETTLED: u8 = 2;
+    /// Lost: the store answered `Fenced`.
+    pub(super) const LOST_FENCED: u8 = 3;
+    /// Lost: its end passed on our clock while renewals failed or hung.
+    pub(super) const LOST_EXPIRED: u8 = 4;
+}
+use slot_state::*;
 
 struct Slot {
     key: DedupKey,
@@ -16,8 +40,21 @@ struct Slot {
     /// extended it (the store's grant cannot begin earlier). The store's own `until_ms` is
     /// on the store's clock and is not compared with ours.
     deadline_ms: AtomicI64,
-    /// Still ours to renew: cleared when the key is completed or given back.
-    held: AtomicBool,
+    /// One of [`slot_state`]'s values.
+    state: AtomicU8,
+}
+
+impl Slot {
+    /// Moves from `from` to `to`; false when the slot was elsewhere.
+    fn shift(&self, from: u8, to: u8) -> bool {
+        self.state
+            .compare_exchange(from, to, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+    }
+
+    fn renewable(&self) -> bool {
+        matches!(self.state.load(Ordering::Acquire), RENEWING | COMPLETING)
+    }
 }
 
 /// The leases a batch holds, one slot per item of the batch (empty for items not acquired),
@@ -105,9 +142,18 @@ impl LiveLeases {
         claimed_at: tokio::time::Instant,
         lease: Duration,
     ) -> Self {
+        Self::build(acquired, claimed_at, lease, several_loops())
+    }
+
+    /// Like [`LiveLeases::new`]; `listed`: whether to list the keys in [`held_here`].
+    fn build(
+        acquired: Vec<Option<(DedupKey, FencingToken)>>,
+        claimed_at: tokio::time::Instant,
+        lease: Duration,
+        listed: bool,
+    ) -> Self {
         let first_deadline = crate::store::duration_ms(lease);
         let flags = LeaseFlags::new(acquired.len());
-        let listed = several_loops();
         if listed {
             let mut held = held_here_map();
             for (key, _) in acquired.iter().flatten() {
@@ -121,7 +167,7 @@ impl LiveLeases {
                     key,
                     token,
                     deadline_ms: AtomicI64::new(first_deadline),
-                    held: AtomicBool::new(true),
+                    state: AtomicU8::new(RENEWING),
                 })
             })
             .collect();
@@ -143,19 +189,54 @@ impl LiveLeases {
         self.flags.watch(index)
     }
 
-    /// Item `index` no longer needs its lease renewed.
+    fn slot(&self, index: usize) -> Option<&Slot> {
+        self.slots.get(index).and_then(Option::as_ref)
+    }
+
+    /// Item `index` is completed or given back: its lease is no longer renewed, and a
+    /// renewal answered after this is no news.
     pub(crate) fn remove(&self, index: usize) {
-        if let Some(Some(s)) = self.slots.get(index) {
-            s.held.store(false, Ordering::Relaxed);
+        if let Some(s) = self.slot(index) {
+            if !s.shift(RENEWING, SETTLED) {
+                s.shift(COMPLETING, SETTLED);
+            }
+        }
+    }
+
+    /// Item `index`'s completion is about to be sent: its lease is still renewed until the
+    /// answer, but a `Fenced` renewal meanwhile is the completion landing first (or, if the
+    /// key really was taken over, the completion is fenced too and says so).
+    pub(crate) fn completing(&self, index: usize) {
+        if let Some(s) = self.slot(index) {
+            s.shift(RENEWING, COMPLETING);
         }
     }
 
     fn renewable(&self) -> impl Iterator<Item = (usize, &Slot)> {
-        self.slots.iter().enumerate().filter_map(|(i, s)| {
-            s.as_ref()
-                .filter(|s| s.held.load(Ordering::Relaxed) && !self.flags.is_lost(i))
-                .map(|s| (i, s))
-        })
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().filter(|s| s.renewable()).map(|s| (i, s)))
+    }
+
+    /// The store answered `Fenced` for item `index`.
+    fn fenced(&self, index: usize) {
+        let Some(s) = self.slot(index) else { return };
+        if s.shift(RENEWING, LOST_FENCED) {
+            tracing::warn!(key = %s.key, "lease lost (heartbeat fenced): another worker took the key over");
+            self.flags.mark_lost(index);
+        } else if s.shift(COMPLETING, SETTLED) {
+            tracing::debug!(key = %s.key, "heartbeat fenced while the key's completion was in flight: the completion landed first (or is fenced too)");
+        }
+    }
+
+    /// Item `index`'s lease ran out on our clock.
+    fn expired(&self, index: usize) {
+        let Some(s) = self.slot(index) else { return };
+        if s.shift(RENEWING, LOST_EXPIRED) || s.shift(COMPLETING, LOST_EXPIRED) {
+            tracing::warn!(key = %s.key, "lease ran out while heartbeats failed; treating it as lost");
+            self.flags.mark_lost(index);
+        }
     }
 }
 
@@ -168,11 +249,12 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Extends every lease of a batch every `beat` until aborted. Each round trip is bounded by
-/// `timeout`; a lease whose end passes while heartbeats fail is marked lost (the store may
-/// already have handed it to another worker), as is one the store answers `Fenced`. "Passes"
-/// is judged on this process's monotonic clock from the start of the last successful grant,
-/// never by comparing the store's clock with ours (they may be skewed by any amount).
+/// Extends every lease of a batch every `beat` until aborted, or until none is left to
+/// renew. Each round trip is bounded by `timeout`; a lease whose end passes while heartbeats
+/// fail or hang is marked lost (the store may already have handed it to another worker), as
+/// is one the store answers `Fenced`. "Passes" is judged on this process's monotonic clock
+/// from the start of the last successful grant, never by comparing the store's clock with
+/// ours (they may be skewed by any amount).
 pub(crate) async fn heartbeat(
     store: Arc<dyn DedupStore>,
     live: Arc<LiveLeases>,
@@ -190,46 +272,62 @@ pub(crate) async fn heartbeat(
         // time: a hung store cannot delay the lease watch.
         expiring(&live, margin_ms, tick.tick()).await;
         let due: Vec<(usize, &Slot)> = live.renewable().collect();
-        if !due.is_empty() {
-            let leases: Vec<(DedupKey, FencingToken)> =
-                due.iter().map(|(_, s)| (s.key.clone(), s.token)).collect();
-            // One round trip for the whole batch, bounded: a store that hangs counts as down.
-            let started = live.base.elapsed();
-            let renewed_deadline = crate::store::duration_ms(started + lease);
-            let call = tokio::time::timeout(timeout, store.extend_batch(&leases, lease));
-            match expiring(&live, margin_ms, call).await {
-                Ok(Ok(outs)) if outs.len() == due.len() => {
-                    for ((i, slot), out) in due.iter().zip(outs) {
-                        match out {
-                            ExtendOutcome::Extended { .. } => {
-                                slot.deadline_ms.store(renewed_deadline, Ordering::Relaxed)
-                            }
-                            ExtendOutcome::Fenced => {
-                                tracing::warn!(key = %slot.key, "lease lost (heartbeat fenced): another worker took the key over");
-                                live.flags.mark_lost(*i);
-                            }
+        if due.is_empty() {
+            // Every lease is settled or lost, and slots never come back: nothing left to do.
+            return;
+        }
+        let leases: Vec<(DedupKey, FencingToken)> =
+            due.iter().map(|(_, s)| (s.key.clone(), s.token)).collect();
+        // One round trip for the whole batch, bounded: a store that hangs counts as down.
+        let renewed_deadline = crate::store::duration_ms(live.base.elapsed() + lease);
+        let call = extend_bounded(store.as_ref(), &leases, lease, timeout);
+        match expiring(&live, margin_ms, call).await {
+            Ok(outs) if outs.len() == due.len() => {
+                for ((i, slot), out) in due.iter().zip(outs) {
+                    match out {
+                        ExtendOutcome::Extended { .. } => {
+                            slot.deadline_ms.store(renewed_deadline, Ordering::Relaxed)
                         }
+                        ExtendOutcome::Fenced => live.fenced(*i),
                     }
                 }
-                Ok(Ok(outs)) => {
-                    metrics::counter!(m::STORE_ERRORS, "op" => "extend").increment(1);
-                    tracing::warn!(
-                        got = outs.len(),
-                        want = due.len(),
-                        "heartbeat answered with the wrong number of outcomes"
-                    );
-                }
-                Ok(Err(e)) => {
-                    metrics::counter!(m::STORE_ERRORS, "op" => "extend").increment(1);
-                    tracing::warn!(error = %e, leases = due.len(), "heartbeat failed");
-                }
-                Err(_) => {
-                    metrics::counter!(m::STORE_ERRORS, "op" => "extend").increment(1);
-                    tracing::warn!(?timeout, leases = due.len(), "heartbeat timed out");
-                }
+            }
+            Ok(outs) => {
+                metrics::counter!(m::STORE_ERRORS, "op" => "extend").increment(1);
+                tracing::warn!(
+                    got = outs.len(),
+                    want = due.len(),
+                    "heartbeat answered with the wrong number of outcomes"
+                );
+            }
+            Err(why) => {
+                metrics::counter!(m::STORE_ERRORS, "op" => "extend").increment(1);
+                tracing::warn!(leases = due.len(), "heartbeat failed: {why}");
             }
         }
         live.mark_expired(margin_ms);
+    }
+}
+
+/// One extend round trip bounded by `timeout`. A store that fails, hangs or panics counts
+/// as down for this beat (the error says which); it never ends the heartbeat, which must go
+/// on to declare the leases lost on time.
+async fn extend_bounded(
+    store: &dyn DedupStore,
+    leases: &[(DedupKey, FencingToken)],
+    lease: Duration,
+    timeout: Duration,
+) -> Result<Vec<ExtendOutcome>, String> {
+    use futures::FutureExt;
+    let call = std::panic::AssertUnwindSafe(store.extend_batch(leases, lease)).catch_unwind();
+    match tokio::time::timeout(timeout, call).await {
+        Ok(Ok(Ok(outs))) => Ok(outs),
+        Ok(Ok(Err(e))) => Err(e.to_string()),
+        Ok(Err(panic)) => Err(format!(
+            "the store panicked: {}",
+            super::panic_message(panic.as_ref())
+        )),
+        Err(_) => Err(format!("no answer within {timeout:?}")),
     }
 }
 
@@ -265,10 +363,154 @@ impl LiveLeases {
             .map(|(i, _)| i)
             .collect();
         for i in expired {
-            if let Some(Some(s)) = self.slots.get(i) {
-                tracing::warn!(key = %s.key, "lease ran out while heartbeats failed; treating it as lost");
-            }
-            self.flags.mark_lost(i);
+            self.expired(i);
         }
     }
+}
+
+/// Why a [`LeaseKeepAlive`]'s lease is no longer held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LossCause {
+    /// The store says the token no longer owns the key (taken over, released or forgotten).
+    Fenced,
+    /// No renewal succeeded (the store failed, refused or hung) before the lease's end,
+    /// counted on this process's clock: another worker may take the key over at any moment.
+    Expired,
+}
+
+/// What a [`LeaseKeepAlive`] knows of its lease.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LeaseState {
+    /// Held: the lease surely runs until `until` on this process's monotonic clock (counted
+    /// from the start of the last successful claim or renewal). It is reported lost up to
+    /// one renewal interval before then if no renewal succeeds meanwhile.
+    Held {
+        /// The end of the lease as last granted, on this process's clock.
+        until: tokio::time::Instant,
+    },
+    /// No longer held: stop the work and do not complete (a completion would be fenced).
+    Lost(LossCause),
+}
+
+/// Keeps one claimed lease alive while long work runs, with the engine's own heartbeat
+/// (Redisson's lock watchdog, for code that claims keys itself; the consumer engine keeps
+/// its batches' leases with the same heartbeat).
+///
+/// It extends the lease every interval (`lease / 3` by default), each extend bounded by a
+/// timeout, and declares the lease lost on this process's monotonic clock: when no extend
+/// has succeeded by one interval before the lease's end, counted from the *start* of the
+/// last successful claim or extend. So a store that hangs or is down never leaves the
+/// lease looking held past its end, and the store's clock is never compared with ours.
+/// A `Fenced` answer (the key was taken over) is a loss at once.
+///
+/// Watch it with [`state`](Self::state), [`lost`](Self::lost) (e.g. in `tokio::select!`)
+/// or a [`LeaseWatch`] from [`watch`](Self::watch). Dropping it stops the renewals; the
+/// lease then ends on its own unless the key is completed or released.
+///
+/// ```
+/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// use idemq_core::{ClaimOutcome, ClaimRequest, ConsumerGroup, DedupKey, DedupStore, MemoryStore};
+/// use idemq_core::engine::{LeaseKeepAlive, LeaseState};
+/// use std::{sync::Arc, time::Duration};
+/// use tokio::time::Instant;
+/// let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+/// let key = DedupKey::new(&ConsumerGroup::new("g").unwrap(), "job-1").unwrap();
+/// let lease_len = Duration::from_millis(600);
+/// let claimed_at = Instant::now(); // before the claim: the lease cannot start earlier
+/// let ClaimOutcome::Acquired(lease) = store.claim(&ClaimRequest::new(key.clone(), lease_len)).await.unwrap()
+/// else { panic!() };
+/// let alive = LeaseKeepAlive::spawn(store.clone(), key.clone(), &lease, lease_len, claimed_at);
+/// tokio::time::sleep(Duration::from_millis(1000)).await; // longer than the lease
+/// assert!(matches!(alive.state(), LeaseState::Held { .. }));
+/// drop(alive);
+/// # });
+/// ```
+pub struct LeaseKeepAlive {
+    live: Arc<LiveLeases>,
+    _renewals: AbortOnDrop,
+}
+
+impl std::fmt::Debug for LeaseKeepAlive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseKeepAlive")
+            .field("state", &self.state())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LeaseKeepAlive {
+    /// Starts renewing `lease` on `key` by `lease_len` every `lease_len / 3`, each extend
+    /// bounded by the same. `claimed_at` is when the claim that granted `lease` started,
+    /// on this process's clock (take `Instant::now()` before calling `claim`). Must be
+    /// called inside a Tokio runtime.
+    pub fn spawn(
+        store: Arc<dyn DedupStore>,
+        key: DedupKey,
+        lease: &Lease,
+        lease_len: Duration,
+        claimed_at: tokio::time::Instant,
+    ) -> Self {
+        let every = (lease_len / 3).max(Duration::from_millis(5));
+        Self::spawn_with(store, key, lease, lease_len, claimed_at, every, every)
+    }
+
+    /// Like [`spawn`](Self::spawn) with an explicit renewal interval `every` (keep it well
+    /// below `lease_len`: the lease is reported lost one interval before its end unless a
+    /// renewal succeeded) and a bound on each extend's round trip.
+    pub fn spawn_with(
+        store: Arc<dyn DedupStore>,
+        key: DedupKey,
+        lease: &Lease,
+        lease_len: Duration,
+        claimed_at: tokio::time::Instant,
+        every: Duration,
+        timeout: Duration,
+    ) -> Self {
+        let every = every.max(Duration::from_millis(1));
+        let timeout = timeout.max(Duration::from_millis(1));
+        let live = Arc::new(LiveLeases::build(
+            vec![Some((key, lease.token))],
+            claimed_at,
+            lease_len,
+            false,
+        ));
+        let renewals = tokio::spawn(heartbeat(store, live.clone(), lease_len, every, timeout));
+        Self {
+            live,
+            _renewals: AbortOnDrop(renewals),
+        }
+    }
+
+    /// The latest known state.
+    pub fn state(&self) -> LeaseState {
+        let Some(slot) = self.live.slot(0) else {
+            return LeaseState::Lost(LossCause::Expired);
+        };
+        match slot.state.load(Ordering::Acquire) {
+            LOST_FENCED => LeaseState::Lost(LossCause::Fenced),
+            LOST_EXPIRED => LeaseState::Lost(LossCause::Expired),
+            _ => LeaseState::Held {
+                until: self.live.base
+                    + Duration::from_millis(slot.deadline_ms.load(Ordering::Relaxed).max(0) as u64),
+            },
+        }
+    }
+
+    /// Resolves when the lease is lost (never, while renewals succeed).
+    pub async fn lost(&self) -> LossCause {
+        self.live.watch(0).lost().await;
+        match self.state() {
+            LeaseState::Lost(why) => why,
+            // Only a lost slot wakes the watch.
+            LeaseState::Held { .. } => LossCause::Expired,
+        }
+    }
+
+    /// A watch that flips when the lease is lost, to hand to the code doing the work.
+    pub fn watch(&self) -> LeaseWatch {
+        self.live.watch(0)
+    }
+
+    /// Stops renewing (same as dropping).
+    pub fn stop(self) {}
 }

@@ -2,7 +2,9 @@
 //!
 //! Each polled batch goes through five named stages (see `batch.rs`):
 //! 1. **keys** — derive keys; a message without a usable key is rejected (dead-lettered)
-//!    with the reason; later copies of a key in the batch wait for the first one's fate;
+//!    with the reason; later copies of a key in the batch wait for the first one's fate; a
+//!    copy with another payload is sent back, and with an ordering it holds its lane (the
+//!    lane's later messages in the batch go back with it, unrun);
 //! 2. **claim** — claim all keys in one round trip (retried with back-off while the store is
 //!    down; if it stays down the batch is nacked, never acked; one key at a time if the
 //!    store refuses the batch);
@@ -25,6 +27,9 @@
 //! | handler retryable error | release | nack after the retry policy's delay; reject once attempts are exhausted |
 //! | handler panic / timeout / lease lost (cut off: its effect may be half done) | – (the lease runs out, so the next run is a takeover with `takeover == true`) | as above |
 //! | handler permanent error | release | reject with reason |
+//! | key function panicked | – | reject with the panic message |
+//! | `on_duplicate` / `on_dead_letter` panicked or overran `hook_timeout` | – | as without the hook (logged, counted) |
+//! | copy of a key with another payload in the same batch | – | nack (later messages of its lane too, unrun) |
 //! | delivery gone stale (partition revoked) | release | – (the settle is ignored) |
 //! | store unavailable | – | nack after back-off |
 
@@ -36,6 +41,7 @@ mod lease;
 pub use config::{ConsumerConfig, DeliveryOrder, RetryPolicy};
 use health::LoopHealth;
 pub use health::{Health, HealthReport, HealthState};
+pub use lease::{LeaseKeepAlive, LeaseState, LossCause};
 
 use crate::handler::Handler;
 use crate::key::KeyStrategy;
@@ -44,6 +50,17 @@ use crate::store::DedupStore;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+/// The text of a caught panic (what `panic!` was given), for logs and dead-letter reasons.
+pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = panic.downcast_ref::<&str>() {
+        (*s).to_string()
+    } else if let Some(s) = panic.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_string()
+    }
+}
 
 /// Counters of one engine (also exported through `metrics`).
 #[derive(Debug, Default)]

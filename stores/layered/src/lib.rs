@@ -15,7 +15,8 @@
 //! - [`LayeredStore`]: the store itself; its docs state what each mode guarantees.
 //! - [`PreFilter`], [`LocalBloom`]: never-seen-only filters (a RedisBloom-backed one lives in
 //!   `idemq-redis`, so this crate does not depend on Redis).
-//! - [`LeaseWatchdog`]: Redisson-style lease renewal over any store.
+//! - [`LeaseWatchdog`]: Redisson-style lease renewal over any store (the core's
+//!   [`LeaseKeepAlive`](idemq_core::LeaseKeepAlive) under this crate's name).
 #![warn(missing_docs)]
 
 mod cache;

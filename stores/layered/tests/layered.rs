@@ -420,7 +420,8 @@ async fn the_cache_reports_payload_conflicts() {
 async fn watchdog_extends_and_reports_loss() {
     let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
     let k = key(&group(), "long");
-    let lease_len = Duration::from_millis(300);
+    let lease_len = Duration::from_millis(900);
+    let claimed_at = tokio::time::Instant::now();
     let ClaimOutcome::Acquired(lease) = store
         .claim(&ClaimRequest::new(k.clone(), lease_len))
         .await
@@ -428,10 +429,21 @@ async fn watchdog_extends_and_reports_loss() {
     else {
         panic!()
     };
-    let mut dog = LeaseWatchdog::spawn(store.clone(), k.clone(), lease, lease_len);
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    // Renewed every 200 ms: a renewal may come up to 500 ms late (a loaded machine)
+    // before the lease is given up.
+    let every = Duration::from_millis(200);
+    let dog = LeaseWatchdog::spawn_with(
+        store.clone(),
+        k.clone(),
+        &lease,
+        lease_len,
+        claimed_at,
+        every,
+        every,
+    );
+    tokio::time::sleep(Duration::from_millis(2000)).await;
     match dog.state() {
-        LeaseState::Held { until_ms } => assert!(until_ms > lease.until_ms + 400),
+        LeaseState::Held { until } => assert!(until > claimed_at + lease_len * 2),
         s => panic!("{s:?}"),
     }
     assert!(matches!(
@@ -463,6 +475,7 @@ async fn watchdog_reports_expiry_when_the_store_stays_down_and_stops_on_drop() {
     let store: Arc<dyn DedupStore> = mem.clone();
     let k = key(&group(), "down");
     let lease_len = Duration::from_millis(200);
+    let claimed_at = tokio::time::Instant::now();
     let ClaimOutcome::Acquired(lease) = store
         .claim(&ClaimRequest::new(k.clone(), lease_len))
         .await
@@ -470,7 +483,7 @@ async fn watchdog_reports_expiry_when_the_store_stays_down_and_stops_on_drop() {
     else {
         panic!()
     };
-    let mut dog = LeaseWatchdog::spawn(store.clone(), k.clone(), lease, lease_len);
+    let dog = LeaseWatchdog::spawn(store.clone(), k.clone(), &lease, lease_len, claimed_at);
     mem.set_available(false);
     let lost = tokio::time::timeout(Duration::from_secs(2), dog.lost())
         .await
@@ -480,6 +493,7 @@ async fn watchdog_reports_expiry_when_the_store_stays_down_and_stops_on_drop() {
 
     // Dropped: no more extensions, the lease ends.
     let k2 = key(&group(), "dropped");
+    let claimed_at = tokio::time::Instant::now();
     let ClaimOutcome::Acquired(lease) = store
         .claim(&ClaimRequest::new(k2.clone(), lease_len))
         .await
@@ -487,13 +501,89 @@ async fn watchdog_reports_expiry_when_the_store_stays_down_and_stops_on_drop() {
     else {
         panic!()
     };
-    let dog = LeaseWatchdog::spawn(store.clone(), k2.clone(), lease, lease_len);
+    let dog = LeaseWatchdog::spawn(store.clone(), k2.clone(), &lease, lease_len, claimed_at);
     drop(dog);
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(matches!(
         store.claim(&ClaimRequest::new(k2, LONG)).await.unwrap(),
         ClaimOutcome::Acquired(l) if l.takeover
     ));
+}
+
+/// The memory store, but no extend is ever answered (a hung connection).
+struct HangingExtends(MemoryStore);
+
+#[async_trait]
+impl DedupStore for HangingExtends {
+    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        self.0.claim_batch(reqs).await
+    }
+    async fn complete_batch(
+        &self,
+        items: &[idemq_core::Completion],
+    ) -> Result<Vec<CompleteOutcome>, StoreError> {
+        self.0.complete_batch(items).await
+    }
+    async fn release(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<idemq_core::ReleaseOutcome, StoreError> {
+        self.0.release(key, token).await
+    }
+    async fn extend(
+        &self,
+        _key: &DedupKey,
+        _token: FencingToken,
+        _lease: Duration,
+    ) -> Result<idemq_core::ExtendOutcome, StoreError> {
+        std::future::pending().await
+    }
+    async fn get(&self, key: &DedupKey) -> Result<Option<idemq_core::DedupRecord>, StoreError> {
+        self.0.get(key).await
+    }
+    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        self.0.purge_expired(limit).await
+    }
+    async fn list_stuck(
+        &self,
+        stale_for: Duration,
+        limit: usize,
+    ) -> Result<Vec<idemq_core::DedupRecord>, StoreError> {
+        self.0.list_stuck(stale_for, limit).await
+    }
+    async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
+        self.0.forget(key).await
+    }
+}
+
+/// A store that never answers an extend: the lease is reported lost by the time it ends
+/// on this process's clock (counted from the claim's start), never `Held` past it.
+#[tokio::test(start_paused = true)]
+async fn a_watchdog_whose_extend_hangs_reports_the_loss_by_the_lease_end() {
+    let store: Arc<dyn DedupStore> = Arc::new(HangingExtends(MemoryStore::new()));
+    let k = key(&group(), "hung");
+    let lease_len = Duration::from_millis(300);
+    let claimed_at = tokio::time::Instant::now();
+    let ClaimOutcome::Acquired(lease) = store
+        .claim(&ClaimRequest::new(k.clone(), lease_len))
+        .await
+        .unwrap()
+    else {
+        panic!()
+    };
+    let lease_end = claimed_at + lease_len;
+    let dog = LeaseWatchdog::spawn(store.clone(), k.clone(), &lease, lease_len, claimed_at);
+    let lost = tokio::time::timeout(lease_len * 20, dog.lost())
+        .await
+        .expect("the loss is reported while the extend hangs");
+    assert!(
+        tokio::time::Instant::now() <= lease_end,
+        "reported {:?} after the lease ended",
+        tokio::time::Instant::now() - lease_end
+    );
+    assert_eq!(lost, LeaseLost::Expired);
+    assert!(matches!(dog.state(), LeaseState::Lost(LeaseLost::Expired)));
 }
 
 /// A primary whose claims read the record, then wait at a gate before answering: a claim
