@@ -3,8 +3,10 @@
 //! store URL, and prints each message processed (not its duplicates) as one JSON line.
 
 use clap::Args;
+use idemq::core::source::Readiness;
 use idemq::{
-    ClaimedMessage, ConsumerConfig, HandlerError, IdempotentConsumer, KeyStrategy, Source,
+    ClaimedMessage, ConsumerConfig, ConsumerStats, HandlerError, IdempotentConsumer, KeyStrategy,
+    Source,
 };
 use std::io::Write;
 use std::process::ExitCode;
@@ -29,7 +31,9 @@ pub struct ConsumeArgs {
     /// Consumer group: the Kafka/RocketMQ group and the dedup key's namespace.
     #[arg(long, default_value = "idemq-consume")]
     group: String,
-    /// Stop after this many seconds without a new message (default: run until Ctrl-C).
+    /// Stop after this many seconds without a new message once the source is ready (a
+    /// Kafka consumer: partitions assigned); the wait for partitions does not count
+    /// (default: run until Ctrl-C).
     #[arg(long)]
     idle_exit: Option<u64>,
     /// Stop once this many messages have been processed (duplicates not counted).
@@ -221,44 +225,243 @@ pub async fn run(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
         max_batch: 64,
         ..ConsumerConfig::default()
     });
-    let idle = args.idle_exit.map(Duration::from_secs);
+    let readiness = source.readiness();
+    let mut watch = Watch::new(
+        args.idle_exit.map(Duration::from_secs),
+        args.max_messages,
+        wait_hint(&args.broker),
+    );
     let stop = async {
-        let watch = async {
-            if idle.is_none() && args.max_messages.is_none() {
-                return std::future::pending().await;
-            }
-            let (mut seen, mut since) = (0, Instant::now());
+        let watching = async {
+            let mut notes = Vec::new();
             loop {
+                let stop = watch.tick(
+                    Instant::now(),
+                    readiness.check(),
+                    &consumer.stats(),
+                    &mut notes,
+                );
+                for note in notes.drain(..) {
+                    say(&note);
+                }
+                if stop {
+                    return;
+                }
                 tokio::time::sleep(Duration::from_millis(200)).await;
-                let s = consumer.stats();
-                if args.max_messages.is_some_and(|max| s.processed >= max) {
-                    return;
-                }
-                let now = s.processed + s.duplicates + s.rejected;
-                if now != seen {
-                    (seen, since) = (now, Instant::now());
-                } else if idle.is_some_and(|idle| since.elapsed() >= idle) {
-                    return;
-                }
             }
         };
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
-            () = watch => {}
+            () = watching => {}
         }
     };
     consumer.run(&mut *source, stop).await?;
     let s = consumer.stats();
-    eprintln!(
+    let _ = writeln!(
+        std::io::stderr(),
         "consumed: processed={} duplicates_skipped={} dead_lettered={} retried={}",
-        s.processed, s.duplicates, s.rejected, s.retried
+        s.processed,
+        s.duplicates,
+        s.rejected,
+        s.retried
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// One note on stderr. A closed stderr is no reason to stop consuming (`eprintln!` would
+/// panic).
+fn say(note: &str) {
+    let _ = writeln!(std::io::stderr(), "idemq consume: {note}");
+}
+
+/// What a long wait for a Kafka assignment may mean, said once, with the first reminder.
+fn wait_hint(broker: &str) -> Option<&'static str> {
+    let hint = "a consumer of the group that died without leaving (killed, crashed) keeps \
+                its partitions until its session times out (session.timeout.ms, 45 s by \
+                default); a topic that does not exist is never assigned";
+    broker
+        .to_ascii_lowercase()
+        .starts_with("kafka://")
+        .then_some(hint)
+}
+
+/// How often a wait that goes on is reported again.
+const WAIT_NOTE_EVERY: Duration = Duration::from_secs(10);
+
+/// Decides, a few times a second, what to say on stderr and when to stop: `--idle-exit`
+/// counts only while the source is ready (a Kafka consumer holds its assignment), never
+/// while it waits for partitions, which after a crash of a group member can take as long
+/// as that member's session timeout.
+struct Watch {
+    idle: Option<Duration>,
+    max_messages: Option<u64>,
+    wait_hint: Option<&'static str>,
+    /// Messages settled so far (processed, duplicates, dead-lettered), as last seen.
+    seen: u64,
+    /// Since when the source has been ready with nothing new; `None` while it waits.
+    idle_since: Option<Instant>,
+    /// Since when the source has been waiting, and when that was last said.
+    waiting: Option<(Instant, Instant)>,
+    /// What the source held when last said (re-said when it changes).
+    holding: Option<String>,
+}
+
+impl Watch {
+    fn new(
+        idle: Option<Duration>,
+        max_messages: Option<u64>,
+        wait_hint: Option<&'static str>,
+    ) -> Self {
+        Self {
+            idle,
+            max_messages,
+            wait_hint,
+            seen: 0,
+            idle_since: None,
+            waiting: None,
+            holding: None,
+        }
+    }
+
+    /// One look at the source and the counters; pushes what to say onto `notes` and
+    /// answers whether to stop.
+    fn tick(
+        &mut self,
+        now: Instant,
+        readiness: Readiness,
+        s: &ConsumerStats,
+        notes: &mut Vec<String>,
+    ) -> bool {
+        if self.max_messages.is_some_and(|max| s.processed >= max) {
+            return true;
+        }
+        let settled = s.processed + s.duplicates + s.rejected;
+        let moved = settled != self.seen;
+        self.seen = settled;
+        match readiness {
+            Readiness::Waiting(what) => {
+                self.idle_since = None;
+                self.holding = None;
+                match &mut self.waiting {
+                    None => {
+                        notes.push(format!("waiting for {what}"));
+                        self.waiting = Some((now, now));
+                    }
+                    Some((since, said)) if now.duration_since(*said) >= WAIT_NOTE_EVERY => {
+                        let first = said == since;
+                        let hint = match self.wait_hint {
+                            Some(h) if first => format!("; {h}"),
+                            _ => String::new(),
+                        };
+                        notes.push(format!(
+                            "still waiting for {what} ({} s so far{hint})",
+                            now.duration_since(*since).as_secs()
+                        ));
+                        *said = now;
+                    }
+                    Some(_) => {}
+                }
+                false
+            }
+            Readiness::Ready(holding) => {
+                self.waiting = None;
+                if self.holding.as_deref() != Some(holding.as_str()) {
+                    notes.push(format!("ready: {holding}"));
+                    self.holding = Some(holding);
+                }
+                let since = match self.idle_since {
+                    Some(since) if !moved => since,
+                    _ => *self.idle_since.insert(now),
+                };
+                self.idle
+                    .is_some_and(|idle| now.duration_since(since) >= idle)
+            }
+        }
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn stats(processed: u64) -> ConsumerStats {
+        let mut s = ConsumerStats::default();
+        s.processed = processed;
+        s
+    }
+
+    #[test]
+    fn idle_exit_counts_only_while_the_source_is_ready() {
+        let t0 = Instant::now();
+        let at = |secs: u64| t0 + Duration::from_secs(secs);
+        let waiting =
+            || Readiness::Waiting("partitions of p from the group coordinator of g".into());
+        let ready = || Readiness::Ready("assigned 2 partitions: p[0], p[1]".into());
+        let mut w = Watch::new(
+            Some(Duration::from_secs(2)),
+            None,
+            wait_hint("kafka://h:1/p"),
+        );
+        let mut notes = Vec::new();
+        // 45 s of waiting for partitions (a dead member's session timeout) never stops it.
+        for s in 0..45 {
+            assert!(
+                !w.tick(at(s), waiting(), &stats(0), &mut notes),
+                "stopped at {s} s"
+            );
+        }
+        assert_eq!(
+            notes[0],
+            "waiting for partitions of p from the group coordinator of g"
+        );
+        assert_eq!(notes.len(), 5, "said at 0, 10, 20, 30, 40 s: {notes:?}");
+        assert!(
+            notes[1].starts_with("still waiting for partitions of p"),
+            "{notes:?}"
+        );
+        assert!(notes[1].contains("(10 s so far; ") && notes[1].contains("session.timeout.ms"));
+        assert!(
+            notes[2].ends_with("(20 s so far)"),
+            "the hint is said once: {notes:?}"
+        );
+        notes.clear();
+        // The idle clock starts once it is assigned.
+        assert!(!w.tick(at(45), ready(), &stats(0), &mut notes));
+        assert_eq!(notes, ["ready: assigned 2 partitions: p[0], p[1]"]);
+        assert!(!w.tick(at(46), ready(), &stats(0), &mut notes));
+        // A message resets it.
+        assert!(!w.tick(at(47), ready(), &stats(1), &mut notes));
+        assert!(!w.tick(at(48), ready(), &stats(1), &mut notes));
+        // An eager rebalance takes the partitions away: the clock stops, and restarts from
+        // the new assignment.
+        assert!(!w.tick(at(60), waiting(), &stats(1), &mut notes));
+        assert!(!w.tick(at(61), ready(), &stats(1), &mut notes));
+        assert!(!w.tick(at(62), ready(), &stats(1), &mut notes));
+        assert!(w.tick(at(63), ready(), &stats(1), &mut notes));
+        assert_eq!(notes.len(), 3, "{notes:?}");
+    }
+
+    #[test]
+    fn max_messages_stops_it_and_no_idle_exit_runs_on() {
+        let t0 = Instant::now();
+        let ready = || Readiness::Ready("connected".into());
+        let mut notes = Vec::new();
+        let mut w = Watch::new(None, Some(3), None);
+        assert!(!w.tick(t0, ready(), &stats(2), &mut notes));
+        assert!(!w.tick(
+            t0 + Duration::from_secs(3600),
+            ready(),
+            &stats(2),
+            &mut notes
+        ));
+        assert!(w.tick(
+            t0 + Duration::from_secs(3601),
+            ready(),
+            &stats(3),
+            &mut notes
+        ));
+        assert_eq!(notes, ["ready: connected"]);
+    }
 
     #[test]
     fn key_specs_are_parsed_or_refused_with_the_choices() {

@@ -4,6 +4,8 @@
 
 mod support;
 
+#[cfg(feature = "kafka")]
+use idemq::core::testkit::process::{child_role, ChildProcess};
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -173,20 +175,21 @@ mod kafka {
     use idemq::kafka::{KafkaProducerConfig, KafkaPublisher};
     use idemq::{OutgoingMessage, Publisher};
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn consume_prints_each_kafka_message_once_and_skips_the_resends() {
-        let Some(brokers) = server_url("IDEMQ_TEST_KAFKA_BROKERS") else {
-            return;
-        };
-        let topic = format!("idemq_cli_consume_{:08x}", rand::random::<u32>());
+    /// A fresh topic of `partitions` partitions.
+    async fn create_topic(brokers: &str, tag: &str, partitions: i32) -> String {
+        let topic = format!("idemq_cli_{tag}_{:08x}", rand::random::<u32>());
         let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-            .set("bootstrap.servers", &brokers)
+            .set("bootstrap.servers", brokers)
             .create()
             .expect("admin");
         let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
         for r in admin
             .create_topics(
-                [&NewTopic::new(&topic, 2, TopicReplication::Fixed(1))],
+                [&NewTopic::new(
+                    &topic,
+                    partitions,
+                    TopicReplication::Fixed(1),
+                )],
                 &opts,
             )
             .await
@@ -194,14 +197,17 @@ mod kafka {
         {
             r.expect("topic created");
         }
+        topic
+    }
+
+    /// Publishes payments `ids` (confirmed), each as `{"payment_id":"pay-<i>","amount":<i>}`.
+    async fn publish_payments(brokers: &str, topic: &str, ids: impl Iterator<Item = u32>) {
         let publisher =
-            KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers)).expect("publisher");
-        // 20 payments, the first 5 resent by the provider with the same payment id.
-        let batch = (0..20)
-            .chain(0..5)
+            KafkaPublisher::new(&KafkaProducerConfig::idempotent(brokers)).expect("publisher");
+        let batch = ids
             .map(|i| {
                 OutgoingMessage::new(
-                    &topic,
+                    topic,
                     format!("{{\"payment_id\":\"pay-{i}\",\"amount\":{i}}}"),
                 )
             })
@@ -209,35 +215,38 @@ mod kafka {
         for r in publisher.publish_batch(batch).await {
             r.expect("confirmed");
         }
-        let dir = std::env::temp_dir().join(format!("idemq-cli-consume-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("temp dir");
-        let store = format!("sqlite://{}?mode=rwc", dir.join("dedup.db").display());
-        let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemq"))
-            .args([
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn consume_prints_each_kafka_message_once_and_skips_the_resends() {
+        let Some(brokers) = server_url("IDEMQ_TEST_KAFKA_BROKERS") else {
+            return;
+        };
+        let topic = create_topic(&brokers, "consume", 2).await;
+        // 20 payments, the first 5 resent by the provider with the same payment id.
+        publish_payments(&brokers, &topic, (0..20).chain(0..5)).await;
+        let store = TempStore::new("consume");
+        let out = idemq(
+            &[
                 "consume",
                 "--broker",
                 &format!("kafka://{brokers}/{topic}"),
                 "--store",
-                &store,
+                &store.url(),
                 "--key",
                 "json:/payment_id",
                 "--group",
                 &format!("{topic}-g"),
                 "--idle-exit",
                 "10",
-            ])
-            .output();
-        let out = tokio::time::timeout(Duration::from_secs(120), out)
-            .await
-            .expect("consume exits when idle")
-            .expect("run idemq consume");
+            ],
+            Duration::from_secs(120),
+        )
+        .await;
         let stdout = String::from_utf8_lossy(&out.stdout);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(out.status.success(), "{stderr}");
-        let lines: Vec<serde_json::Value> = stdout
-            .lines()
-            .map(|l| serde_json::from_str(l).expect("a JSON line"))
-            .collect();
+        let lines = json_lines(&stdout);
         let keys: BTreeSet<&str> = lines.iter().filter_map(|v| v["key"].as_str()).collect();
         assert_eq!(lines.len(), 20, "one line per payment:\n{stdout}\n{stderr}");
         assert_eq!(keys.len(), 20, "{stdout}");
@@ -249,6 +258,115 @@ mod kafka {
             stderr.contains("processed=20 duplicates_skipped=5"),
             "{stderr}"
         );
-        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// The role of a child process that joins a consumer group, holds its partitions
+    /// without consuming, and waits to be SIGKILLed: a consumer that crashed without leaving.
+    const MEMBER_ROLE: &str = "IDEMQ_CLI_TEST_GROUP_MEMBER";
+    /// What the member prints on stderr once it holds partitions.
+    const HOLDING: &str = "holding partitions";
+
+    /// The child's part: `brokers topic group` in its argument. Never returns.
+    fn hold_partitions(arg: &str) -> ! {
+        let mut parts = arg.split(' ');
+        let (Some(brokers), Some(topic), Some(group)) = (parts.next(), parts.next(), parts.next())
+        else {
+            panic!("member argument `{arg}` is not `brokers topic group`");
+        };
+        // The broker's smallest session timeout, so the test waits 6 s for the coordinator
+        // to give the dead member up, not the default 45 s.
+        let cfg = idemq::kafka::KafkaSourceConfig::new(brokers, group, &[topic])
+            .set("session.timeout.ms", "6000")
+            .set("heartbeat.interval.ms", "1000");
+        let source = idemq::kafka::KafkaSource::new(cfg).expect("member source");
+        loop {
+            let held = source.assigned();
+            if !held.is_empty() {
+                eprintln!("{HOLDING}: {held:?}");
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        loop {
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    }
+
+    /// A member of `group` on `topic`, run as a child process; returns once it holds
+    /// partitions.
+    fn start_member(test: &str, brokers: &str, topic: &str, group: &str) -> ChildProcess {
+        let mut member =
+            ChildProcess::spawn_self(test, MEMBER_ROLE, &format!("{brokers} {topic} {group}"))
+                .expect("spawn the group member");
+        let until = std::time::Instant::now() + Duration::from_secs(60);
+        while !member.stderr_tail(4000).contains(HOLDING) {
+            if let Ok(Some(status)) = member.try_wait() {
+                panic!("member exited ({status}): {}", member.stderr_tail(4000));
+            }
+            assert!(
+                std::time::Instant::now() < until,
+                "member holds no partitions after 60 s: {}",
+                member.stderr_tail(4000)
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        member
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn idle_exit_counts_only_once_partitions_are_assigned() {
+        if let Some(arg) = child_role(MEMBER_ROLE) {
+            hold_partitions(&arg);
+        }
+        let Some(brokers) = server_url("IDEMQ_TEST_KAFKA_BROKERS") else {
+            return;
+        };
+        let topic = create_topic(&brokers, "idle", 2).await;
+        let group = format!("{topic}-g");
+        publish_payments(&brokers, &topic, 0..30).await;
+        // A consumer of the group crashes holding both partitions: until the coordinator
+        // gives it up (its session timeout), a restarted consumer gets nothing.
+        let mut member = start_member(
+            "kafka::idle_exit_counts_only_once_partitions_are_assigned",
+            &brokers,
+            &topic,
+            &group,
+        );
+        member.kill().expect("SIGKILL the member");
+        let store = TempStore::new("idle");
+        let out = idemq(
+            &[
+                "consume",
+                "--broker",
+                &format!("kafka://{brokers}/{topic}"),
+                "--store",
+                &store.url(),
+                "--key",
+                "json:/payment_id",
+                "--group",
+                &group,
+                "--idle-exit",
+                "2",
+            ],
+            Duration::from_secs(120),
+        )
+        .await;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{stderr}");
+        let keys: BTreeSet<String> = json_lines(&stdout)
+            .iter()
+            .filter_map(|v| v["key"].as_str().map(str::to_owned))
+            .collect();
+        assert_eq!(
+            keys.len(),
+            30,
+            "--idle-exit must not count the wait for partitions:\n{stdout}\n{stderr}"
+        );
+        assert!(stderr.contains("processed=30"), "{stderr}");
+        assert!(
+            stderr.contains("waiting for partitions"),
+            "the wait is said on stderr: {stderr}"
+        );
     }
 }

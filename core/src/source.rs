@@ -29,6 +29,13 @@
 //! group, cancel the consumer); the engine calls it when `run` ends. [`Source::after_batch`]
 //! tells the source that every delivery of a batch is settled (Kafka commits offsets or a
 //! transaction there). [`Source::capabilities`] says what the broker does natively.
+//!
+//! **Readiness.** A source can be connected and still have nothing to deliver for reasons
+//! that are not "no messages": a Kafka consumer waits for the group coordinator to assign it
+//! partitions, which after a crash of a group member lasts until that member's session
+//! times out. [`Source::readiness`] hands out a [`ReadinessProbe`] that says which: a tool
+//! that stops when idle (`idemq consume --idle-exit`) starts its idle clock only once the
+//! source is ready, and can say what it is waiting for.
 
 use crate::envelope::Envelope;
 use async_trait::async_trait;
@@ -87,6 +94,57 @@ pub struct Capabilities {
     pub ordered: bool,
     /// Settlements can join a broker transaction (Kafka `send_offsets_to_transaction`).
     pub transactional: bool,
+}
+
+/// Whether a source can deliver what its broker holds for it ([`Source::readiness`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    /// Subscribed and holding what it consumes (a Kafka source: an assignment from the group
+    /// coordinator, possibly empty when the group has more members than partitions). The
+    /// text says what it holds, e.g. `assigned 2 partitions: payments[0], payments[1]`.
+    Ready(String),
+    /// Not yet: the text says what it waits for, e.g. `partitions of payments from the group
+    /// coordinator of billing`.
+    Waiting(String),
+}
+
+impl Readiness {
+    /// True for [`Readiness::Ready`].
+    pub fn is_ready(&self) -> bool {
+        matches!(self, Readiness::Ready(_))
+    }
+}
+
+/// A cheap, cloneable view of one source's [`Readiness`], readable from another task while
+/// the engine owns (and polls) the source.
+#[derive(Clone)]
+pub struct ReadinessProbe(Option<std::sync::Arc<dyn Fn() -> Readiness + Send + Sync>>);
+
+impl ReadinessProbe {
+    /// Always ready: a source that can deliver as soon as it is connected (what
+    /// [`Source::readiness`] answers by default).
+    pub fn connected() -> Self {
+        Self(None)
+    }
+    /// A probe that asks `check` each time.
+    pub fn new(check: impl Fn() -> Readiness + Send + Sync + 'static) -> Self {
+        Self(Some(std::sync::Arc::new(check)))
+    }
+    /// The source's readiness now.
+    pub fn check(&self) -> Readiness {
+        match &self.0 {
+            None => Readiness::Ready("connected".to_string()),
+            Some(check) => check(),
+        }
+    }
+}
+
+impl std::fmt::Debug for ReadinessProbe {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("ReadinessProbe")
+            .field(&self.check())
+            .finish()
+    }
 }
 
 /// One received message and the means to settle it.
@@ -202,6 +260,14 @@ pub trait Source: Send {
     fn capabilities(&self) -> Capabilities {
         Capabilities::default()
     }
+
+    /// A probe of whether the source can deliver yet (see [`Readiness`]). The default says
+    /// ready: a source that returns from its constructor connected and subscribed
+    /// (RabbitMQ, RocketMQ, the memory broker). A Kafka source is ready once the group
+    /// coordinator has assigned it partitions.
+    fn readiness(&self) -> ReadinessProbe {
+        ReadinessProbe::connected()
+    }
 }
 
 #[async_trait]
@@ -217,5 +283,8 @@ impl<S: Source + ?Sized> Source for Box<S> {
     }
     fn capabilities(&self) -> Capabilities {
         (**self).capabilities()
+    }
+    fn readiness(&self) -> ReadinessProbe {
+        (**self).readiness()
     }
 }

@@ -10,7 +10,7 @@ use idemq_core::adapter::{
     LOCALLY_HELD_CAPABILITIES,
 };
 use idemq_core::envelope::{props, Headers};
-use idemq_core::source::{Capabilities, Delivery, Source, SourceError};
+use idemq_core::source::{Capabilities, Delivery, Readiness, ReadinessProbe, Source, SourceError};
 use idemq_core::Envelope;
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::RebalanceProtocol;
@@ -190,6 +190,9 @@ struct Shared {
     stop: AtomicBool,
     /// A batch finished since the last commit: the polling thread commits on its next turn.
     commit_wanted: AtomicBool,
+    /// The group coordinator has assigned partitions (possibly none) and no eager rebalance
+    /// has taken them away since: what [`Source::readiness`] reports.
+    assigned: AtomicBool,
 }
 
 /// The consumer context: rebalance and commit callbacks, run on the polling thread.
@@ -266,6 +269,13 @@ impl ConsumerContext for Ctx {
             tracing::warn!(error = %e, assigning, "applying a rebalance failed");
         }
         self.post_rebalance(consumer, &rebalance);
+        // An eager revoke takes every partition away until the next assignment; a
+        // cooperative one only some, and the rest keep flowing.
+        if assigning {
+            self.shared.assigned.store(true, Ordering::Release);
+        } else if !cooperative {
+            self.shared.assigned.store(false, Ordering::Release);
+        }
     }
 
     fn pre_rebalance(&self, consumer: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
@@ -399,6 +409,7 @@ impl KafkaSource {
             sync: SharedState::new(State::default()),
             stop: AtomicBool::new(false),
             commit_wanted: AtomicBool::new(false),
+            assigned: AtomicBool::new(false),
         });
         let consumer: Consumer_ = client
             .create_with_context(Ctx {
@@ -832,6 +843,38 @@ impl Source for KafkaSource {
 
     fn capabilities(&self) -> Capabilities {
         LOCALLY_HELD_CAPABILITIES
+    }
+
+    /// Ready once the group coordinator has assigned partitions (an empty assignment
+    /// counts: the group has more members than partitions), until an eager rebalance
+    /// revokes them. Before that the consumer has joined nothing yet, or waits for the
+    /// coordinator: after a member of the group died without leaving, that lasts until the
+    /// dead member's `session.timeout.ms` (45 s by default).
+    fn readiness(&self) -> ReadinessProbe {
+        let shared = self.shared.clone();
+        let topics = self.cfg.topics.join(", ");
+        let group = self
+            .cfg
+            .client
+            .get("group.id")
+            .unwrap_or_default()
+            .to_string();
+        ReadinessProbe::new(move || {
+            if !shared.assigned.load(Ordering::Acquire) {
+                return Readiness::Waiting(format!(
+                    "partitions of {topics} from the group coordinator of `{group}`"
+                ));
+            }
+            let mut parts: Vec<PartitionId> = shared.sync.lock().parts.keys().cloned().collect();
+            parts.sort();
+            let named: Vec<String> = parts.iter().map(|(t, p)| format!("{t}[{p}]")).collect();
+            Readiness::Ready(match parts.len() {
+                0 => "assigned no partitions (the group has more members than partitions)"
+                    .to_string(),
+                1 => format!("assigned 1 partition: {}", named.join(", ")),
+                n => format!("assigned {n} partitions: {}", named.join(", ")),
+            })
+        })
     }
 }
 
