@@ -217,22 +217,11 @@ fn knob(name: &str, default: usize) -> usize {
     })
 }
 
-/// The broker's and the store's URLs, or `None` to skip (a panic when
-/// `IDEMQ_REQUIRE_SERVERS=1`).
+/// The broker's and the store's URLs, or `None` when the pair must not run
+/// (`idemq_core::testkit::servers`: a recorded skip, or a panic under `IDEMQ_REQUIRE_SERVERS=1`).
 fn servers(broker: Broker, store: Store) -> Option<(String, String)> {
-    match (var(broker.env()), var(store.env())) {
-        (Some(b), Some(s)) => Some((b, s)),
-        _ => {
-            assert!(
-                var("IDEMQ_REQUIRE_SERVERS").as_deref() != Some("1"),
-                "IDEMQ_REQUIRE_SERVERS=1 needs {} and {} (eval \"$(scripts/servers.sh env)\")",
-                broker.env(),
-                store.env()
-            );
-            eprintln!("skipped: needs {} and {}", broker.env(), store.env());
-            None
-        }
-    }
+    use idemq_core::testkit::servers::server_url;
+    Some((server_url(broker.env())?, server_url(store.env())?))
 }
 
 fn unique(what: &str) -> String {

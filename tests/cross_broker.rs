@@ -26,32 +26,15 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// The four servers, or `None` to skip (a panic when `IDEMQ_REQUIRE_SERVERS=1`).
+/// The four servers, or `None` when the test must not run (`idemq_core::testkit::servers`).
 fn servers() -> Option<[String; 4]> {
-    let vars = [
-        "IDEMQ_TEST_KAFKA_BROKERS",
-        "IDEMQ_TEST_AMQP_URL",
-        "IDEMQ_TEST_ROCKETMQ_NAMESRV",
-        "IDEMQ_TEST_POSTGRES_URL",
-    ];
-    let found: Vec<String> = vars
-        .iter()
-        .filter_map(|v| std::env::var(v).ok().filter(|s| !s.trim().is_empty()))
-        .collect();
-    if found.len() == vars.len() {
-        return Some([
-            found[0].clone(),
-            found[1].clone(),
-            found[2].clone(),
-            found[3].clone(),
-        ]);
-    }
-    assert!(
-        std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() != Ok("1"),
-        "IDEMQ_REQUIRE_SERVERS=1 needs {vars:?} (eval \"$(scripts/servers.sh env)\")"
-    );
-    eprintln!("skipped: needs {vars:?}");
-    None
+    use idemq_core::testkit::servers::server_url;
+    Some([
+        server_url("IDEMQ_TEST_KAFKA_BROKERS")?,
+        server_url("IDEMQ_TEST_AMQP_URL")?,
+        server_url("IDEMQ_TEST_ROCKETMQ_NAMESRV")?,
+        server_url("IDEMQ_TEST_POSTGRES_URL")?,
+    ])
 }
 
 fn unique(what: &str) -> String {

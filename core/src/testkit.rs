@@ -817,6 +817,7 @@ macro_rules! store_contract_tests {
 }
 
 pub mod process;
+pub mod servers;
 
 /// The clock-skew scenario (issue 11, item 3), shared by the SQL and Redis stores' tests.
 pub mod clock_skew {

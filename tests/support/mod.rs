@@ -2,19 +2,10 @@
 //! uses only some of it).
 #![allow(dead_code)]
 
-/// The URL of a server-backed store or broker, or `None` (skip) when it is not configured;
-/// with `IDEMQ_REQUIRE_SERVERS=1` (as `scripts/test.sh` sets) a missing URL fails instead.
+/// The URL of a server-backed store or broker, or `None` when the test must not run (see
+/// `idemq_core::testkit::servers`: a recorded skip, or a panic under `IDEMQ_REQUIRE_SERVERS=1`).
 pub fn server_url(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(u) if !u.is_empty() => Some(u),
-        _ if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") => {
-            panic!("{var} is not set but IDEMQ_REQUIRE_SERVERS=1: start servers with scripts/servers.sh")
-        }
-        _ => {
-            eprintln!("skipping: {var} not set (eval \"$(scripts/servers.sh env)\")");
-            None
-        }
-    }
+    idemq_core::testkit::servers::server_url(var)
 }
 
 /// The error of a call that must fail (the success types are not all `Debug`, so

@@ -68,6 +68,6 @@ impl SourceFixture for Fixture {
 }
 
 idemq_core::source_contract_tests!(async {
-    let brokers = std::env::var("IDEMQ_TEST_KAFKA_BROKERS").ok()?;
+    let brokers = idemq_core::testkit::servers::server_url("IDEMQ_TEST_KAFKA_BROKERS")?;
     Some(Arc::new(Kafka { brokers }) as Arc<dyn SourceHarness>)
 });

@@ -37,16 +37,7 @@ const N: usize = 2_000;
 const PARTS: i32 = 4;
 
 fn pg_url() -> Option<String> {
-    match std::env::var("IDEMQ_TEST_POSTGRES_URL") {
-        Ok(u) if !u.is_empty() => Some(u),
-        _ if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") => {
-            panic!("IDEMQ_REQUIRE_SERVERS=1 but IDEMQ_TEST_POSTGRES_URL is not set")
-        }
-        _ => {
-            eprintln!("skipped: IDEMQ_TEST_POSTGRES_URL is not set");
-            None
-        }
-    }
+    idemq_core::testkit::servers::server_url("IDEMQ_TEST_POSTGRES_URL")
 }
 
 fn key(topic: &str, i: usize) -> String {

@@ -54,16 +54,7 @@ mod flow3 {
     }
 
     fn url(var: &str) -> Option<String> {
-        match std::env::var(var) {
-            Ok(u) if !u.is_empty() => Some(u),
-            _ if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") => {
-                panic!("IDEMQ_REQUIRE_SERVERS=1 but {var} is not set")
-            }
-            _ => {
-                eprintln!("skipped: {var} is not set");
-                None
-            }
-        }
+        idemq_core::testkit::servers::server_url(var)
     }
 
     /// A pseudo-random number (no rand dependency needed for kill points).

@@ -55,9 +55,7 @@ impl Run {
 }
 
 fn pg_url() -> Option<String> {
-    std::env::var("IDEMQ_TEST_POSTGRES_URL")
-        .ok()
-        .filter(|u| !u.is_empty())
+    idemq_core::testkit::servers::server_url("IDEMQ_TEST_POSTGRES_URL")
 }
 
 /// The child's source: the RabbitMQ source, with every delivery it hands out recorded in the
@@ -190,7 +188,6 @@ async fn a_consumer_process_killed_mid_batch_changes_the_world_once() {
         return;
     };
     let Some(pg) = pg_url() else {
-        eprintln!("skipped: IDEMQ_TEST_POSTGRES_URL is not set");
         return;
     };
     let tag = format!("{:08x}", rand::random::<u32>());

@@ -13,16 +13,7 @@ use std::time::Duration;
 
 /// The test broker, or `None` to skip; panics when `IDEMQ_REQUIRE_SERVERS=1` demands one.
 pub fn brokers() -> Option<String> {
-    match std::env::var("IDEMQ_TEST_KAFKA_BROKERS") {
-        Ok(b) if !b.is_empty() => Some(b),
-        _ if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") => {
-            panic!("IDEMQ_REQUIRE_SERVERS=1 but IDEMQ_TEST_KAFKA_BROKERS is not set")
-        }
-        _ => {
-            eprintln!("skipped: IDEMQ_TEST_KAFKA_BROKERS is not set");
-            None
-        }
-    }
+    idemq_core::testkit::servers::server_url("IDEMQ_TEST_KAFKA_BROKERS")
 }
 
 /// A name no other test run uses.

@@ -18,16 +18,7 @@ pub fn stream_url() -> Option<String> {
 }
 
 fn env_url(var: &str) -> Option<String> {
-    let url = std::env::var(var).ok().filter(|u| !u.is_empty());
-    if url.is_none() {
-        assert_ne!(
-            std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref(),
-            Ok("1"),
-            "IDEMQ_REQUIRE_SERVERS=1 but {var} is not set (scripts/servers.sh env)"
-        );
-        eprintln!("skipped: {var} is not set");
-    }
-    url
+    idemq_core::testkit::servers::server_url(var)
 }
 
 /// A queue name of this run only.

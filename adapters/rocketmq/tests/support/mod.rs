@@ -11,35 +11,12 @@ use tokio::time::Instant;
 
 /// `IDEMQ_TEST_ROCKETMQ_NAMESRV`; `None` skips unless `IDEMQ_REQUIRE_SERVERS=1`.
 pub fn namesrv() -> Option<String> {
-    let found = std::env::var("IDEMQ_TEST_ROCKETMQ_NAMESRV")
-        .ok()
-        .filter(|s| !s.trim().is_empty());
-    let required = std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1");
-    match found {
-        None if required => panic!(
-            "IDEMQ_REQUIRE_SERVERS=1 needs IDEMQ_TEST_ROCKETMQ_NAMESRV (scripts/servers.sh start rocketmq; eval \"$(scripts/servers.sh env)\")"
-        ),
-        None => {
-            eprintln!("skipped: no IDEMQ_TEST_ROCKETMQ_NAMESRV");
-            None
-        }
-        some => some,
-    }
+    idemq_core::testkit::servers::server_url("IDEMQ_TEST_ROCKETMQ_NAMESRV")
 }
 
 /// `IDEMQ_TEST_POSTGRES_URL`; `None` skips unless `IDEMQ_REQUIRE_SERVERS=1`.
 pub fn postgres_url() -> Option<String> {
-    let found = std::env::var("IDEMQ_TEST_POSTGRES_URL")
-        .ok()
-        .filter(|s| !s.trim().is_empty());
-    if found.is_none() {
-        assert!(
-            std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() != Ok("1"),
-            "IDEMQ_REQUIRE_SERVERS=1 needs IDEMQ_TEST_POSTGRES_URL (eval \"$(scripts/servers.sh env)\")"
-        );
-        eprintln!("skipped: no IDEMQ_TEST_POSTGRES_URL");
-    }
-    found
+    idemq_core::testkit::servers::server_url("IDEMQ_TEST_POSTGRES_URL")
 }
 
 /// The dedup key a delivery carries (`""` without one).

@@ -14,33 +14,18 @@ use std::sync::Arc;
 
 /// The Redis URL, or `None` (skip) when none is configured and servers are not required.
 pub fn redis_url() -> Option<String> {
-    env_url("IDEMQ_TEST_REDIS_URL", "Redis", "")
+    env_url("IDEMQ_TEST_REDIS_URL")
 }
 
 /// The Redis Cluster URL (`IDEMQ_REDIS_CLUSTER_URL`, `redis+cluster://...`), or `None`
 /// (skip) when none is configured and servers are not required.
 pub fn cluster_url() -> Option<String> {
-    env_url("IDEMQ_REDIS_CLUSTER_URL", "Redis Cluster", " redis-cluster")
+    env_url("IDEMQ_REDIS_CLUSTER_URL")
 }
 
-/// The URL in `var`, or `None` (skip, with a note) unless `IDEMQ_REQUIRE_SERVERS=1`.
-fn env_url(var: &str, what: &str, server: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(url) if !url.trim().is_empty() => Some(url),
-        _ => {
-            if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") {
-                panic!(
-                    "IDEMQ_REQUIRE_SERVERS=1 but {var} is unset: \
-                     run `scripts/servers.sh start` and `eval \"$(scripts/servers.sh env)\"`"
-                );
-            }
-            eprintln!(
-                "skipping {what} test: {var} is unset \
-                 (scripts/servers.sh start{server}; eval \"$(scripts/servers.sh env)\")"
-            );
-            None
-        }
-    }
+/// The URL in `var`, or `None` when the test must not run (`idemq_core::testkit::servers`).
+fn env_url(var: &str) -> Option<String> {
+    idemq_core::testkit::servers::server_url(var)
 }
 
 /// A unique key prefix per test run, so parallel tests and leftovers never meet.

@@ -2,7 +2,7 @@
 //!
 //! Server URLs come from the environment (`eval "$(scripts/servers.sh env)"`):
 //! `IDEMQ_TEST_POSTGRES_URL`, `IDEMQ_TEST_MYSQL_URL`. When one is unset the test is skipped
-//! with a note on stderr — unless `IDEMQ_REQUIRE_SERVERS=1`, which makes it a failure (CI).
+//! or fails, as `idemq_core::testkit::servers` says.
 #![allow(dead_code)]
 
 use idemq_core::{DedupStore, FencingToken};
@@ -10,22 +10,10 @@ use idemq_sql::{SqlStoreOptions, TableName};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-/// The URL in `var`, or `None` (skip) when unset; panics when unset and
-/// `IDEMQ_REQUIRE_SERVERS=1`.
+/// The URL in `var`, or `None` when the test must not run: see
+/// [`idemq_core::testkit::servers`] for which `None` is a recorded skip and which a panic.
 pub fn server_url(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(v) if !v.trim().is_empty() => Some(v),
-        _ => {
-            if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1") {
-                panic!(
-                    "{var} is not set but IDEMQ_REQUIRE_SERVERS=1: start the servers with \
-                     `scripts/servers.sh start` and `eval \"$(scripts/servers.sh env)\"`"
-                );
-            }
-            eprintln!("skipping: {var} is not set (run scripts/servers.sh start and eval its env)");
-            None
-        }
-    }
+    idemq_core::testkit::servers::server_url(var)
 }
 
 pub fn postgres_url() -> Option<String> {
