@@ -1,12 +1,18 @@
 //! `idemq consume`: a generic idempotent sink for trying things out. It consumes a Kafka
 //! topic, a RabbitMQ queue or a RocketMQ topic through the idempotent consumer over any
 //! store URL, and prints each message processed (not its duplicates) as one JSON line.
+//!
+//! Printing is the handler's effect, and it happens before the dedup record is completed:
+//! a run killed in between printed lines that the next run prints again (`"takeover":
+//! true`), so stdout is at-least-once after a crash, like any effect outside the store.
+//! stderr says what the consumer waits for, reports dead letters as they happen (count and
+//! last reason, at most every [`DEAD_LETTER_NOTE_EVERY`]) and ends with the counts.
 
 use clap::Args;
-use idemq::core::source::Readiness;
+use idemq::core::source::{Readiness, ReadinessProbe};
 use idemq::{
-    ClaimedMessage, ConsumerConfig, ConsumerStats, HandlerError, IdempotentConsumer, KeyStrategy,
-    Source,
+    async_trait, Capabilities, ClaimedMessage, ConsumerConfig, ConsumerStats, Delivery, Envelope,
+    HandlerError, IdempotentConsumer, KeyStrategy, Settle, Source, SourceError,
 };
 use std::io::Write;
 use std::process::ExitCode;
@@ -191,6 +197,8 @@ fn line(m: &ClaimedMessage) -> String {
             idemq::Position::DeliveryTag(t) => i64::try_from(*t).unwrap_or(i64::MAX),
         }),
         "attempt": m.attempt,
+        // An earlier run may have printed this message and died before recording it done.
+        "takeover": m.takeover,
     });
     match std::str::from_utf8(&env.payload) {
         Ok(text) => v["payload"] = text.into(),
@@ -205,7 +213,11 @@ fn line(m: &ClaimedMessage) -> String {
 pub async fn run(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
     let keys = key_strategy(&args.key, &args.group)?;
     let store = idemq::open_store(&args.store).await?;
-    let mut source = open_source(&args.broker, &args.group).await?;
+    let last_reason = LastReason::default();
+    let mut source = NotingRejects {
+        inner: open_source(&args.broker, &args.group).await?,
+        last: last_reason.clone(),
+    };
     let out = Arc::new(std::sync::Mutex::new(std::io::stdout()));
     let consumer = IdempotentConsumer::new(store, keys, move |m: ClaimedMessage| {
         let out = out.clone();
@@ -239,6 +251,7 @@ pub async fn run(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
                     Instant::now(),
                     readiness.check(),
                     &consumer.stats(),
+                    last_reason.get().as_deref(),
                     &mut notes,
                 );
                 for note in notes.drain(..) {
@@ -255,8 +268,13 @@ pub async fn run(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
             () = watching => {}
         }
     };
-    consumer.run(&mut *source, stop).await?;
+    consumer.run(&mut source, stop).await?;
     let s = consumer.stats();
+    if let Some(note) =
+        watch.dead_letter_note(Instant::now(), &s, last_reason.get().as_deref(), true)
+    {
+        say(&note);
+    }
     let _ = writeln!(
         std::io::stderr(),
         "consumed: processed={} duplicates_skipped={} dead_lettered={} retried={}",
@@ -288,6 +306,118 @@ fn wait_hint(broker: &str) -> Option<&'static str> {
 /// How often a wait that goes on is reported again.
 const WAIT_NOTE_EVERY: Duration = Duration::from_secs(10);
 
+/// The most often dead letters are reported (a poison stream must not flood stderr).
+const DEAD_LETTER_NOTE_EVERY: Duration = Duration::from_secs(10);
+
+/// The reason of the last dead letter, shared by the deliveries and the watcher.
+#[derive(Clone, Default)]
+struct LastReason(Arc<std::sync::Mutex<Option<String>>>);
+
+impl LastReason {
+    fn set(&self, reason: &str) {
+        let mut last = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        *last = Some(reason.to_string());
+    }
+    fn get(&self) -> Option<String> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+/// The source, with each delivery's reject reason kept for the stderr note (the engine
+/// counts dead letters but keeps no reason).
+struct NotingRejects {
+    inner: Box<dyn Source>,
+    last: LastReason,
+}
+
+#[async_trait]
+impl Source for NotingRejects {
+    async fn poll(&mut self, max: usize) -> Result<Option<Vec<Delivery>>, SourceError> {
+        let Some(batch) = self.inner.poll(max).await? else {
+            return Ok(None);
+        };
+        Ok(Some(
+            batch
+                .into_iter()
+                .map(|d| NotedDelivery::wrap(d, self.last.clone()))
+                .collect(),
+        ))
+    }
+    async fn after_batch(&mut self) -> Result<(), SourceError> {
+        self.inner.after_batch().await
+    }
+    async fn close(&mut self) -> Result<(), SourceError> {
+        self.inner.close().await
+    }
+    fn capabilities(&self) -> Capabilities {
+        self.inner.capabilities()
+    }
+    fn readiness(&self) -> ReadinessProbe {
+        self.inner.readiness()
+    }
+}
+
+/// One delivery of the source inside another: settling the outer one settles it. The
+/// envelope moves out to the outer delivery and comes back before a nack, reject or
+/// abandon, as the source's own settlement expects.
+struct NotedDelivery {
+    inner: Option<Delivery>,
+    last: LastReason,
+}
+
+impl NotedDelivery {
+    fn wrap(mut d: Delivery, last: LastReason) -> Delivery {
+        let empty = Envelope::new(d.envelope.broker, String::new(), bytes::Bytes::new());
+        let envelope = std::mem::replace(&mut d.envelope, empty);
+        Delivery::new(
+            envelope,
+            Box::new(Self {
+                inner: Some(d),
+                last,
+            }),
+        )
+    }
+}
+
+#[async_trait]
+impl Settle for NotedDelivery {
+    async fn ack(&mut self) -> Result<(), SourceError> {
+        match self.inner.take() {
+            Some(d) => d.ack().await,
+            None => Ok(()),
+        }
+    }
+    async fn nack(&mut self, redeliver_after: Duration) -> Result<(), SourceError> {
+        match self.inner.take() {
+            Some(d) => d.nack(redeliver_after).await,
+            // Only after a reject that failed, when the inner delivery already fell back
+            // to a nack of its own and failed that too.
+            None => Err(SourceError::Broker(
+                "the delivery was settled already".into(),
+            )),
+        }
+    }
+    async fn reject(&mut self, reason: &str) -> Result<(), SourceError> {
+        self.last.set(reason);
+        match self.inner.take() {
+            Some(d) => d.reject(reason).await,
+            None => Ok(()),
+        }
+    }
+    fn abandon(&mut self) {
+        // Dropping the inner delivery unsettled abandons it at its source.
+        drop(self.inner.take());
+    }
+    fn is_stale(&self) -> bool {
+        self.inner.as_ref().is_some_and(Delivery::is_stale)
+    }
+    fn take_back(&mut self, envelope: Envelope) {
+        if let Some(d) = &mut self.inner {
+            d.envelope = envelope;
+        }
+    }
+}
+
 /// Decides, a few times a second, what to say on stderr and when to stop: `--idle-exit`
 /// counts only while the source is ready (a Kafka consumer holds its assignment), never
 /// while it waits for partitions, which after a crash of a group member can take as long
@@ -304,6 +434,8 @@ struct Watch {
     waiting: Option<(Instant, Instant)>,
     /// What the source held when last said (re-said when it changes).
     holding: Option<String>,
+    /// Dead letters when last said, and when that was.
+    dead_letters_said: (u64, Option<Instant>),
 }
 
 impl Watch {
@@ -320,7 +452,36 @@ impl Watch {
             idle_since: None,
             waiting: None,
             holding: None,
+            dead_letters_said: (0, None),
         }
+    }
+
+    /// A note on the messages dead-lettered since the last one, if any were and the last
+    /// note is at least [`DEAD_LETTER_NOTE_EVERY`] old (`now`: whatever its age).
+    fn dead_letter_note(
+        &mut self,
+        now: Instant,
+        s: &ConsumerStats,
+        last_reason: Option<&str>,
+        at_once: bool,
+    ) -> Option<String> {
+        let (said, at) = self.dead_letters_said;
+        let due = at_once || at.is_none_or(|at| now.duration_since(at) >= DEAD_LETTER_NOTE_EVERY);
+        if s.rejected <= said || !due {
+            return None;
+        }
+        self.dead_letters_said = (s.rejected, Some(now));
+        let new = s.rejected - said;
+        let plural = if new == 1 { "message" } else { "messages" };
+        let total = if said == 0 {
+            String::new()
+        } else {
+            format!(" ({} in all)", s.rejected)
+        };
+        Some(format!(
+            "dead-lettered {new} {plural}{total}; last reason: {}",
+            last_reason.unwrap_or("unknown")
+        ))
     }
 
     /// One look at the source and the counters; pushes what to say onto `notes` and
@@ -330,8 +491,10 @@ impl Watch {
         now: Instant,
         readiness: Readiness,
         s: &ConsumerStats,
+        last_reason: Option<&str>,
         notes: &mut Vec<String>,
     ) -> bool {
+        notes.extend(self.dead_letter_note(now, s, last_reason, false));
         if self.max_messages.is_some_and(|max| s.processed >= max) {
             return true;
         }
@@ -406,7 +569,7 @@ mod tests {
         // 45 s of waiting for partitions (a dead member's session timeout) never stops it.
         for s in 0..45 {
             assert!(
-                !w.tick(at(s), waiting(), &stats(0), &mut notes),
+                !w.tick(at(s), waiting(), &stats(0), None, &mut notes),
                 "stopped at {s} s"
             );
         }
@@ -426,19 +589,82 @@ mod tests {
         );
         notes.clear();
         // The idle clock starts once it is assigned.
-        assert!(!w.tick(at(45), ready(), &stats(0), &mut notes));
+        assert!(!w.tick(at(45), ready(), &stats(0), None, &mut notes));
         assert_eq!(notes, ["ready: assigned 2 partitions: p[0], p[1]"]);
-        assert!(!w.tick(at(46), ready(), &stats(0), &mut notes));
+        assert!(!w.tick(at(46), ready(), &stats(0), None, &mut notes));
         // A message resets it.
-        assert!(!w.tick(at(47), ready(), &stats(1), &mut notes));
-        assert!(!w.tick(at(48), ready(), &stats(1), &mut notes));
+        assert!(!w.tick(at(47), ready(), &stats(1), None, &mut notes));
+        assert!(!w.tick(at(48), ready(), &stats(1), None, &mut notes));
         // An eager rebalance takes the partitions away: the clock stops, and restarts from
         // the new assignment.
-        assert!(!w.tick(at(60), waiting(), &stats(1), &mut notes));
-        assert!(!w.tick(at(61), ready(), &stats(1), &mut notes));
-        assert!(!w.tick(at(62), ready(), &stats(1), &mut notes));
-        assert!(w.tick(at(63), ready(), &stats(1), &mut notes));
+        assert!(!w.tick(at(60), waiting(), &stats(1), None, &mut notes));
+        assert!(!w.tick(at(61), ready(), &stats(1), None, &mut notes));
+        assert!(!w.tick(at(62), ready(), &stats(1), None, &mut notes));
+        assert!(w.tick(at(63), ready(), &stats(1), None, &mut notes));
         assert_eq!(notes.len(), 3, "{notes:?}");
+    }
+
+    #[test]
+    fn dead_letters_are_said_with_the_last_reason_at_most_every_ten_seconds() {
+        let t0 = Instant::now();
+        let at = |secs: u64| t0 + Duration::from_secs(secs);
+        let ready = || Readiness::Ready("connected".into());
+        let rejected = |n: u64| {
+            let mut s = ConsumerStats::default();
+            s.rejected = n;
+            s
+        };
+        let mut w = Watch::new(None, None, None);
+        let mut notes = Vec::new();
+        w.tick(at(0), ready(), &rejected(0), None, &mut notes);
+        notes.clear();
+        w.tick(at(1), ready(), &rejected(3), Some("no key"), &mut notes);
+        assert_eq!(notes, ["dead-lettered 3 messages; last reason: no key"]);
+        // Every message of a poison stream dead-lettered: one note per 10 s, not per message.
+        for s in 2..11 {
+            w.tick(
+                at(s),
+                ready(),
+                &rejected(3 + s),
+                Some("bad key"),
+                &mut notes,
+            );
+        }
+        assert_eq!(notes.len(), 1, "{notes:?}");
+        w.tick(at(11), ready(), &rejected(14), Some("bad key"), &mut notes);
+        assert_eq!(
+            notes[1],
+            "dead-lettered 11 messages (14 in all); last reason: bad key"
+        );
+        // Nothing new: nothing said; at the end, what is left is said at once.
+        w.tick(at(30), ready(), &rejected(14), Some("bad key"), &mut notes);
+        assert_eq!(notes.len(), 2, "{notes:?}");
+        assert_eq!(
+            w.dead_letter_note(at(31), &rejected(15), Some("last"), true)
+                .as_deref(),
+            Some("dead-lettered 1 message (15 in all); last reason: last")
+        );
+    }
+
+    #[test]
+    fn a_line_says_whether_an_earlier_run_may_have_printed_it() {
+        let env = Envelope::new(idemq::BrokerKind::Kafka, "payments", "{\"id\":1}");
+        let key = idemq::DedupKey::from_stored("g:pay-1");
+        let (_, lease) = idemq::LeaseWatch::pair();
+        for takeover in [false, true] {
+            let m = ClaimedMessage::new(
+                Arc::new(env.clone()),
+                key.clone(),
+                idemq::FencingToken::random(),
+                2,
+                takeover,
+                lease.clone(),
+            );
+            let v: serde_json::Value = serde_json::from_str(&line(&m)).unwrap();
+            assert_eq!(v["takeover"], takeover, "{v}");
+            assert_eq!(v["attempt"], 2, "{v}");
+            assert_eq!(v["key"], "pay-1", "{v}");
+        }
     }
 
     #[test]
@@ -447,17 +673,19 @@ mod tests {
         let ready = || Readiness::Ready("connected".into());
         let mut notes = Vec::new();
         let mut w = Watch::new(None, Some(3), None);
-        assert!(!w.tick(t0, ready(), &stats(2), &mut notes));
+        assert!(!w.tick(t0, ready(), &stats(2), None, &mut notes));
         assert!(!w.tick(
             t0 + Duration::from_secs(3600),
             ready(),
             &stats(2),
+            None,
             &mut notes
         ));
         assert!(w.tick(
             t0 + Duration::from_secs(3601),
             ready(),
             &stats(3),
+            None,
             &mut notes
         ));
         assert_eq!(notes, ["ready: connected"]);

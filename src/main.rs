@@ -34,6 +34,15 @@ enum Command {
     /// Consume a Kafka topic, RabbitMQ queue or RocketMQ topic idempotently and print each
     /// message processed as a JSON line (duplicates are skipped).
     ///
+    /// stdout is at-least-once after a crash: printing a line is the effect, and it comes
+    /// before the message is recorded done, so a run killed in between prints that line
+    /// again when restarted, with "takeover": true (a line with "takeover": true may repeat
+    /// one an earlier run printed). Without a crash each message is printed once.
+    ///
+    /// stderr says what the consumer waits for (a Kafka consumer: partitions from the group
+    /// coordinator), reports dead-lettered messages (count and last reason, at most every
+    /// 10 s) and ends with the counts.
+    ///
     /// Example: idemq consume --broker kafka://127.0.0.1:9092/payments
     /// --store sqlite://dedup.db?mode=rwc --key json:/payment_id --idle-exit 5
     Consume(consume::ConsumeArgs),

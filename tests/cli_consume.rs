@@ -55,6 +55,20 @@ fn json_lines(stdout: &str) -> Vec<serde_json::Value> {
         .collect()
 }
 
+#[tokio::test]
+async fn the_help_says_stdout_is_at_least_once_after_a_crash() {
+    let out = idemq(&["consume", "--help"], Duration::from_secs(60)).await;
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{help}");
+    let flat = help.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(flat.contains("at-least-once"), "{help}");
+    assert!(flat.contains("\"takeover\": true"), "{help}");
+    assert!(
+        !flat.contains("prints each message processed once"),
+        "{help}"
+    );
+}
+
 #[cfg(feature = "rabbitmq")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dedup_header_reads_the_dedup_plugins_header_as_pika_sends_it() {
@@ -256,6 +270,130 @@ mod kafka {
         );
         assert!(
             stderr.contains("processed=20 duplicates_skipped=5"),
+            "{stderr}"
+        );
+    }
+
+    /// `idemq consume` of `topic` in `group` with `--key json:/payment_id --idle-exit 3`, to
+    /// its end: (stdout's JSON lines, stderr).
+    async fn consume_payments(
+        brokers: &str,
+        topic: &str,
+        group: &str,
+        store: &TempStore,
+    ) -> (Vec<serde_json::Value>, String) {
+        let out = idemq(
+            &[
+                "consume",
+                "--broker",
+                &format!("kafka://{brokers}/{topic}"),
+                "--store",
+                &store.url(),
+                "--key",
+                "json:/payment_id",
+                "--group",
+                group,
+                "--idle-exit",
+                "3",
+            ],
+            Duration::from_secs(120),
+        )
+        .await;
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert!(out.status.success(), "{stderr}");
+        (json_lines(&stdout), stderr)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_line_a_crashed_run_may_have_printed_comes_again_with_takeover() {
+        let Some(brokers) = server_url("IDEMQ_TEST_KAFKA_BROKERS") else {
+            return;
+        };
+        let topic = create_topic(&brokers, "takeover", 1).await;
+        let group = format!("{topic}-g");
+        publish_payments(&brokers, &topic, 0..5).await;
+        // A run that claimed pay-2, printed its line and was SIGKILLed before recording it
+        // done leaves this behind: an in-progress record whose lease ends.
+        let store = TempStore::new("takeover");
+        {
+            let dedup = idemq::open_store(&store.url()).await.expect("store");
+            let key = idemq::DedupKey::from_stored(format!("{group}:pay-2"));
+            let claimed = dedup
+                .claim(&idemq::ClaimRequest::new(
+                    key.clone(),
+                    Duration::from_secs(1),
+                ))
+                .await
+                .expect("claim");
+            assert!(
+                matches!(claimed, idemq::ClaimOutcome::Acquired(_)),
+                "{claimed:?}"
+            );
+            let until = std::time::Instant::now() + Duration::from_secs(60);
+            loop {
+                let r = dedup.get(&key).await.expect("get").expect("the record");
+                if r.lease_until_ms < idemq::now_ms() {
+                    break;
+                }
+                assert!(
+                    std::time::Instant::now() < until,
+                    "lease never ended: {r:?}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+        let (lines, stderr) = consume_payments(&brokers, &topic, &group, &store).await;
+        assert_eq!(lines.len(), 5, "{lines:?}\n{stderr}");
+        for v in &lines {
+            let again = v["key"] == "pay-2";
+            assert_eq!(v["takeover"], again, "{v}");
+            assert_eq!(v["attempt"], if again { 2 } else { 1 }, "{v}");
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn dead_letters_are_said_on_stderr_with_the_last_reason() {
+        let Some(brokers) = server_url("IDEMQ_TEST_KAFKA_BROKERS") else {
+            return;
+        };
+        let topic = create_topic(&brokers, "dlq", 1).await;
+        let group = format!("{topic}-g");
+        publish_payments(&brokers, &topic, 0..3).await;
+        // 4 callbacks without a payment id: no dedup key, dead-lettered.
+        let publisher =
+            KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers)).expect("publisher");
+        let bad = (0..4)
+            .map(|i| OutgoingMessage::new(&topic, format!("{{\"amount\":{i}}}")))
+            .collect();
+        for r in publisher.publish_batch(bad).await {
+            r.expect("confirmed");
+        }
+        let store = TempStore::new("dlq");
+        let (lines, stderr) = consume_payments(&brokers, &topic, &group, &store).await;
+        assert_eq!(lines.len(), 3, "{lines:?}\n{stderr}");
+        assert!(
+            stderr.contains("processed=3 duplicates_skipped=0 dead_lettered=4"),
+            "{stderr}"
+        );
+        // Said as they happen (at most every 10 s) and at the end: 4 in all, with the reason.
+        let notes: Vec<&str> = stderr
+            .lines()
+            .filter_map(|l| l.strip_prefix("idemq consume: dead-lettered "))
+            .collect();
+        let said: u64 = notes
+            .iter()
+            .map(|n| {
+                n.split(' ')
+                    .next()
+                    .and_then(|c| c.parse::<u64>().ok())
+                    .unwrap_or_else(|| panic!("no count in `{n}`"))
+            })
+            .sum();
+        assert_eq!(said, 4, "{stderr}");
+        assert!(
+            notes.iter().all(|n| n.contains("; last reason: ")
+                && n.contains("payload has no value at JSON pointer `/payment_id`")),
             "{stderr}"
         );
     }
