@@ -52,7 +52,7 @@ awk -F'\t' -v secs="$secs" '
     next
   }
   /^ *Doc-tests / { split($0, w, " "); c = w[2]; gsub(/_/, "-", c); cur = "doc:" c; crate[cur] = c; next }
-  /^test .* \.\.\. FAILED$/ { split($0, w, " "); failed_names[++nf] = crate_of(cur) ": " w[2]; next }
+  /^test .* \.\.\. FAILED$/ { t = $0; sub(/^test /, "", t); sub(/ \.\.\. FAILED$/, "", t); failed_names[++nf] = crate_of(cur) ": " t; next }
   /^test result: / {
     phase = (FILENAME ~ /phase-1/) ? 1 : 2
     pa = fa = ig = 0
