@@ -23,12 +23,18 @@
 //! | idemq | concurrently | orderly |
 //! |---|---|---|
 //! | ack | `CONSUME_SUCCESS` | `SUCCESS` |
-//! | nack(d) | `RECONSUME_LATER`: the broker's levels decide (~10 s, then ~30 s, 1 min, …; [`MIN_RECONSUME_DELAY`]) | `SUSPEND_CURRENT_QUEUE_A_MOMENT` for `d`, same message next, order kept |
+//! | nack(d) | held on the listener thread for `d`, then the same message handed to the engine again (delivery count + 1) | same, order kept |
 //! | reject(reason) | copy to the dead-letter topic (`%DLQ%<group>` or configured) with [`DLQ_REASON`], confirmed `SEND_OK`, then success | same |
-//! | dropped, source closed | `RECONSUME_LATER` | suspend |
+//! | dropped unsettled | held 1 s, handed over again | same |
+//! | source closing | `RECONSUME_LATER` (the broker's levels: ~10 s, ~30 s, …; [`MIN_RECONSUME_DELAY`]) | `SUSPEND_CURRENT_QUEUE_A_MOMENT` |
 //!
-//! After `max_reconsume_times` the broker itself moves a message to `%DLQ%<group>` (without
-//! a reason); the engine's retry policy normally rejects earlier.
+//! A nack never reaches the broker: each `RECONSUME_LATER` or suspend would spend one of
+//! `max_reconsume_times`, after which the broker moves the message to `%DLQ%<group>` without
+//! a reason, and the engine also nacks what is not a failure (a key in flight elsewhere, the
+//! store down, a deferred lane). The engine's retry policy, which counts handler failures
+//! (the store's attempts), is the one budget, and it dead-letters with a reason. A held
+//! message keeps its listener thread and holds back its queue's committed offset until it
+//! is acked or rejected.
 //!
 //! ## What is fenced
 //! RocketMQ has no producer fencing and no consumer-side generation: a listener call that
@@ -48,6 +54,7 @@
 
 mod client;
 mod fields;
+mod listener_guard;
 mod publisher;
 mod source;
 mod transaction;

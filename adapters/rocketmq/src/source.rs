@@ -8,12 +8,26 @@
 //! | settlement | concurrently | orderly |
 //! |---|---|---|
 //! | ack | `CONSUME_SUCCESS` | `SUCCESS` |
-//! | nack(d) | `RECONSUME_LATER` (broker levels: ~10 s, ~30 s, …) | `SUSPEND_CURRENT_QUEUE_A_MOMENT` for d |
+//! | nack(d) | held on the listener thread for d, then handed to the engine again | same |
 //! | reject(reason) | copy to the DLQ topic with the reason, then success | same |
-//! | dropped / source closed | `RECONSUME_LATER` | suspend |
+//! | dropped unsettled | held `ABANDONED_RETRY` (1 s), then handed over again | same |
+//! | source closing | `RECONSUME_LATER` (broker levels: ~10 s, ~30 s, …) | `SUSPEND_CURRENT_QUEUE_A_MOMENT` |
+//!
+//! **Why a nack is held here.** Every `RECONSUME_LATER` (and every orderly suspend) spends
+//! one of `max_reconsume_times`, after which the broker moves the message to `%DLQ%<group>`
+//! without a reason. The engine nacks for reasons that are not failures (another worker
+//! holds the key, the store is down, an earlier message of the lane went back), and the
+//! settlement does not say which: a store outage of a few hours would dead-letter messages
+//! that never ran. So no nack reaches the broker: the engine's retry policy, which counts
+//! handler failures only (the store's attempt count), is the one budget, and its give-up is
+//! a reject with a reason. Only a source that closes with a message in hand gives it back
+//! (one broker attempt). The price: a held message keeps its listener thread and holds back
+//! its queue's committed offset (the client pulls on up to `consume_concurrently_max_span`,
+//! 2000, past it) until the engine acks or rejects it.
 
 use crate::client::{env, own_client};
 use crate::fields::{dead_letter_copy, to_envelope};
+use crate::listener_guard::{guarded, poll_or_fatal, ListenerPanic};
 use crate::publisher::RocketPublisher;
 use crate::RocketError;
 use async_trait::async_trait;
@@ -35,12 +49,19 @@ use std::time::Duration;
 use tokio::sync::{watch, Mutex, Notify};
 
 /// The broker's first reconsume level after `RECONSUME_LATER` (level 3 of
-/// `1s 5s 10s 30s 1m …`): the least a concurrently consumed nack waits.
+/// `1s 5s 10s 30s 1m …`): the least a message given back by a closing source waits (nacks
+/// are held in the listener for their own delay; see the module doc).
 pub const MIN_RECONSUME_DELAY: Duration = Duration::from_secs(10);
 
-/// How long an orderly queue pauses after a delivery was dropped unsettled or its source
-/// closed (concurrently consumed ones go through the broker's reconsume levels).
+/// How long a delivery dropped unsettled (a cancelled batch) is held before it is handed to
+/// the engine again, and how long an orderly queue pauses when its source closes.
 const ABANDONED_RETRY: Duration = Duration::from_secs(1);
+
+/// The client's `consume_timeout`, in minutes: a message in a listener call longer than that
+/// is sent back by the client (one broker attempt). Messages are held in listener calls
+/// while the engine nacks them, so the bound is far off (the engine's retry policy bounds a
+/// failing message; a long store outage holds them as long as it lasts).
+const CONSUME_TIMEOUT_MINUTES: u64 = 7 * 24 * 60;
 
 /// How the consumer group consumes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,8 +91,9 @@ pub struct SourceConfig {
     pub dlq_topic: Option<String>,
     /// Consume threads (listener calls that may wait for settlements at once).
     pub consume_threads: u32,
-    /// Broker-side reconsume attempts before `%DLQ%<group>` (the engine's retry policy
-    /// usually rejects earlier, with a reason).
+    /// Broker-side reconsume attempts before `%DLQ%<group>` (without a reason). Nacks do
+    /// not spend them (they are held in the listener; the engine's retry policy gives up
+    /// with a reason); only a source closed with a message in hand gives it back, one each.
     pub max_reconsume_times: i32,
     /// Deliveries buffered between the listener threads and the engine.
     pub buffer: usize,
@@ -121,6 +143,8 @@ impl SourceConfig {
 
 /// What the listener thread waits on: the settlements, or the source closing.
 struct Bridge {
+    /// Timers of the held nacks (the listener threads are not on a runtime of ours).
+    timers: tokio::runtime::Handle,
     tx: ChannelSender,
     closed: watch::Receiver<bool>,
     active: Arc<AtomicUsize>,
@@ -136,6 +160,8 @@ struct Bridge {
 struct Progress {
     settled: AtomicU64,
     answered: AtomicU64,
+    /// A listener call's panic, once one panicked: `poll` returns it.
+    panicked: ListenerPanic,
 }
 
 /// One message's outcome as the listener answers it.
@@ -144,11 +170,41 @@ enum Verdict {
     Later(Duration),
 }
 
+/// What a listener call does with its message once the engine settled it (or not).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Step {
+    /// Acked, or dead-lettered with its reason by `RocketSettle`: answer success.
+    Done,
+    /// Keep the message on this listener thread and hand it to the engine again after the
+    /// delay: the broker hears nothing, so no reconsume attempt is spent.
+    Hold(Duration),
+    /// The source is closing: give the message back to the broker.
+    GiveBack(Duration),
+}
+
+/// The listener's next step for a settlement (`None`: none arrived), the source closing or
+/// not. Only a closing source gives a message back to the broker; every nack — a handler
+/// failure, another worker's lease, a store outage, a deferred lane — is held here.
+fn step(settled: Option<&Settlement>, closing: bool) -> Step {
+    match settled {
+        Some(Settlement::Ack) => Step::Done,
+        Some(Settlement::Nack(d)) if closing => Step::GiveBack(*d),
+        _ if closing => Step::GiveBack(ABANDONED_RETRY),
+        Some(Settlement::Nack(d)) => Step::Hold(*d),
+        // Rejects were dead-lettered (then acked) by RocketSettle; a recorded reject means
+        // that failed and the message must be kept. A dropped delivery is not a failure.
+        Some(Settlement::Reject(_)) | Some(Settlement::Abandoned) | None => {
+            Step::Hold(ABANDONED_RETRY)
+        }
+    }
+}
+
 impl Bridge {
     /// Delivers one message and waits (on this blocking listener thread) for its settlement.
     fn consume(&self, m: &MessageExt) -> Verdict {
         self.active.fetch_add(1, Ordering::SeqCst);
-        let v = self.consume_inner(m);
+        let later = || Verdict::Later(ABANDONED_RETRY);
+        let v = guarded(&self.progress.panicked, m, later, || self.consume_inner(m));
         if self.active.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.idle.notify_waiters();
         }
@@ -156,9 +212,32 @@ impl Bridge {
     }
 
     fn consume_inner(&self, m: &MessageExt) -> Verdict {
-        if *self.closed.borrow() {
-            return Verdict::Later(ABANDONED_RETRY);
+        // Hand-overs of this message by this listener call after the first (held nacks).
+        let mut held = 0u32;
+        loop {
+            if *self.closed.borrow() {
+                return Verdict::Later(ABANDONED_RETRY);
+            }
+            let Some(settled) = self.deliver(m, held) else {
+                return Verdict::Later(ABANDONED_RETRY);
+            };
+            match step(settled.as_ref(), *self.closed.borrow()) {
+                Step::Done => return Verdict::Done,
+                Step::GiveBack(d) => return Verdict::Later(d),
+                Step::Hold(d) => {
+                    metrics::counter!("idemq_rocketmq_nacks_held_total").increment(1);
+                    if !self.hold(d) {
+                        return Verdict::Later(ABANDONED_RETRY);
+                    }
+                    held = held.saturating_add(1);
+                }
+            }
         }
+    }
+
+    /// Hands the message to the engine and waits for its settlement. `None`: the source is
+    /// gone; `Some(None)`: no settlement (closing).
+    fn deliver(&self, m: &MessageExt, held: u32) -> Option<Option<Settlement>> {
         let (recorder, outcome) = SettleRecorder::new();
         let settle = RocketSettle {
             recorder,
@@ -166,9 +245,16 @@ impl Bridge {
             message: m.clone(),
             progress: self.progress.clone(),
         };
-        let d = Delivery::new(to_envelope(m), Box::new(settle));
+        let mut envelope = to_envelope(m);
+        if held > 0 {
+            // The broker's count does not see hand-overs from here: add them.
+            let first = envelope.delivery_count.unwrap_or(1);
+            envelope.delivery_count = Some(first.saturating_add(held));
+            envelope.redelivered = true;
+        }
+        let d = Delivery::new(envelope, Box::new(settle));
         if self.tx.blocking_send(d).is_err() {
-            return Verdict::Later(ABANDONED_RETRY);
+            return None;
         }
         let mut closed = self.closed.clone();
         let settled = futures::executor::block_on(async move {
@@ -185,15 +271,22 @@ impl Bridge {
         if settled.is_some() {
             self.progress.answered.fetch_add(1, Ordering::SeqCst);
         }
-        match settled {
-            Some(Settlement::Ack) => Verdict::Done,
-            Some(Settlement::Nack(d)) => Verdict::Later(d),
-            // Rejects were dead-lettered (then acked) by RocketSettle; a recorded reject
-            // means that failed and the message must be kept.
-            Some(Settlement::Reject(_)) | Some(Settlement::Abandoned) | None => {
-                Verdict::Later(ABANDONED_RETRY)
-            }
-        }
+        Some(settled)
+    }
+
+    /// Waits `d` on this listener thread; false when the source started closing meanwhile.
+    fn hold(&self, d: Duration) -> bool {
+        let sleep = {
+            let _timers = self.timers.enter();
+            Box::pin(tokio::time::sleep(d))
+        };
+        let mut closed = self.closed.clone();
+        futures::executor::block_on(async move {
+            let closing = Box::pin(async move {
+                let _ = closed.wait_for(|c| *c).await;
+            });
+            matches!(select(sleep, closing).await, Either::Left(_))
+        })
     }
 }
 
@@ -340,6 +433,7 @@ impl RocketSource {
         let idle = Arc::new(Notify::new());
         let progress = Arc::new(Progress::default());
         let bridge = Arc::new(Bridge {
+            timers: env.bridge.clone(),
             tx,
             closed,
             active: active.clone(),
@@ -361,6 +455,7 @@ impl RocketSource {
             .consume_thread_min(threads)
             .consume_thread_max(threads)
             .max_reconsume_times(cfg.max_reconsume_times)
+            .consume_timeout(CONSUME_TIMEOUT_MINUTES)
             .build();
         consumer
             .subscribe(cfg.topic.as_str(), cfg.tags.as_str())
@@ -379,10 +474,8 @@ impl RocketSource {
         tracing::info!(group = %cfg.group, topic = %cfg.topic, mode = ?cfg.mode, "rocketmq consumer started");
         let inner = inner.with_capabilities(Capabilities {
             delayed_redelivery: true,
-            min_redelivery_delay: match cfg.mode {
-                ConsumeMode::Concurrently => MIN_RECONSUME_DELAY,
-                ConsumeMode::Orderly => Duration::from_millis(10),
-            },
+            // Nacks are held here for exactly their delay (see the module doc).
+            min_redelivery_delay: Duration::ZERO,
             dead_letter: true,
             ordered: cfg.mode == ConsumeMode::Orderly,
             transactional: true,
@@ -428,7 +521,7 @@ async fn shut_down(consumer: Arc<Mutex<Option<DefaultMQPushConsumer>>>, dlq: Arc
 #[async_trait]
 impl Source for RocketSource {
     async fn poll(&mut self, max: usize) -> Result<Option<Vec<Delivery>>, SourceError> {
-        self.inner.poll(max).await
+        poll_or_fatal(&mut self.inner, &self.progress.panicked, max).await
     }
 
     /// Persists the consume offsets once the batch's settlements reached the client (the
@@ -495,5 +588,369 @@ impl Drop for RocketSource {
             env.bridge
                 .spawn(shut_down(self.consumer.clone(), self.dlq.clone()));
         }
+    }
+}
+
+#[cfg(test)]
+mod retry_budget_tests {
+    //! What a nack costs: the listener calls of both modes driven the way the client calls
+    //! them (on a blocking thread, one message), the real engine settling over the channel
+    //! source, no broker. A nack that is not a handler failure must not reach the broker as
+    //! RECONSUME_LATER / a suspend, each of which spends one of `max_reconsume_times`.
+
+    use super::*;
+    use cheetah_string::CheetahString;
+    use idemq_core::engine::{ConsumerConfig, RetryPolicy};
+    use idemq_core::publish::DEDUP_HEADER;
+    use idemq_core::store::{
+        ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupRecord, DedupStore,
+        ExtendOutcome, FencingToken, ReleaseOutcome, StoreError,
+    };
+    use idemq_core::{
+        ClaimedMessage, ConsumerGroup, DedupKey, HandlerError, IdempotentConsumer, KeyStrategy,
+        MemoryStore,
+    };
+    use rocketmq_model::common::message::message_queue::MessageQueue;
+    use rocketmq_model::common::message::MessageTrait;
+    use std::sync::atomic::{AtomicBool, AtomicU32};
+    use std::thread::JoinHandle;
+
+    const GROUP: &str = "billing";
+
+    /// The memory store behind a switch: while it is down every call is `Unavailable`.
+    struct Switchable {
+        inner: MemoryStore,
+        down: AtomicBool,
+    }
+
+    impl Switchable {
+        fn check(&self) -> Result<(), StoreError> {
+            if self.down.load(Ordering::SeqCst) {
+                Err(StoreError::Unavailable("test: the store is down".into()))
+            } else {
+                Ok(())
+            }
+        }
+    }
+
+    #[async_trait]
+    impl DedupStore for Switchable {
+        async fn claim_batch(
+            &self,
+            reqs: &[ClaimRequest],
+        ) -> Result<Vec<ClaimOutcome>, StoreError> {
+            self.check()?;
+            self.inner.claim_batch(reqs).await
+        }
+        async fn complete_batch(
+            &self,
+            items: &[Completion],
+        ) -> Result<Vec<CompleteOutcome>, StoreError> {
+            self.check()?;
+            self.inner.complete_batch(items).await
+        }
+        async fn release(
+            &self,
+            key: &DedupKey,
+            token: FencingToken,
+        ) -> Result<ReleaseOutcome, StoreError> {
+            self.check()?;
+            self.inner.release(key, token).await
+        }
+        async fn extend(
+            &self,
+            key: &DedupKey,
+            token: FencingToken,
+            lease: Duration,
+        ) -> Result<ExtendOutcome, StoreError> {
+            self.check()?;
+            self.inner.extend(key, token, lease).await
+        }
+        async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
+            self.check()?;
+            self.inner.get(key).await
+        }
+        async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+            self.inner.purge_expired(limit).await
+        }
+        async fn list_stuck(
+            &self,
+            stale_for: Duration,
+            limit: usize,
+        ) -> Result<Vec<DedupRecord>, StoreError> {
+            self.inner.list_stuck(stale_for, limit).await
+        }
+        async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
+            self.inner.forget(key).await
+        }
+    }
+
+    /// A message as the broker hands it over: first delivery, the dedup key in its property.
+    fn message(key: &str) -> MessageExt {
+        let mut m = MessageExt::default();
+        m.set_topic(CheetahString::from_static_str("payments"));
+        m.set_body(bytes::Bytes::from_static(br#"{"amount":100}"#));
+        m.put_property(
+            CheetahString::from_static_str(DEDUP_HEADER),
+            CheetahString::from_string(key.to_string()),
+        );
+        m
+    }
+
+    /// A bridge like `RocketSource::connect` builds, without a consumer; its dead-letter
+    /// producer is never used here (nothing is rejected).
+    async fn bridge() -> (Arc<Bridge>, ChannelSource, watch::Sender<bool>) {
+        let dlq = Arc::new(DeadLetters {
+            topic: format!("%DLQ%{GROUP}"),
+            publisher: RocketPublisher::connect(crate::PublisherConfig::new(
+                "127.0.0.1:9",
+                "budget-test-dlq",
+            ))
+            .await
+            .expect("an unconnected dead-letter producer"),
+        });
+        let (tx, inner) = channel_source(8);
+        let (closing, closed) = watch::channel(false);
+        let bridge = Arc::new(Bridge {
+            timers: tokio::runtime::Handle::current(),
+            tx,
+            closed,
+            active: Arc::new(AtomicUsize::new(0)),
+            idle: Arc::new(Notify::new()),
+            dlq,
+            progress: Arc::new(Progress::default()),
+        });
+        (bridge, inner, closing)
+    }
+
+    fn quick_config() -> ConsumerConfig {
+        ConsumerConfig {
+            store_backoff: Duration::from_millis(20),
+            store_backoff_max: Duration::from_millis(50),
+            store_retries: 1,
+            retry: RetryPolicy::fixed(Duration::from_millis(50)),
+            ..ConsumerConfig::default()
+        }
+    }
+
+    /// Calls the concurrent listener on a blocking thread, as the client does.
+    fn concurrently(bridge: &Arc<Bridge>, m: MessageExt) -> JoinHandle<ConsumeConcurrentlyStatus> {
+        let listener = Concurrent(bridge.clone());
+        std::thread::spawn(move || {
+            let ctx = ConsumeConcurrentlyContext::new(MessageQueue::default());
+            listener
+                .consume_message(&[&m], &ctx)
+                .expect("listener status")
+        })
+    }
+
+    /// Calls the orderly listener on a blocking thread, as the client does.
+    fn orderly(bridge: &Arc<Bridge>, m: MessageExt) -> JoinHandle<ConsumeOrderlyStatus> {
+        let listener = Orderly(bridge.clone());
+        std::thread::spawn(move || {
+            let mut ctx = ConsumeOrderlyContext::new(MessageQueue::default());
+            listener
+                .consume_message(&[&m], &mut ctx)
+                .expect("listener status")
+        })
+    }
+
+    async fn until(what: &str, within: Duration, done: impl Fn() -> bool) {
+        let deadline = tokio::time::Instant::now() + within;
+        while !done() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what} within {within:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The store is down for a while: the engine nacks the message again and again (store
+    /// unavailable), and the listener must keep it instead of answering the broker; once the
+    /// store is back, the message is applied once and the listener answers success.
+    /// Only a closing source gives a message back to the broker; every nack is held.
+    #[test]
+    fn only_a_closing_source_gives_a_message_back() {
+        let d = Duration::from_secs(3);
+        let nack = Settlement::Nack(d);
+        let failed_dlq = Settlement::Reject("the dead-letter send failed".into());
+        assert_eq!(step(Some(&Settlement::Ack), false), Step::Done);
+        assert_eq!(step(Some(&Settlement::Ack), true), Step::Done);
+        assert_eq!(step(Some(&nack), false), Step::Hold(d));
+        assert_eq!(step(Some(&failed_dlq), false), Step::Hold(ABANDONED_RETRY));
+        assert_eq!(
+            step(Some(&Settlement::Abandoned), false),
+            Step::Hold(ABANDONED_RETRY)
+        );
+        assert_eq!(step(None, false), Step::Hold(ABANDONED_RETRY));
+        assert_eq!(step(Some(&nack), true), Step::GiveBack(d));
+        assert_eq!(
+            step(Some(&Settlement::Abandoned), true),
+            Step::GiveBack(ABANDONED_RETRY)
+        );
+        assert_eq!(step(None, true), Step::GiveBack(ABANDONED_RETRY));
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_store_outage_spends_none_of_the_reconsume_budget() {
+        for mode in [ConsumeMode::Concurrently, ConsumeMode::Orderly] {
+            let store = Arc::new(Switchable {
+                inner: MemoryStore::new(),
+                down: AtomicBool::new(true),
+            });
+            let (bridge, mut source, _closing) = bridge().await;
+            let applied = Arc::new(AtomicU32::new(0));
+            let counter = applied.clone();
+            let consumer = IdempotentConsumer::new(
+                store.clone(),
+                KeyStrategy::dedup_header(GROUP).expect("keys"),
+                move |_m: ClaimedMessage| {
+                    let counter = counter.clone();
+                    async move {
+                        counter.fetch_add(1, Ordering::SeqCst);
+                        Ok::<_, HandlerError>(None)
+                    }
+                },
+            )
+            .with_config(quick_config());
+            let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+            let engine = consumer.clone();
+            let run = tokio::spawn(async move {
+                let _ = engine
+                    .run(&mut source, async move {
+                        let _ = stopped.await;
+                    })
+                    .await;
+            });
+            let (concurrent, ordered) = match mode {
+                ConsumeMode::Concurrently => (Some(concurrently(&bridge, message("pay-1"))), None),
+                ConsumeMode::Orderly => (None, Some(orderly(&bridge, message("pay-1")))),
+            };
+            let answered = || {
+                concurrent.as_ref().is_some_and(|t| t.is_finished())
+                    || ordered.as_ref().is_some_and(|t| t.is_finished())
+            };
+            until(
+                "three store-outage nacks, or an answer to the broker",
+                Duration::from_secs(30),
+                || consumer.stats().store_unavailable >= 3 || answered(),
+            )
+            .await;
+            if answered() {
+                let status = match (concurrent, ordered) {
+                    (Some(t), _) => format!("{:?}", t.join().expect("listener")),
+                    (_, Some(t)) => format!("{:?}", t.join().expect("listener")),
+                    _ => unreachable!(),
+                };
+                panic!(
+                    "{mode:?}: the listener answered {status} after {} store-outage nack(s): \
+                     the broker counts that as one of max_reconsume_times, so an outage long \
+                     enough sends an unprocessed message to %DLQ% without a reason",
+                    consumer.stats().store_unavailable
+                );
+            }
+            assert_eq!(
+                applied.load(Ordering::SeqCst),
+                0,
+                "nothing ran while the store was down"
+            );
+            store.down.store(false, Ordering::SeqCst);
+            until("the listener answers", Duration::from_secs(30), answered).await;
+            match (concurrent, ordered) {
+                (Some(t), _) => assert_eq!(
+                    t.join().expect("listener"),
+                    ConsumeConcurrentlyStatus::ConsumeSuccess
+                ),
+                (_, Some(t)) => {
+                    assert_eq!(t.join().expect("listener"), ConsumeOrderlyStatus::Success)
+                }
+                _ => unreachable!(),
+            }
+            assert_eq!(
+                applied.load(Ordering::SeqCst),
+                1,
+                "{mode:?}: applied once after the outage"
+            );
+            let _ = stop.send(());
+            let _ = run.await;
+        }
+    }
+
+    /// Another worker holds the key (a live lease elsewhere): the engine nacks "in flight";
+    /// the listener keeps the message, and once the other worker completed the key the copy
+    /// is acked as a duplicate, never given back to the broker.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_message_in_flight_elsewhere_is_kept_not_given_back() {
+        let store = Arc::new(MemoryStore::new());
+        let key = DedupKey::new(&ConsumerGroup::new(GROUP).expect("group"), "pay-2").expect("key");
+        let other = match store
+            .claim(&ClaimRequest::new(key.clone(), Duration::from_secs(30)))
+            .await
+        {
+            Ok(ClaimOutcome::Acquired(l)) => l,
+            o => panic!("the other worker's claim: {o:?}"),
+        };
+        let (bridge, mut source, _closing) = bridge().await;
+        let applied = Arc::new(AtomicU32::new(0));
+        let counter = applied.clone();
+        let consumer = IdempotentConsumer::new(
+            store.clone(),
+            KeyStrategy::dedup_header(GROUP).expect("keys"),
+            move |_m: ClaimedMessage| {
+                let counter = counter.clone();
+                async move {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    Ok::<_, HandlerError>(None)
+                }
+            },
+        )
+        .with_config(ConsumerConfig {
+            in_flight_delay_max: Duration::from_millis(100),
+            ..quick_config()
+        });
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let engine = consumer.clone();
+        let run = tokio::spawn(async move {
+            let _ = engine
+                .run(&mut source, async move {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        let listener = concurrently(&bridge, message("pay-2"));
+        until(
+            "two in-flight nacks, or an answer to the broker",
+            Duration::from_secs(30),
+            || consumer.stats().in_flight >= 2 || listener.is_finished(),
+        )
+        .await;
+        assert!(
+            !listener.is_finished(),
+            "the listener answered {:?} after {} in-flight nack(s): the broker counts each as \
+             one of max_reconsume_times",
+            listener.join().expect("listener"),
+            consumer.stats().in_flight
+        );
+        store
+            .complete(&key, other.token, None, Duration::from_secs(3600))
+            .await
+            .expect("the other worker completes");
+        until("the listener answers", Duration::from_secs(30), || {
+            listener.is_finished()
+        })
+        .await;
+        assert_eq!(
+            listener.join().expect("listener"),
+            ConsumeConcurrentlyStatus::ConsumeSuccess
+        );
+        assert_eq!(
+            applied.load(Ordering::SeqCst),
+            0,
+            "a duplicate: not run here"
+        );
+        assert!(consumer.stats().duplicates >= 1);
+        let _ = stop.send(());
+        let _ = run.await;
     }
 }
