@@ -29,9 +29,14 @@ fn type_name(v: &AMQPValue) -> Option<&'static str> {
     })
 }
 
+/// How many arrays and tables deep a header value is rendered; one nested deeper is written
+/// `[...]` / `{...}`. Keeps the text and the recursion bounded whatever a producer nested.
+pub(crate) const MAX_RENDER_DEPTH: usize = 16;
+
 /// A JSON-like text of a value (strings quoted inside arrays and tables).
-fn render(v: &AMQPValue, out: &mut String, nested: bool) {
+fn render(v: &AMQPValue, out: &mut String, depth: usize) {
     use std::fmt::Write;
+    let nested = depth > 0;
     let _ = match v {
         AMQPValue::LongString(s) if nested => {
             write!(out, "{:?}", String::from_utf8_lossy(s.as_bytes()))
@@ -53,13 +58,21 @@ fn render(v: &AMQPValue, out: &mut String, nested: bool) {
         AMQPValue::Timestamp(t) => write!(out, "{t}"),
         AMQPValue::ByteArray(b) => write!(out, "{:?}", b.as_slice()),
         AMQPValue::Void => write!(out, "null"),
+        AMQPValue::FieldArray(_) if depth >= MAX_RENDER_DEPTH => {
+            out.push_str("[...]");
+            Ok(())
+        }
+        AMQPValue::FieldTable(_) if depth >= MAX_RENDER_DEPTH => {
+            out.push_str("{...}");
+            Ok(())
+        }
         AMQPValue::FieldArray(a) => {
             out.push('[');
             for (i, item) in a.as_slice().iter().enumerate() {
                 if i > 0 {
                     out.push(',');
                 }
-                render(item, out, true);
+                render(item, out, depth + 1);
             }
             out.push(']');
             Ok(())
@@ -71,7 +84,7 @@ fn render(v: &AMQPValue, out: &mut String, nested: bool) {
                     out.push(',');
                 }
                 let _ = write!(out, "{:?}:", k.as_str());
-                render(item, out, true);
+                render(item, out, depth + 1);
             }
             out.push('}');
             Ok(())
@@ -87,7 +100,7 @@ pub(crate) fn to_header(v: &AMQPValue) -> (Bytes, Option<&'static str>) {
         AMQPValue::ByteArray(b) => (Bytes::copy_from_slice(b.as_slice()), Some("bytes")),
         other => {
             let mut text = String::new();
-            render(other, &mut text, false);
+            render(other, &mut text, 0);
             (Bytes::from(text), type_name(other))
         }
     }
@@ -209,5 +222,202 @@ mod tests {
         let (text, ty) = to_header(&v);
         assert_eq!(&text[..], br#"[{"count":2,"queue":"q"}]"#);
         assert_eq!(ty, Some("array"));
+    }
+}
+
+/// Arbitrary AMQP values and tables, for the conversion's seeded property tests.
+#[cfg(test)]
+pub(crate) mod arbitrary {
+    use lapin::types::{AMQPValue, DecimalValue, FieldTable, LongString, ShortString};
+    use rand::rngs::StdRng;
+    use rand::Rng;
+
+    /// Bytes: empty, text, arbitrary (mostly not UTF-8), now and then large.
+    pub(crate) fn bytes(rng: &mut StdRng) -> Vec<u8> {
+        let len = match rng.gen_range(0..100) {
+            0..=9 => 0,
+            10..=94 => rng.gen_range(1..40),
+            95..=98 => rng.gen_range(40..4_000),
+            _ => rng.gen_range(4_000..200_000),
+        };
+        let mut out = vec![0u8; len];
+        rng.fill(&mut out[..]);
+        if rng.gen_bool(0.5) {
+            out.iter_mut().for_each(|b| *b = b' ' + *b % 95);
+        }
+        out
+    }
+
+    /// Text with the characters that trip conversions: empty, NUL, RocketMQ's and AMQP's
+    /// separators, quotes and backslashes, multi-byte characters; up to `max` characters.
+    pub(crate) fn text(rng: &mut StdRng, max: usize) -> String {
+        const CHARS: [char; 12] = [
+            'a',
+            'Z',
+            '0',
+            ' ',
+            '\0',
+            '\u{1}',
+            '\u{2}',
+            '"',
+            '\\',
+            '\u{e9}',
+            '\u{20ac}',
+            '\u{1d11e}',
+        ];
+        let len = match rng.gen_range(0..10) {
+            0 => 0,
+            1..=8 => rng.gen_range(1..16),
+            _ => rng.gen_range(16..=max.max(16)),
+        };
+        (0..len.min(max))
+            .map(|_| CHARS[rng.gen_range(0..CHARS.len())])
+            .collect()
+    }
+
+    /// Any field value; arrays and tables nest up to `depth` more levels.
+    pub(crate) fn value(rng: &mut StdRng, depth: usize) -> AMQPValue {
+        let kinds = if depth == 0 { 16 } else { 18 };
+        match rng.gen_range(0..kinds) {
+            0 => AMQPValue::Boolean(rng.gen()),
+            1 => AMQPValue::ShortShortInt(rng.gen()),
+            2 => AMQPValue::ShortShortUInt(rng.gen()),
+            3 => AMQPValue::ShortInt(rng.gen()),
+            4 => AMQPValue::ShortUInt(rng.gen()),
+            5 => AMQPValue::LongInt(rng.gen()),
+            6 => AMQPValue::LongUInt(rng.gen()),
+            7 => AMQPValue::LongLongInt(rng.gen()),
+            // From bit patterns: NaN, infinities and subnormals included.
+            8 => AMQPValue::Float(f32::from_bits(rng.gen())),
+            9 => AMQPValue::Double(f64::from_bits(rng.gen())),
+            10 => AMQPValue::DecimalValue(DecimalValue {
+                scale: rng.gen(),
+                value: rng.gen(),
+            }),
+            11 => AMQPValue::ShortString(ShortString::from(text(rng, 255))),
+            12 | 13 => AMQPValue::LongString(LongString::from(bytes(rng))),
+            14 => AMQPValue::Timestamp(rng.gen()),
+            15 => {
+                if rng.gen_bool(0.5) {
+                    AMQPValue::Void
+                } else {
+                    AMQPValue::ByteArray(bytes(rng).into())
+                }
+            }
+            16 => {
+                let n = rng.gen_range(0..5);
+                AMQPValue::FieldArray(
+                    (0..n)
+                        .map(|_| value(rng, depth - 1))
+                        .collect::<Vec<_>>()
+                        .into(),
+                )
+            }
+            _ => AMQPValue::FieldTable(table(rng, depth - 1)),
+        }
+    }
+
+    /// A header table of up to a few dozen entries.
+    pub(crate) fn table(rng: &mut StdRng, depth: usize) -> FieldTable {
+        let mut t = FieldTable::default();
+        for _ in 0..rng.gen_range(0..8) {
+            t.insert(ShortString::from(text(rng, 255)), value(rng, depth));
+        }
+        if rng.gen_bool(0.02) {
+            t.insert("deep".into(), nested_arrays(rng.gen_range(20..1_000)));
+        }
+        t
+    }
+
+    /// `levels` arrays, each holding the next, around one string.
+    pub(crate) fn nested_arrays(levels: usize) -> AMQPValue {
+        let mut v = AMQPValue::LongString("x".into());
+        for _ in 0..levels {
+            v = AMQPValue::FieldArray(vec![v].into());
+        }
+        v
+    }
+}
+
+#[cfg(test)]
+mod conversion_tests {
+    use super::arbitrary::{nested_arrays, table};
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::SeedableRng;
+
+    /// A scalar's text and type name bring back the same scalar.
+    fn comes_back(v: &AMQPValue, bytes: &Bytes, ty: Option<&str>) -> bool {
+        let back = from_header(bytes, ty);
+        match (v, &back) {
+            (AMQPValue::Float(a), AMQPValue::Float(b)) => a == b || (a.is_nan() && b.is_nan()),
+            (AMQPValue::Double(a), AMQPValue::Double(b)) => a == b || (a.is_nan() && b.is_nan()),
+            (AMQPValue::LongString(_), _) | (AMQPValue::ByteArray(_), _) => back == *v,
+            (
+                AMQPValue::Boolean(_)
+                | AMQPValue::ShortShortInt(_)
+                | AMQPValue::ShortShortUInt(_)
+                | AMQPValue::ShortInt(_)
+                | AMQPValue::ShortUInt(_)
+                | AMQPValue::LongInt(_)
+                | AMQPValue::LongUInt(_)
+                | AMQPValue::LongLongInt(_)
+                | AMQPValue::Timestamp(_),
+                _,
+            ) => back == *v,
+            // Strings, decimals, void, arrays and tables go back as their text.
+            _ => matches!(back, AMQPValue::LongString(_)),
+        }
+    }
+
+    #[test]
+    fn every_header_table_becomes_headers_whatever_it_holds() {
+        for seed in 0..3_000u64 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let t = table(&mut rng, 3);
+            let mut h = Headers::new();
+            table_to_headers(&t, &mut h);
+            let mut want = Vec::new();
+            for (name, v) in t.inner() {
+                let (bytes, ty) = to_header(v);
+                assert!(comes_back(v, &bytes, ty), "seed {seed}: {name:?} = {v:?}");
+                match v {
+                    AMQPValue::LongString(s) => assert_eq!(&bytes[..], s.as_bytes()),
+                    AMQPValue::ByteArray(b) => assert_eq!(&bytes[..], b.as_slice()),
+                    AMQPValue::FieldArray(_) => {
+                        assert!(bytes.starts_with(b"[") && bytes.ends_with(b"]"))
+                    }
+                    AMQPValue::FieldTable(_) => {
+                        assert!(bytes.starts_with(b"{") && bytes.ends_with(b"}"))
+                    }
+                    _ => {}
+                }
+                want.push((name.as_str().to_string(), bytes.to_vec()));
+                if let Some(ty) = ty {
+                    want.push((props::type_of(name.as_str()), ty.as_bytes().to_vec()));
+                }
+            }
+            let got: Vec<(String, Vec<u8>)> =
+                h.iter().map(|(n, v)| (n.to_string(), v.to_vec())).collect();
+            assert_eq!(got, want, "seed {seed}");
+        }
+    }
+
+    #[test]
+    fn nested_values_render_a_bounded_depth() {
+        for levels in [MAX_RENDER_DEPTH - 1, MAX_RENDER_DEPTH, 200, 1_000] {
+            let (text, ty) = to_header(&nested_arrays(levels));
+            assert_eq!(ty, Some("array"));
+            let want = if levels <= MAX_RENDER_DEPTH {
+                format!("{}\"x\"{}", "[".repeat(levels), "]".repeat(levels))
+            } else {
+                format!(
+                    "{}[...]{}",
+                    "[".repeat(MAX_RENDER_DEPTH),
+                    "]".repeat(MAX_RENDER_DEPTH)
+                )
+            };
+            assert_eq!(String::from_utf8_lossy(&text), want, "{levels} levels");
+        }
     }
 }

@@ -38,6 +38,12 @@
 //! closes the channel; dropping the source does the same without waiting (a crash, for the
 //! broker).
 //!
+//! **Every delivery becomes an envelope** ([`to_envelope`], never a panic): header values
+//! of every AMQP type are carried as text with their type (arrays and tables nested more
+//! than 16 deep are cut to `[...]` / `{...}`), counts such as `x-delivery-count` saturate
+//! instead of overflowing. A panic in the background connection task is caught: every later
+//! `poll` returns it as an error instead of ending the source as if it had been closed.
+//!
 //! **Publishing.** [`RabbitPublisher`] implements the core
 //! [`Publisher`](idemq_core::Publisher): persistent (`delivery_mode` 2), `mandatory`, one
 //! result per message only after the confirm (nack → `Rejected`, returned → `Unroutable`,

@@ -7,7 +7,7 @@ use crate::topology::{self, retry_queue_name, QueueType, DEFAULT_RETRY_TIERS_MS}
 use crate::{connect, RabbitError};
 use async_trait::async_trait;
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use idemq_core::adapter::{channel_source, ChannelSender, ChannelSource, DelayedRedelivery};
 use idemq_core::envelope::{props, Position};
 use idemq_core::source::{Capabilities, Delivery, Settle, Source, SourceError};
@@ -20,6 +20,8 @@ use lapin::publisher_confirm::Confirmation;
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, Consumer};
 use std::collections::HashMap;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -146,6 +148,8 @@ struct Shared {
     /// Ordered mode: nacked deliveries waiting, on one lane (the queue).
     held: Mutex<DelayedRedelivery<Delivery, ()>>,
     held_changed: Notify,
+    /// Why the connection task died, when it panicked: every `poll` returns it.
+    fatal: Mutex<Option<String>>,
 }
 
 impl Shared {
@@ -344,7 +348,9 @@ impl Settle for RabbitSettle {
         let mut extra = FieldTable::default();
         extra.insert(
             RETRIES.into(),
-            AMQPValue::LongLongInt(i64::try_from(self.raw.retries + 1).unwrap_or(i64::MAX)),
+            AMQPValue::LongLongInt(
+                i64::try_from(self.raw.retries.saturating_add(1)).unwrap_or(i64::MAX),
+            ),
         );
         let parked = match self.ensure_tier(tier).await {
             Ok(()) => self.republish(&queue, extra).await,
@@ -513,8 +519,9 @@ fn envelope_of(
         retries = get_u64(h, RETRIES).unwrap_or(0);
         // Quorum queues count failed deliveries; retry-queue round trips count too.
         let returned = get_u64(h, "x-delivery-count").unwrap_or(0);
-        if returned + retries > 0 {
-            env.delivery_count = u32::try_from(returned + retries + 1).ok();
+        let before = returned.saturating_add(retries);
+        if before > 0 {
+            env.delivery_count = u32::try_from(before.saturating_add(1)).ok();
             env.redelivered = true;
         }
     }
@@ -619,6 +626,25 @@ async fn pump(
     stopped
 }
 
+/// Runs the connection task, catching a panic in it (a bug, or a client library that
+/// panics on what a producer sent) as the source's fatal error. `keep_open`, a sender of
+/// the source's channel, is dropped only after that: the channel ends (and `poll` looks for
+/// the error) once the error is there, so a task that died never reads as a source that
+/// ended normally.
+async fn guarded(shared: Arc<Shared>, keep_open: ChannelSender, task: impl Future<Output = ()>) {
+    if let Err(panic) = AssertUnwindSafe(task).catch_unwind().await {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic without a message".to_string());
+        tracing::error!(queue = %shared.cfg.queue, panic = %what, "the rabbitmq connection task panicked: the source stops");
+        *shared.fatal.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(format!("the connection task panicked: {what}"));
+    }
+    drop(keep_open);
+}
+
 /// A manual-ack consumer of one RabbitMQ queue; see the crate docs for how settlements map.
 pub struct RabbitSource {
     shared: Arc<Shared>,
@@ -653,17 +679,32 @@ impl RabbitSource {
             tiers: Mutex::new(HashMap::new()),
             held: Mutex::new(DelayedRedelivery::new()),
             held_changed: Notify::new(),
+            fatal: Mutex::new(None),
         });
         let first = open_session(&shared).await?;
         let (tx, inner) = channel_source(usize::from(shared.cfg.prefetch));
         let (stop, stop_rx) = watch::channel(false);
-        let task = tokio::spawn(run(shared.clone(), Some(first), tx, stop_rx));
+        let task = tokio::spawn(guarded(
+            shared.clone(),
+            tx.clone(),
+            run(shared.clone(), Some(first), tx, stop_rx),
+        ));
         Ok(Self {
             shared,
             inner,
             stop,
             task: Some(task),
         })
+    }
+
+    /// The connection task's panic, as `poll`'s error.
+    fn fatal(&self) -> Option<SourceError> {
+        self.shared
+            .fatal
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+            .map(SourceError::Broker)
     }
 
     /// Ordered mode: due held deliveries first; nothing new while one is held.
@@ -701,10 +742,19 @@ impl Source for RabbitSource {
         if self.task.is_none() {
             return Err(SourceError::Config("poll after close".into()));
         }
-        if self.shared.cfg.ordered {
-            return self.poll_ordered(max).await;
+        if let Some(e) = self.fatal() {
+            return Err(e);
         }
-        self.inner.poll(max).await
+        let got = if self.shared.cfg.ordered {
+            self.poll_ordered(max).await
+        } else {
+            self.inner.poll(max).await
+        };
+        match (got, self.fatal()) {
+            // The channel ended because the connection task died, not because it stopped.
+            (Ok(None), Some(e)) => Err(e),
+            (got, _) => got,
+        }
     }
 
     async fn close(&mut self) -> Result<(), SourceError> {
@@ -736,5 +786,182 @@ impl Drop for RabbitSource {
         self.shared.generation.fetch_add(1, Ordering::SeqCst);
         drop(self.shared.release_held());
         let _ = self.stop.send(true);
+    }
+}
+
+#[cfg(test)]
+mod conversion_tests {
+    use super::*;
+    use crate::fields::arbitrary::{bytes, table, text};
+    use lapin::types::{LongString, ShortString};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// An integer header of any AMQP width, extremes included.
+    fn count(rng: &mut StdRng) -> AMQPValue {
+        let big = rng.gen_bool(0.5);
+        match rng.gen_range(0..5) {
+            0 => AMQPValue::LongLongInt(if big { i64::MAX } else { rng.gen() }),
+            1 => AMQPValue::Timestamp(if big { u64::MAX } else { rng.gen() }),
+            2 => AMQPValue::LongUInt(if big { u32::MAX } else { rng.gen() }),
+            3 => AMQPValue::ShortShortInt(rng.gen()),
+            _ => AMQPValue::LongString(LongString::from(bytes(rng))),
+        }
+    }
+
+    fn delivery(rng: &mut StdRng) -> lapin::message::Delivery {
+        let mut p = BasicProperties::default();
+        let short = |rng: &mut StdRng| ShortString::from(text(rng, 255));
+        if rng.gen_bool(0.7) {
+            p = p.with_message_id(short(rng));
+        }
+        if rng.gen_bool(0.3) {
+            p = p.with_correlation_id(short(rng));
+        }
+        if rng.gen_bool(0.3) {
+            p = p.with_reply_to(short(rng));
+        }
+        if rng.gen_bool(0.3) {
+            p = p.with_content_type(short(rng));
+        }
+        if rng.gen_bool(0.3) {
+            p = p.with_content_encoding(short(rng));
+        }
+        if rng.gen_bool(0.3) {
+            p = p.with_type(short(rng));
+        }
+        if rng.gen_bool(0.3) {
+            p = p.with_timestamp(rng.gen());
+        }
+        if rng.gen_bool(0.8) {
+            let mut t = table(rng, 2);
+            if rng.gen_bool(0.4) {
+                t.insert(RETRIES.into(), count(rng));
+            }
+            if rng.gen_bool(0.4) {
+                t.insert("x-delivery-count".into(), count(rng));
+            }
+            p = p.with_headers(t);
+        }
+        lapin::message::Delivery {
+            delivery_tag: rng.gen(),
+            exchange: short(rng),
+            routing_key: short(rng),
+            redelivered: rng.gen(),
+            properties: p,
+            data: bytes(rng),
+            acker: lapin::acker::Acker::default(),
+        }
+    }
+
+    #[test]
+    fn every_delivery_becomes_an_envelope_whatever_it_holds() {
+        for seed in 0..3_000u64 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let d = delivery(&mut rng);
+            let cluster = Some("c".to_string());
+            let (env, retries) =
+                envelope_of("q", cluster.as_ref(), &d, Bytes::from(d.data.clone()));
+            let p = &d.properties;
+            assert_eq!(&env.payload[..], &d.data[..], "seed {seed}");
+            assert_eq!(env.source.name, "q");
+            assert_eq!(env.source.cluster, cluster);
+            assert_eq!(
+                env.source.position,
+                Some(Position::DeliveryTag(d.delivery_tag))
+            );
+            let id = p.message_id().as_ref().map(|s| s.as_str());
+            assert_eq!(env.message_id.as_deref(), id, "seed {seed}");
+            assert_eq!(env.key.as_deref(), id.map(str::as_bytes), "seed {seed}");
+            let named = [
+                (props::REPLY_TO, p.reply_to()),
+                (props::CORRELATION_ID, p.correlation_id()),
+                (props::CONTENT_TYPE, p.content_type()),
+                (props::CONTENT_ENCODING, p.content_encoding()),
+                (props::MESSAGE_TYPE, p.kind()),
+            ];
+            for (name, v) in named {
+                assert_eq!(
+                    env.headers.get_str(name),
+                    v.as_ref().map(|s| s.as_str()),
+                    "seed {seed}: {name}"
+                );
+            }
+            assert_eq!(
+                env.headers.get_str(props::EXCHANGE),
+                Some(d.exchange.as_str())
+            );
+            assert_eq!(
+                env.headers.get_str(props::ROUTING_KEY),
+                Some(d.routing_key.as_str())
+            );
+            let table = p.headers().clone().unwrap_or_default();
+            for (name, v) in table.inner() {
+                let (b, _) = crate::fields::to_header(v);
+                assert!(
+                    env.headers
+                        .iter()
+                        .any(|(n, got)| n == name.as_str() && *got == b),
+                    "seed {seed}: header {name:?} carried"
+                );
+            }
+            let carried_retries = get_u64(&table, RETRIES).unwrap_or(0);
+            assert_eq!(retries, carried_retries);
+            let returned = get_u64(&table, "x-delivery-count").unwrap_or(0);
+            let before = returned.saturating_add(carried_retries);
+            if before > 0 {
+                assert!(env.redelivered, "seed {seed}");
+                assert_eq!(
+                    env.delivery_count,
+                    u32::try_from(before.saturating_add(1)).ok()
+                );
+            } else {
+                assert_eq!(env.redelivered, d.redelivered);
+                assert_eq!(env.delivery_count, None);
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_panic_in_the_connection_task_makes_poll_fail() {
+        let cfg = RabbitSourceConfig::new("amqp://127.0.0.1:1/%2f", "q");
+        let shared = Arc::new(Shared {
+            dlq: cfg.dead_letter_queue_name(),
+            cfg,
+            generation: AtomicU64::new(0),
+            tiers: Mutex::new(HashMap::new()),
+            held: Mutex::new(DelayedRedelivery::new()),
+            held_changed: Notify::new(),
+            fatal: Mutex::new(None),
+        });
+        let (tx, inner) = channel_source(4);
+        let (stop, _stop_rx) = watch::channel(false);
+        // Under the same guard as the connection task, panicking where it converts.
+        let task = tokio::spawn(guarded(shared.clone(), tx.clone(), async move {
+            let _owned = tx;
+            panic!("injected: a delivery the conversion could not take")
+        }));
+        let mut source = RabbitSource {
+            shared,
+            inner,
+            stop,
+            task: Some(task),
+        };
+        let polled = tokio::time::timeout(Duration::from_secs(30), source.poll(10)).await;
+        match polled {
+            Err(_) => panic!("poll still waits 30 s after the connection task panicked"),
+            Ok(Ok(None)) => panic!(
+                "poll ended the source as if it had been closed: the panic went unnoticed \
+                 and the consumer would stop without an error"
+            ),
+            Ok(Ok(Some(got))) => panic!("poll returned {got:?}"),
+            Ok(Err(e)) => assert!(
+                e.to_string()
+                    .contains("the connection task panicked: injected: a delivery"),
+                "{e}"
+            ),
+        }
+        assert!(source.poll(10).await.is_err(), "the source stays failed");
+        source.close().await.expect("close");
     }
 }

@@ -340,3 +340,75 @@ macro_rules! confirm_callback {
     }};
 }
 pub(crate) use confirm_callback;
+
+#[cfg(test)]
+mod conversion_tests {
+    use super::*;
+    use crate::fields::arbitrary::{bytes, text};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+
+    /// An application property value of the kinds a producer sends.
+    fn simple(rng: &mut StdRng) -> SimpleValue {
+        match rng.gen_range(0..7) {
+            0 => SimpleValue::String(text(rng, 2_000)),
+            1 => SimpleValue::Binary(bytes(rng)),
+            2 => SimpleValue::Long(rng.gen()),
+            3 => SimpleValue::Ulong(rng.gen()),
+            4 => SimpleValue::Boolean(rng.gen()),
+            5 => SimpleValue::Int(rng.gen()),
+            _ => SimpleValue::Null,
+        }
+    }
+
+    #[test]
+    fn every_stream_message_becomes_an_envelope_whatever_it_holds() {
+        for seed in 0..3_000u64 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let body = bytes(&mut rng);
+            let id = rng.gen_bool(0.7).then(|| text(&mut rng, 300));
+            let correlation = rng.gen_bool(0.3).then(|| text(&mut rng, 300));
+            let mut b = Message::builder().body(body.clone()).properties();
+            if let Some(id) = &id {
+                b = b.message_id(id.clone());
+            }
+            if let Some(c) = &correlation {
+                b = b.correlation_id(c.clone());
+            }
+            let mut app = b.message_builder().application_properties();
+            let mut sent = Vec::new();
+            for _ in 0..rng.gen_range(0..8) {
+                let (k, v) = (text(&mut rng, 300), simple(&mut rng));
+                sent.push((k.clone(), v.clone()));
+                app = app.insert(k, v);
+            }
+            let m = app.message_builder().build();
+            let offset = rng.gen();
+            let env = stream_envelope("s", offset, &m);
+            assert_eq!(&env.payload[..], &body[..], "seed {seed}");
+            assert_eq!(env.message_id, id, "seed {seed}");
+            assert_eq!(env.key.as_deref(), id.as_deref().map(str::as_bytes));
+            assert_eq!(
+                env.headers.get_str(props::CORRELATION_ID),
+                correlation.as_deref()
+            );
+            assert_eq!(
+                env.source.position,
+                Some(Position::Offset(i64::try_from(offset).unwrap_or(i64::MAX)))
+            );
+            // The last value of a repeated name is the one the message holds.
+            for (i, (k, v)) in sent.iter().enumerate() {
+                if sent[i + 1..].iter().any(|(later, _)| later == k) {
+                    continue;
+                }
+                let want = value_bytes(v);
+                let got = env
+                    .headers
+                    .iter()
+                    .find(|(n, _)| *n == k.as_str())
+                    .map(|(_, b)| b.to_vec());
+                assert_eq!(got, want, "seed {seed}: property {k:?}");
+            }
+        }
+    }
+}
