@@ -164,3 +164,142 @@ pub fn dead_letter_copy(m: &MessageExt, topic: &str, reason: &str) -> Result<Mes
         .map_err(|e| e.to_string())?;
     b.build().map_err(|e| e.to_string())
 }
+
+#[cfg(test)]
+mod conversion_tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use std::collections::HashMap;
+
+    /// Text with the characters that trip conversions: empty, NUL, RocketMQ's separators,
+    /// spaces (the `KEYS` separator), multi-byte characters; now and then long.
+    fn text(rng: &mut StdRng, max: usize) -> String {
+        const CHARS: [char; 10] = [
+            'a',
+            'Z',
+            '0',
+            ' ',
+            '\0',
+            '\u{1}',
+            '\u{2}',
+            '\u{e9}',
+            '\u{20ac}',
+            '\u{1d11e}',
+        ];
+        let len = match rng.gen_range(0..10) {
+            0 => 0,
+            1..=8 => rng.gen_range(1..16),
+            _ => rng.gen_range(16..=max),
+        };
+        (0..len)
+            .map(|_| CHARS[rng.gen_range(0..CHARS.len())])
+            .collect()
+    }
+
+    fn message(rng: &mut StdRng) -> (MessageExt, Vec<u8>, HashMap<CheetahString, CheetahString>) {
+        let mut properties: HashMap<CheetahString, CheetahString> = HashMap::new();
+        for _ in 0..rng.gen_range(0..10) {
+            properties.insert(text(rng, 300).into(), text(rng, 3_000).into());
+        }
+        let dedup = text(rng, 40);
+        for (name, value) in [
+            (UNIQ_KEY, text(rng, 40)),
+            (DEDUP_HEADER, dedup.clone()),
+            (
+                MessageConst::PROPERTY_KEYS,
+                match rng.gen_range(0..3) {
+                    0 => format!("{dedup} {}", text(rng, 40)),
+                    1 => dedup.clone(),
+                    _ => text(rng, 80),
+                },
+            ),
+            (MessageConst::PROPERTY_TAGS, text(rng, 40)),
+            (MessageConst::PROPERTY_SHARDING_KEY, text(rng, 40)),
+        ] {
+            if rng.gen_bool(0.5) {
+                properties.insert(name.into(), value.into());
+            }
+        }
+        let most = if rng.gen_bool(0.02) { 200_000 } else { 64 };
+        let mut body = vec![0u8; rng.gen_range(0..most)];
+        rng.fill(&mut body[..]);
+        let mut m = MessageExt::default();
+        m.message.set_topic(text(rng, 100).into());
+        m.message.set_body(Some(Bytes::from(body.clone())));
+        m.message.set_properties(properties.clone());
+        m.broker_name = text(rng, 40).into();
+        m.queue_id = rng.gen();
+        m.queue_offset = rng.gen();
+        m.reconsume_times = rng.gen();
+        m.born_timestamp = rng.gen();
+        m.msg_id = text(rng, 40).into();
+        (m, body, properties)
+    }
+
+    #[test]
+    fn every_message_becomes_an_envelope_whatever_it_holds() {
+        for seed in 0..3_000u64 {
+            let mut rng = StdRng::seed_from_u64(seed);
+            let (m, body, properties) = message(&mut rng);
+            let env = to_envelope(&m);
+            assert_eq!(&env.payload[..], &body[..], "seed {seed}");
+            assert_eq!(env.source.name, m.topic().as_str());
+            assert_eq!(env.source.cluster.as_deref(), Some(m.broker_name.as_str()));
+            assert_eq!(env.source.partition, Some(m.queue_id));
+            assert_eq!(
+                env.source.position,
+                Some(Position::QueueOffset(m.queue_offset))
+            );
+            let uniq = properties.get(UNIQ_KEY).map(|v| v.to_string());
+            assert_eq!(
+                env.message_id,
+                Some(uniq.unwrap_or_else(|| m.msg_id.to_string()))
+            );
+            assert_eq!(env.headers.get_str(OFFSET_MSG_ID), Some(m.msg_id.as_str()));
+            let reconsumed = u32::try_from(m.reconsume_times).unwrap_or(0);
+            assert_eq!(
+                env.delivery_count,
+                Some(reconsumed.saturating_add(1)),
+                "seed {seed}"
+            );
+            assert_eq!(env.redelivered, reconsumed > 0);
+            assert_eq!(env.timestamp_ms, Some(m.born_timestamp));
+            for (name, value) in &properties {
+                if !STRING_HASH_SET.contains(name.as_str()) {
+                    assert!(
+                        env.headers
+                            .iter()
+                            .any(|(n, v)| n == name.as_str() && v == value.as_bytes()),
+                        "seed {seed}: property {name:?} carried"
+                    );
+                }
+            }
+            let tags = properties.get(MessageConst::PROPERTY_TAGS);
+            assert_eq!(env.headers.get_str(props::TAGS), tags.map(|t| t.as_str()));
+            let keys = properties
+                .get(MessageConst::PROPERTY_KEYS)
+                .map(|k| k.as_str());
+            match (&env.key, keys) {
+                (Some(k), Some(all)) => {
+                    let k = std::str::from_utf8(k).expect("a key from KEYS is text");
+                    assert!(
+                        !k.is_empty() && all.ends_with(k),
+                        "seed {seed}: {k:?} of {all:?}"
+                    );
+                    if properties.get(DEDUP_HEADER).is_none() {
+                        assert_eq!(k, all, "seed {seed}: without a dedup key KEYS is the key");
+                    }
+                }
+                (Some(_), None) => panic!("seed {seed}: a key without KEYS"),
+                (None, Some(all)) => assert!(
+                    all.is_empty() || properties.get(DEDUP_HEADER).is_some(),
+                    "seed {seed}: KEYS {all:?} lost"
+                ),
+                (None, None) => {}
+            }
+            let sharding = properties.get(MessageConst::PROPERTY_SHARDING_KEY);
+            assert_eq!(env.ordering_key.as_deref(), sharding.map(|s| s.as_bytes()));
+        }
+    }
+}
