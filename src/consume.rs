@@ -45,6 +45,30 @@ pub struct ConsumeArgs {
     /// Stop once this many messages have been processed (duplicates not counted).
     #[arg(long)]
     max_messages: Option<u64>,
+    #[command(flatten)]
+    kafka: KafkaArgs,
+}
+
+/// Kafka group membership (refused with another broker's URL).
+#[derive(Args, Default)]
+struct KafkaArgs {
+    /// Kafka: join the group as static member ID (`group.instance.id`), one ID per consumer
+    /// process, the same across its restarts. A restart after a crash then takes its
+    /// partitions back at once instead of after the dead member's session timeout; a
+    /// member that does not come back holds its partitions for that timeout.
+    #[arg(long, value_name = "ID")]
+    instance_id: Option<String>,
+    /// Kafka: the group session timeout in seconds (`session.timeout.ms`; librdkafka's
+    /// default is 45): how long a silent member keeps its partitions. With --instance-id,
+    /// make it longer than a restart takes.
+    #[arg(long, value_name = "SECS")]
+    session_timeout: Option<u64>,
+}
+
+impl KafkaArgs {
+    fn any(&self) -> bool {
+        self.instance_id.is_some() || self.session_timeout.is_some()
+    }
 }
 
 /// Why the broker URL was not usable.
@@ -60,6 +84,8 @@ enum BrokerUrlError {
         scheme: String,
         feature: &'static str,
     },
+    #[error("--instance-id and --session-timeout are Kafka group settings; `{0}` is not a Kafka broker URL")]
+    NotKafka(String),
     #[error("`{url}` names no {what}: {example}")]
     #[allow(dead_code)] // only built with some broker feature
     Missing {
@@ -100,12 +126,15 @@ fn split_url(url: &str) -> Option<(&str, &str, &str, Option<&str>)> {
 }
 
 #[allow(unused_variables)] // without broker features, only the refusals use the arguments
-async fn open_source(url: &str, group: &str) -> anyhow::Result<Box<dyn Source>> {
+async fn open_source(url: &str, group: &str, kafka: &KafkaArgs) -> anyhow::Result<Box<dyn Source>> {
     let shown = idemq::core::secrets::redact_url(url);
     let scheme = url
         .split_once("://")
         .map(|(s, _)| s.to_ascii_lowercase())
         .ok_or_else(|| BrokerUrlError::NotAUrl(shown.clone()))?;
+    if kafka.any() && scheme != "kafka" {
+        return Err(BrokerUrlError::NotKafka(shown).into());
+    }
     match scheme.as_str() {
         #[cfg(feature = "kafka")]
         "kafka" => {
@@ -119,7 +148,13 @@ async fn open_source(url: &str, group: &str) -> anyhow::Result<Box<dyn Source>> 
                 }
                 .into());
             }
-            let cfg = idemq::kafka::KafkaSourceConfig::new(brokers, group, &[topic]);
+            let mut cfg = idemq::kafka::KafkaSourceConfig::new(brokers, group, &[topic]);
+            if let Some(id) = &kafka.instance_id {
+                cfg = cfg.static_member(id);
+            }
+            if let Some(secs) = kafka.session_timeout {
+                cfg = cfg.session_timeout(Duration::from_secs(secs));
+            }
             Ok(Box::new(idemq::kafka::KafkaSource::new(cfg)?))
         }
         #[cfg(feature = "rabbitmq")]
@@ -215,7 +250,7 @@ pub async fn run(args: ConsumeArgs) -> anyhow::Result<ExitCode> {
     let store = idemq::open_store(&args.store).await?;
     let last_reason = LastReason::default();
     let mut source = NotingRejects {
-        inner: open_source(&args.broker, &args.group).await?,
+        inner: open_source(&args.broker, &args.group, &args.kafka).await?,
         last: last_reason.clone(),
     };
     let out = Arc::new(std::sync::Mutex::new(std::io::stdout()));
@@ -296,7 +331,8 @@ fn say(note: &str) {
 fn wait_hint(broker: &str) -> Option<&'static str> {
     let hint = "a consumer of the group that died without leaving (killed, crashed) keeps \
                 its partitions until its session times out (session.timeout.ms, 45 s by \
-                default); a topic that does not exist is never assigned";
+                default; a restart with the dead one's --instance-id takes them at once); a \
+                topic that does not exist is never assigned";
     broker
         .to_ascii_lowercase()
         .starts_with("kafka://")
@@ -709,14 +745,36 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn kafka_membership_flags_are_refused_for_other_brokers() {
+        let static_member = KafkaArgs {
+            instance_id: Some("payments-1".into()),
+            session_timeout: None,
+        };
+        let e = open_source(
+            "amqp://u:hunter2@127.0.0.1:1/%2f?queue=q",
+            "g",
+            &static_member,
+        )
+        .await
+        .map(|_| ())
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("--instance-id and --session-timeout are Kafka"),
+            "{e}"
+        );
+        assert!(!e.contains("hunter2"), "{e}");
+    }
+
+    #[tokio::test]
     async fn broker_urls_name_what_is_wrong_without_the_password() {
-        let e = open_source("payments", "g")
+        let e = open_source("payments", "g", &KafkaArgs::default())
             .await
             .map(|_| ())
             .unwrap_err()
             .to_string();
         assert!(e.contains("is not a broker URL"), "{e}");
-        let e = open_source("mqtt://u:hunter2@h/t", "g")
+        let e = open_source("mqtt://u:hunter2@h/t", "g", &KafkaArgs::default())
             .await
             .map(|_| ())
             .unwrap_err()
@@ -725,7 +783,7 @@ mod tests {
         assert!(!e.contains("hunter2"), "{e}");
         #[cfg(feature = "kafka")]
         {
-            let e = open_source("kafka://127.0.0.1:1", "g")
+            let e = open_source("kafka://127.0.0.1:1", "g", &KafkaArgs::default())
                 .await
                 .map(|_| ())
                 .unwrap_err()
@@ -734,17 +792,21 @@ mod tests {
         }
         #[cfg(feature = "rabbitmq")]
         {
-            let e = open_source("amqp://u:hunter2@127.0.0.1:1/%2f", "g")
-                .await
-                .map(|_| ())
-                .unwrap_err()
-                .to_string();
+            let e = open_source(
+                "amqp://u:hunter2@127.0.0.1:1/%2f",
+                "g",
+                &KafkaArgs::default(),
+            )
+            .await
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
             assert!(e.contains("names no queue"), "{e}");
             assert!(!e.contains("hunter2"), "{e}");
         }
         #[cfg(not(feature = "kafka"))]
         {
-            let e = open_source("kafka://h:1/t", "g")
+            let e = open_source("kafka://h:1/t", "g", &KafkaArgs::default())
                 .await
                 .map(|_| ())
                 .unwrap_err()

@@ -398,6 +398,136 @@ mod kafka {
         );
     }
 
+    /// A running `idemq` whose stderr is collected as it comes.
+    struct Running {
+        child: tokio::process::Child,
+        stderr: std::sync::Arc<std::sync::Mutex<String>>,
+    }
+
+    impl Running {
+        fn start(args: &[&str]) -> Self {
+            use tokio::io::AsyncBufReadExt;
+            let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_idemq"))
+                .args(args)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::process::Stdio::piped())
+                .kill_on_drop(true)
+                .spawn()
+                .expect("start idemq");
+            let stderr = std::sync::Arc::new(std::sync::Mutex::new(String::new()));
+            let mut lines = tokio::io::BufReader::new(child.stderr.take().expect("stderr")).lines();
+            let collected = stderr.clone();
+            tokio::spawn(async move {
+                while let Ok(Some(line)) = lines.next_line().await {
+                    let mut all = collected.lock().unwrap_or_else(|e| e.into_inner());
+                    all.push_str(&line);
+                    all.push('\n');
+                }
+            });
+            Self { child, stderr }
+        }
+
+        fn stderr(&self) -> String {
+            self.stderr
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        }
+
+        /// The first stderr line that starts with `prefix`, waiting up to `limit` for it.
+        async fn line_starting(&mut self, prefix: &str, limit: Duration) -> String {
+            let until = tokio::time::Instant::now() + limit;
+            loop {
+                if let Some(l) = self.stderr().lines().find(|l| l.starts_with(prefix)) {
+                    return l.to_string();
+                }
+                if let Ok(Some(status)) = self.child.try_wait() {
+                    panic!(
+                        "idemq exited ({status}) before saying `{prefix}`: {}",
+                        self.stderr()
+                    );
+                }
+                assert!(
+                    tokio::time::Instant::now() < until,
+                    "no `{prefix}` after {limit:?}: {}",
+                    self.stderr()
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_static_member_killed_and_restarted_gets_its_partitions_back_at_once() {
+        let Some(brokers) = server_url("IDEMQ_TEST_KAFKA_BROKERS") else {
+            return;
+        };
+        let topic = create_topic(&brokers, "static", 2).await;
+        let group = format!("{topic}-g");
+        let store = TempStore::new("static");
+        let (broker, store_url) = (format!("kafka://{brokers}/{topic}"), store.url());
+        // A session of 5 minutes: a member that came back as a new, dynamic member would
+        // wait that long for the killed one to be given up, far past this test's bounds.
+        let args = |extra: &'static [&'static str]| {
+            let mut v = vec![
+                "consume",
+                "--broker",
+                &broker,
+                "--store",
+                &store_url,
+                "--key",
+                "json:/payment_id",
+                "--group",
+                &group,
+                "--instance-id",
+                "payments-1",
+                "--session-timeout",
+                "300",
+            ];
+            v.extend_from_slice(extra);
+            v.into_iter().map(str::to_owned).collect::<Vec<String>>()
+        };
+        let first_args = args(&[]);
+        let mut first = Running::start(&first_args.iter().map(String::as_str).collect::<Vec<_>>());
+        let held = first
+            .line_starting("idemq consume: ready: ", Duration::from_secs(60))
+            .await;
+        assert!(held.contains("assigned 2 partitions"), "{held}");
+        first.child.kill().await.expect("SIGKILL the first run");
+        publish_payments(&brokers, &topic, 0..10).await;
+        let again_args = args(&["--idle-exit", "3"]);
+        let again = idemq(
+            &again_args.iter().map(String::as_str).collect::<Vec<_>>(),
+            Duration::from_secs(120),
+        )
+        .await;
+        let stdout = String::from_utf8_lossy(&again.stdout);
+        let stderr = String::from_utf8_lossy(&again.stderr);
+        assert!(again.status.success(), "{stderr}");
+        let now_held = stderr
+            .lines()
+            .find(|l| l.starts_with("idemq consume: ready: "))
+            .unwrap_or_else(|| panic!("never ready: {stderr}"));
+        assert_eq!(now_held, held, "the same partitions, back: {stderr}");
+        let keys: BTreeSet<String> = json_lines(&stdout)
+            .iter()
+            .filter_map(|v| v["key"].as_str().map(str::to_owned))
+            .collect();
+        assert_eq!(keys.len(), 10, "{stdout}\n{stderr}");
+    }
+
+    #[test]
+    fn an_unusable_instance_id_is_refused_with_the_rule() {
+        let cfg = idemq::kafka::KafkaSourceConfig::new("127.0.0.1:1", "g", &["t"])
+            .static_member("payments 1");
+        let e = idemq::kafka::KafkaSource::new(cfg)
+            .map(|_| ())
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("group.instance.id `payments 1`"), "{e}");
+        assert!(e.contains("A-Z a-z 0-9 . _ -"), "{e}");
+    }
+
     /// The role of a child process that joins a consumer group, holds its partitions
     /// without consuming, and waits to be SIGKILLed: a consumer that crashed without leaving.
     const MEMBER_ROLE: &str = "IDEMQ_CLI_TEST_GROUP_MEMBER";

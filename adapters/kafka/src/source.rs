@@ -123,12 +123,63 @@ impl KafkaSourceConfig {
         self
     }
 
+    /// Static group membership (builder form): this consumer is `instance_id` in its group
+    /// (librdkafka's `group.instance.id`, Kafka's KIP-345), an id that belongs to one
+    /// consumer process and stays the same across its restarts (the pod or host name, a
+    /// slot number), 1 to 249 characters of `A-Z a-z 0-9 . _ -`.
+    ///
+    /// A dynamic member (the default) that dies without leaving the group (SIGKILL, crash,
+    /// power loss) keeps its partitions until its session times out
+    /// ([`session_timeout`](Self::session_timeout), 45 s by default): a restarted consumer
+    /// joins as a new member and nobody reads those partitions meanwhile. A static member
+    /// that comes back under the same id within its session timeout takes its old place at
+    /// once, with the same partitions and no rebalance of the others. The price: a static
+    /// member that does *not* come back holds its partitions for the whole session timeout
+    /// (it does not leave the group on close either: under the classic group protocol,
+    /// the default, librdkafka sends no LeaveGroup for a static member), and two live
+    /// consumers with one id fence each other (the broker fences the older one: librdkafka
+    /// logs a fatal `FencedInstanceId` error, and it gets no partitions any more).
+    pub fn static_member(mut self, instance_id: &str) -> Self {
+        self.client.set("group.instance.id", instance_id);
+        self
+    }
+
+    /// How long the group coordinator waits for a silent member before handing its
+    /// partitions to others (`session.timeout.ms`, builder form; librdkafka's default is
+    /// 45 s, the broker accepts 6 s to 30 min by default). Heartbeats go out every
+    /// `heartbeat.interval.ms` (3 s by default), which must stay well below it. With
+    /// [`static_member`](Self::static_member), make it longer than a restart takes.
+    pub fn session_timeout(mut self, timeout: Duration) -> Self {
+        self.client
+            .set("session.timeout.ms", timeout.as_millis().to_string());
+        self
+    }
+
+    /// The static member id, when set ([`KafkaSourceConfig::static_member`]).
+    pub fn instance_id(&self) -> Option<&str> {
+        self.client.get("group.instance.id")
+    }
+
     /// The dead-letter topic for records of `topic`.
     pub fn dead_letter_topic_for(&self, topic: &str) -> String {
         self.dead_letter_topic
             .clone()
             .unwrap_or_else(|| format!("{topic}.dlq"))
     }
+}
+
+/// Kafka's rule for `group.instance.id`: the broker would refuse another id only when the
+/// consumer joins, long after construction.
+fn check_instance_id(id: &str) -> Result<(), KafkaSourceError> {
+    let legal = |c: char| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-');
+    if id.is_empty() || id.len() > 249 || !id.chars().all(legal) || id == "." || id == ".." {
+        return Err(KafkaSourceError::Config(format!(
+            "group.instance.id `{id}` is not usable: use 1 to 249 characters from \
+             A-Z a-z 0-9 . _ - (not `.` or `..`), one id per consumer process, the same \
+             across its restarts"
+        )));
+    }
+    Ok(())
 }
 
 /// One consumed record, owned, with the assignment it was consumed under.
@@ -391,6 +442,9 @@ impl KafkaSource {
             return Err(KafkaSourceError::Config(
                 "group.id is missing: a source commits offsets for a consumer group".into(),
             ));
+        }
+        if let Some(id) = cfg.instance_id() {
+            check_instance_id(id)?;
         }
         let mut client = cfg.client.clone();
         client
@@ -849,7 +903,8 @@ impl Source for KafkaSource {
     /// counts: the group has more members than partitions), until an eager rebalance
     /// revokes them. Before that the consumer has joined nothing yet, or waits for the
     /// coordinator: after a member of the group died without leaving, that lasts until the
-    /// dead member's `session.timeout.ms` (45 s by default).
+    /// dead member's `session.timeout.ms` (45 s by default), unless the dead member was
+    /// static and this consumer takes its place ([`KafkaSourceConfig::static_member`]).
     fn readiness(&self) -> ReadinessProbe {
         let shared = self.shared.clone();
         let topics = self.cfg.topics.join(", ");
