@@ -9,7 +9,18 @@
 //!   the consumer to the last committed offsets, so the batch is consumed again and its
 //!   aborted outputs stay invisible to `read_committed` readers;
 //! - a fenced producer (another instance took the `transactional.id`) or a fatal error stops
-//!   this processor with [`TxnError::Fenced`] / [`TxnError::Fatal`] naming the cause.
+//!   this processor with [`TxnError::Fenced`] / [`TxnError::Fatal`] naming the cause; it then
+//!   refuses every later batch with the same error (drop it: that closes its consumer, which
+//!   leaves the group, and build a new one).
+//!
+//! **Rebalances.** Each assignment of an input partition is an epoch. A record is kept in a
+//! batch only if its partition is still assigned in the epoch it was polled in when the batch
+//! runs: a record polled just before the rebalance that revoked its partition (or took it away
+//! and gave it back) is dropped — never transformed, and neither its outputs, its changelog
+//! key nor its offset are committed. The partition's owner consumes it from the committed
+//! offset instead ([`TransactionalProcessor::revoked`] counts these records). Without this, a
+//! record polled in the same poll loop as the revocation would be transformed and committed
+//! here *and* by the new owner.
 //!
 //! **Business duplicates** (the same dedup key at a new input offset: a producer that resent
 //! a payment) are dropped with [`BusinessDedup`]: the keys seen are state kept **in Kafka**,
@@ -72,7 +83,10 @@ pub enum TxnError {
 /// beginning to its end) before its first record is transformed: the first record arriving
 /// means the consumer's committed offset was fetched *stable* (librdkafka asks for stable
 /// offsets under `read_committed`, KIP-447), i.e. the previous owner's last transaction is
-/// resolved, so every key it committed is already in the changelog.
+/// resolved, so every key it committed is already in the changelog. The partitions whose
+/// first records arrive in one poll are read by one reader. A revoke drops the partition's
+/// index, and every assignment restores it again (each assignment is a new epoch: while
+/// the partition was elsewhere, another owner may have committed keys).
 ///
 /// **The requirement.** Every copy of a business key must land on the **same input partition**
 /// (the producer partitions by the dedup key, or by an entity key the copies share — Kafka's
@@ -89,7 +103,8 @@ pub struct BusinessDedup {
     /// under compaction). With a window, the changelog is created `compact,delete` with
     /// `retention.ms` = the window, and restored keys older than it are ignored.
     pub retention: Option<Duration>,
-    /// Longest a partition's restore may take before the batch fails as [`TxnError::Fatal`].
+    /// Longest a restore (the changelog partitions one batch needs, read together) may take
+    /// before the batch fails as [`TxnError::Fatal`].
     pub restore_timeout: Duration,
 }
 
@@ -140,55 +155,110 @@ impl TxnOptions {
     }
 }
 
-/// The keys seen per input partition, and which partitions still need their restore.
+/// The input partitions this processor owns (each with the epoch of its assignment), the
+/// keys seen on each, and which still need their restore. Rebalances update it from inside
+/// the consumer's `poll`, so nothing changes between a batch's poll and its commit.
 #[derive(Debug, Default)]
-struct SeenKeys {
+struct Partitions {
+    /// Assigned partitions → the epoch of their current assignment.
+    owned: HashMap<PartitionId, u64>,
+    /// The last epoch handed out.
+    epoch: u64,
     /// Restored partitions: key → record timestamp (ms).
     index: HashMap<PartitionId, HashMap<String, i64>>,
     /// Assigned, not yet restored.
     pending: HashSet<PartitionId>,
 }
 
-/// The processor's consumer context: assignments mark partitions for restore, revokes drop
-/// their keys.
-struct TxnCtx {
-    seen: Arc<Mutex<SeenKeys>>,
+impl Partitions {
+    fn assigned(&mut self, p: PartitionId) {
+        self.epoch += 1;
+        self.owned.insert(p.clone(), self.epoch);
+        self.index.remove(&p);
+        self.pending.insert(p);
+    }
+
+    fn revoked(&mut self, p: &PartitionId) {
+        self.owned.remove(p);
+        self.index.remove(p);
+        self.pending.remove(p);
+    }
+
+    /// Whether `p` is still assigned in `epoch`.
+    fn owns(&self, p: &PartitionId, epoch: u64) -> bool {
+        self.owned.get(p) == Some(&epoch)
+    }
+
+    /// Forgets every key: each owned partition is restored again before its next record.
+    fn forget_keys(&mut self) {
+        self.index.clear();
+        self.pending = self.owned.keys().cloned().collect();
+    }
 }
 
-fn lock(seen: &Mutex<SeenKeys>) -> MutexGuard<'_, SeenKeys> {
-    seen.lock().unwrap_or_else(|e| e.into_inner())
+/// The processor's consumer context: assignments start a partition's epoch and mark it for
+/// restore, revokes end it and drop its keys.
+struct TxnCtx {
+    parts: Arc<Mutex<Partitions>>,
+}
+
+fn lock(parts: &Mutex<Partitions>) -> MutexGuard<'_, Partitions> {
+    parts.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl ClientContext for TxnCtx {}
 
 impl ConsumerContext for TxnCtx {
-    fn post_rebalance(&self, _c: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
-        let mut seen = lock(&self.seen);
+    fn post_rebalance(&self, c: &BaseConsumer<Self>, rebalance: &Rebalance<'_>) {
+        let mut parts = lock(&self.parts);
+        let id = |e: &rdkafka::topic_partition_list::TopicPartitionListElem<'_>| {
+            (e.topic().to_string(), e.partition())
+        };
         match rebalance {
             Rebalance::Assign(tpl) => {
                 for e in tpl.elements() {
-                    let p = (e.topic().to_string(), e.partition());
-                    seen.index.remove(&p);
-                    seen.pending.insert(p);
+                    parts.assigned(id(&e));
                 }
             }
             Rebalance::Revoke(tpl) => {
                 for e in tpl.elements() {
-                    let p = (e.topic().to_string(), e.partition());
-                    seen.index.remove(&p);
-                    seen.pending.remove(&p);
+                    parts.revoked(&id(&e));
+                }
+                metrics::counter!(crate::metrics::PARTITIONS_REVOKED).increment(tpl.count() as u64);
+            }
+            Rebalance::Error(e) => {
+                // rust-rdkafka unassigns on a failed rebalance: keep only what is still
+                // assigned (nothing, if the assignment cannot be read).
+                tracing::warn!(error = %e, "transactional consumer: rebalance failed");
+                let still: HashSet<PartitionId> = c
+                    .assignment()
+                    .map(|t| t.elements().iter().map(id).collect())
+                    .unwrap_or_default();
+                let gone: Vec<PartitionId> = parts
+                    .owned
+                    .keys()
+                    .filter(|p| !still.contains(*p))
+                    .cloned()
+                    .collect();
+                for p in gone {
+                    parts.revoked(&p);
                 }
             }
-            Rebalance::Error(_) => {}
         }
     }
+}
+
+/// A polled record and the epoch of its partition's assignment when it was polled.
+struct Polled {
+    env: Envelope,
+    epoch: u64,
 }
 
 /// Business dedup at run time.
 struct Dedup {
     cfg: BusinessDedup,
     group: String,
-    seen: Arc<Mutex<SeenKeys>>,
+    parts: Arc<Mutex<Partitions>>,
     bootstrap: String,
 }
 
@@ -197,9 +267,20 @@ pub struct TransactionalProcessor {
     consumer: Arc<BaseConsumer<TxnCtx>>,
     producer: FutureProducer,
     timeout: Duration,
+    parts: Arc<Mutex<Partitions>>,
     dedup: Option<Arc<Dedup>>,
     duplicates: AtomicU64,
     keyless: AtomicU64,
+    revoked: AtomicU64,
+    /// Set when the producer was fenced or failed fatally: every later batch is refused.
+    stopped: Option<Stopped>,
+}
+
+/// Why a processor stopped for good.
+#[derive(Debug, Clone)]
+enum Stopped {
+    Fenced(String),
+    Fatal(String),
 }
 
 impl std::fmt::Debug for TransactionalProcessor {
@@ -242,14 +323,14 @@ impl TransactionalProcessor {
             ));
         }
         let bootstrap = producer.get("bootstrap.servers").unwrap_or_default();
-        let seen = Arc::new(Mutex::new(SeenKeys::default()));
+        let parts = Arc::new(Mutex::new(Partitions::default()));
         let dedup = match options.dedup {
             Some(cfg) => {
                 ensure_changelogs(bootstrap, group, input, &cfg).await?;
                 Some(Arc::new(Dedup {
                     cfg,
                     group: group.to_string(),
-                    seen: seen.clone(),
+                    parts: parts.clone(),
                     bootstrap: bootstrap.to_string(),
                 }))
             }
@@ -266,7 +347,9 @@ impl TransactionalProcessor {
             .set("enable.auto.commit", "false")
             .set("enable.auto.offset.store", "false")
             .set("isolation.level", "read_committed")
-            .create_with_context(TxnCtx { seen })
+            .create_with_context(TxnCtx {
+                parts: parts.clone(),
+            })
             .map_err(|e| TxnError::Config(e.to_string()))?;
         consumer
             .subscribe(input)
@@ -282,9 +365,12 @@ impl TransactionalProcessor {
             consumer: Arc::new(consumer),
             producer,
             timeout: Duration::from_secs(30),
+            parts,
             dedup,
             duplicates: AtomicU64::new(0),
             keyless: AtomicU64::new(0),
+            revoked: AtomicU64::new(0),
+            stopped: None,
         })
     }
 
@@ -299,86 +385,182 @@ impl TransactionalProcessor {
         self.keyless.load(Ordering::Relaxed)
     }
 
+    /// Polled records dropped because a rebalance revoked their partition (or assigned it
+    /// anew) before their batch ran: never transformed, nothing of them committed; the
+    /// partition's owner consumes them again from the committed offset.
+    pub fn revoked(&self) -> u64 {
+        self.revoked.load(Ordering::Relaxed)
+    }
+
     /// Polls up to `max` records (waiting at most `wait` for the first), runs `transform`
     /// on each, and commits the outputs together with the consumed offsets. Returns how
     /// many input records were committed (0 when none arrived).
+    ///
+    /// Records of a partition revoked by a rebalance served during the poll are dropped,
+    /// not transformed (see the module documentation). After [`TxnError::Fenced`] or
+    /// [`TxnError::Fatal`] the processor is stopped: every later call returns that error
+    /// again without consuming anything.
     pub async fn process_batch<F>(
         &mut self,
         max: usize,
         wait: Duration,
-        mut transform: F,
+        transform: F,
     ) -> Result<usize, TxnError>
     where
         F: FnMut(&Envelope) -> Result<Vec<OutgoingMessage>, String>,
     {
-        let inputs = self.poll(max, wait).await?;
-        if inputs.is_empty() {
+        if let Some(s) = &self.stopped {
+            return Err(match s.clone() {
+                Stopped::Fenced(why) => TxnError::Fenced(format!("stopped earlier: {why}")),
+                Stopped::Fatal(why) => TxnError::Fatal(format!("stopped earlier: {why}")),
+            });
+        }
+        let r = match self.poll(max, wait).await {
+            Ok(polled) => self.run_batch(polled, transform).await,
+            Err(e) => Err(e),
+        };
+        match r {
+            Err(TxnError::Fenced(why)) => Err(TxnError::Fenced(self.stop(Stopped::Fenced(why)))),
+            Err(TxnError::Fatal(why)) => Err(TxnError::Fatal(self.stop(Stopped::Fatal(why)))),
+            other => other,
+        }
+    }
+
+    /// Stops the processor for good: its producer cannot commit again, so nothing it holds
+    /// stays in use (every key is forgotten; a batch's keys were only ever added once its
+    /// transaction committed).
+    fn stop(&mut self, why: Stopped) -> String {
+        lock(&self.parts).forget_keys();
+        let (Stopped::Fenced(text) | Stopped::Fatal(text)) = &why;
+        let text = text.clone();
+        tracing::error!(reason = %text, "transactional processor stopped: drop it, build a new one");
+        self.stopped = Some(why);
+        text
+    }
+
+    /// The batch step: drops the records whose partition is no longer assigned in the epoch
+    /// they were polled in, transforms the rest and commits their outputs, changelog keys
+    /// and offsets in one transaction.
+    async fn run_batch<F>(&self, polled: Vec<Polled>, mut transform: F) -> Result<usize, TxnError>
+    where
+        F: FnMut(&Envelope) -> Result<Vec<OutgoingMessage>, String>,
+    {
+        let batch = self.current(polled);
+        if batch.is_empty() {
             return Ok(0);
         }
         self.producer
             .begin_transaction()
             .map_err(|e| classify(&e))?;
-        let (newly_seen, dropped) = match self.produce_all(&inputs, &mut transform).await {
+        let (newly_seen, dropped) = match self.produce_all(&batch, &mut transform).await {
             Ok(seen) => seen,
             Err(why) => return Err(self.abort(why).await),
         };
-        if let Err(e) = self.commit(&inputs).await {
+        if let Err(e) = self.commit(&batch).await {
             return Err(match e {
                 TxnError::Aborted(why) => self.abort(why).await,
                 other => other,
             });
         }
         // Committed: the keys are seen for good (an abort above left them unseen).
-        if let Some(d) = &self.dedup {
-            let mut seen = lock(&d.seen);
+        if self.dedup.is_some() {
+            let mut parts = lock(&self.parts);
             let now = now_ms();
             for (p, keys) in newly_seen {
-                if let Some(index) = seen.index.get_mut(&p) {
+                if let Some(index) = parts.index.get_mut(&p) {
                     index.extend(keys.into_iter().map(|k| (k, now)));
                 }
             }
         }
         self.duplicates.fetch_add(dropped, Ordering::Relaxed);
-        Ok(inputs.len())
+        Ok(batch.len())
     }
 
-    async fn poll(&self, max: usize, wait: Duration) -> Result<Vec<Envelope>, TxnError> {
+    /// The records of `polled` whose partition is still assigned in the epoch they were
+    /// polled in; the others are counted and dropped.
+    fn current(&self, mut polled: Vec<Polled>) -> Vec<Polled> {
+        let before = polled.len();
+        {
+            let parts = lock(&self.parts);
+            polled.retain(|r| partition_of(&r.env).is_some_and(|p| parts.owns(&p, r.epoch)));
+        }
+        let gone = before - polled.len();
+        if gone > 0 {
+            self.revoked.fetch_add(gone as u64, Ordering::Relaxed);
+            tracing::info!(
+                records = gone,
+                "records of revoked partitions dropped untransformed: their new owner consumes them"
+            );
+        }
+        polled
+    }
+
+    async fn poll(&self, max: usize, wait: Duration) -> Result<Vec<Polled>, TxnError> {
         let c = self.consumer.clone();
+        let parts = self.parts.clone();
         let dedup = self.dedup.clone();
         tokio::task::spawn_blocking(move || {
-            let mut out = Vec::new();
+            let mut out: Vec<Polled> = Vec::new();
             let deadline = std::time::Instant::now() + wait;
             while out.len() < max {
                 let left = deadline.saturating_duration_since(std::time::Instant::now());
                 let timeout = if out.is_empty() { left } else { Duration::ZERO };
+                // A rebalance is served inside this call (the callback updates `parts`), so
+                // a record returned by it belongs to the epoch current when it returns.
                 match c.poll(timeout) {
-                    Some(Ok(m)) => out.push(to_envelope(&m, None)),
+                    Some(Ok(m)) => {
+                        let env = to_envelope(&m, None);
+                        let epoch = partition_of(&env)
+                            .and_then(|p| lock(&parts).owned.get(&p).copied());
+                        match epoch {
+                            Some(epoch) => out.push(Polled { env, epoch }),
+                            None => tracing::debug!(
+                                topic = m.topic(),
+                                partition = m.partition(),
+                                "record of an unassigned partition ignored"
+                            ),
+                        }
+                    }
                     Some(Err(KafkaError::MessageConsumptionFatal(code))) => {
                         return Err(TxnError::Fatal(format!("consumer: {code}")))
                     }
                     Some(Err(e)) => tracing::warn!(error = %e, "transactional consumer error"),
+                    // Nothing more now, or a rebalance event was served: an empty batch
+                    // waits on until its deadline, a started one ends here.
+                    None if out.is_empty() && !left.is_zero() => {}
                     None => break,
                 }
             }
             if let Some(d) = dedup {
-                // A record of a partition arrived: its start offset was fetched stable, so
-                // the previous owner's transactions are resolved and its keys are in the
-                // changelog. Rebuild the partition's keys before transforming anything.
-                let arrived: HashSet<PartitionId> = out.iter().filter_map(partition_of).collect();
+                // A record of a partition arrived in its current epoch: its start offset
+                // was fetched stable, so the previous owner's transactions are resolved and
+                // its keys are in the changelog. Rebuild the partition's keys before
+                // transforming anything. (Records of an earlier epoch prove nothing; the
+                // batch step drops them.)
                 let todo: Vec<PartitionId> = {
-                    let seen = lock(&d.seen);
+                    let parts = lock(&d.parts);
+                    let arrived: HashSet<PartitionId> = out
+                        .iter()
+                        .filter_map(|r| partition_of(&r.env).filter(|p| parts.owns(p, r.epoch)))
+                        .collect();
                     arrived
                         .into_iter()
-                        .filter(|p| seen.pending.contains(p))
+                        .filter(|p| parts.pending.contains(p))
                         .collect()
                 };
-                for p in todo {
-                    let keys = restore(&d, &p)?;
-                    let mut seen = lock(&d.seen);
-                    // Revoked meanwhile: the next assignment restores again.
-                    if seen.pending.remove(&p) {
-                        tracing::info!(topic = %p.0, partition = p.1, keys = keys.len(), "business-dedup keys restored from the changelog");
-                        seen.index.insert(p, keys);
+                let mut by_topic: HashMap<String, Vec<i32>> = HashMap::new();
+                for (t, p) in todo {
+                    by_topic.entry(t).or_default().push(p);
+                }
+                for (t, ps) in by_topic {
+                    let restored = restore(&d, &t, &ps)?;
+                    let mut parts = lock(&d.parts);
+                    for (p, keys) in restored {
+                        // Revoked meanwhile: the next assignment restores again.
+                        if parts.pending.remove(&p) {
+                            tracing::info!(topic = %p.0, partition = p.1, keys = keys.len(), "business-dedup keys restored from the changelog");
+                            parts.index.insert(p, keys);
+                        }
                     }
                 }
             }
@@ -393,7 +575,7 @@ impl TransactionalProcessor {
     /// input partition, with their changelog records already sent.
     async fn produce_all<F>(
         &self,
-        inputs: &[Envelope],
+        inputs: &[Polled],
         transform: &mut F,
     ) -> Result<(NewlySeen, u64), String>
     where
@@ -405,14 +587,26 @@ impl TransactionalProcessor {
         let mut failed = None;
         let mut newly: NewlySeen = HashMap::new();
         let mut dropped = 0u64;
-        for env in inputs {
+        for env in inputs.iter().map(|r| &r.env) {
             let mut mark = None;
             if let (Some(d), Some(p)) = (&self.dedup, partition_of(env)) {
                 match d.cfg.keys.derive(env) {
                     Ok(key) => {
                         let key = key.as_str().to_string();
                         let fresh = newly.get(&p).is_none_or(|s| !s.contains(&key));
-                        if !fresh || d.already_seen(&p, &key) {
+                        let seen = match d.already_seen(&p, &key) {
+                            Some(seen) => seen,
+                            // Never transform without the partition's keys: a key committed
+                            // by an earlier owner would be output again.
+                            None => {
+                                failed = Some(format!(
+                                    "business-dedup keys of {}[{}] are not restored",
+                                    p.0, p.1
+                                ));
+                                break;
+                            }
+                        };
+                        if !fresh || seen {
                             dropped += 1;
                             tracing::debug!(%key, topic = %p.0, partition = p.1, "business duplicate dropped");
                             continue;
@@ -486,9 +680,25 @@ impl TransactionalProcessor {
         }
     }
 
-    async fn commit(&self, inputs: &[Envelope]) -> Result<(), TxnError> {
+    async fn commit(&self, batch: &[Polled]) -> Result<(), TxnError> {
         let mut next: HashMap<(String, i32), i64> = HashMap::new();
-        for env in inputs {
+        {
+            // Rebalances are served only inside the consumer's poll, which does not run
+            // during a batch; checked anyway, since committing the offset of a partition
+            // owned elsewhere would make its records count twice.
+            let parts = lock(&self.parts);
+            if let Some(r) = batch
+                .iter()
+                .find(|r| partition_of(&r.env).is_none_or(|p| !parts.owns(&p, r.epoch)))
+            {
+                return Err(TxnError::Aborted(format!(
+                    "{}[{}] was revoked during the batch",
+                    r.env.source.name,
+                    r.env.source.partition.unwrap_or(-1)
+                )));
+            }
+        }
+        for env in batch.iter().map(|r| &r.env) {
             if let (Some(p), Some(idemq_core::envelope::Position::Offset(o))) =
                 (env.source.partition, env.source.position)
             {
@@ -575,23 +785,32 @@ fn env_offset(env: &Envelope) -> i64 {
 }
 
 impl Dedup {
-    fn already_seen(&self, p: &PartitionId, key: &str) -> bool {
-        let seen = lock(&self.seen);
-        let Some(at) = seen.index.get(p).and_then(|i| i.get(key)) else {
-            return false;
+    /// Whether a committed transaction already saw `key` on `p`; `None` when the keys of
+    /// `p` are not restored (not assigned, or restore pending).
+    fn already_seen(&self, p: &PartitionId, key: &str) -> Option<bool> {
+        let parts = lock(&self.parts);
+        let index = parts.index.get(p)?;
+        let Some(at) = index.get(key) else {
+            return Some(false);
         };
-        match self.cfg.retention {
+        Some(match self.cfg.retention {
             Some(w) => now_ms() - at < w.as_millis() as i64,
             None => true,
-        }
+        })
     }
 }
 
-/// Reads the changelog partition of input partition `p` from the beginning to its end
-/// (`read_committed`: aborted keys are not seen), into a key → timestamp index.
-fn restore(d: &Dedup, p: &PartitionId) -> Result<HashMap<String, i64>, TxnError> {
-    let topic = BusinessDedup::changelog_topic(&d.group, &p.0);
-    let fail = |e: KafkaError| TxnError::Fatal(format!("restoring {topic}[{}]: {e}", p.1));
+/// Keys seen per input partition, as restored from the changelog: key → timestamp (ms).
+type Restored = HashMap<PartitionId, HashMap<String, i64>>;
+
+/// Reads the changelog partitions of input partitions `ps` (all of one input topic) from the
+/// beginning to their end (`read_committed`: aborted keys are not seen), into a key →
+/// timestamp index per input partition. One reader serves them all: a rebalance hands over
+/// several partitions at once, and a reader per partition costs a client start-up (about a
+/// second on a busy broker) each.
+fn restore(d: &Dedup, topic: &str, ps: &[i32]) -> Result<Restored, TxnError> {
+    let changelog = BusinessDedup::changelog_topic(&d.group, topic);
+    let fail = |e: KafkaError| TxnError::Fatal(format!("restoring {changelog}{ps:?}: {e}"));
     let reader: BaseConsumer = ClientConfig::new()
         .set("bootstrap.servers", &d.bootstrap)
         .set("group.id", format!("{}-restore", d.group))
@@ -601,25 +820,39 @@ fn restore(d: &Dedup, p: &PartitionId) -> Result<HashMap<String, i64>, TxnError>
         .create()
         .map_err(fail)?;
     let mut tpl = TopicPartitionList::new();
-    tpl.add_partition_offset(&topic, p.1, Offset::Beginning)
-        .map_err(fail)?;
+    for p in ps {
+        tpl.add_partition_offset(&changelog, *p, Offset::Beginning)
+            .map_err(fail)?;
+    }
     reader.assign(&tpl).map_err(fail)?;
     let horizon = d.cfg.retention.map(|w| now_ms() - w.as_millis() as i64);
     let deadline = std::time::Instant::now() + d.cfg.restore_timeout;
-    let mut keys = HashMap::new();
-    loop {
+    let mut keys: Restored = ps
+        .iter()
+        .map(|p| ((topic.to_string(), *p), HashMap::new()))
+        .collect();
+    // The partitions read to their end. Nothing is written to them meanwhile: this
+    // processor is their only writer, and it transforms nothing before the restore.
+    let mut done: HashSet<i32> = HashSet::new();
+    while done.len() < ps.len() {
         if std::time::Instant::now() > deadline {
-            let wm = reader.fetch_watermarks(&topic, p.1, Duration::from_secs(5));
+            let left: Vec<String> = ps
+                .iter()
+                .filter(|p| !done.contains(*p))
+                .map(|p| {
+                    let wm = reader.fetch_watermarks(&changelog, *p, Duration::from_secs(5));
+                    format!("[{p}] watermarks {wm:?}")
+                })
+                .collect();
             return Err(TxnError::Fatal(format!(
-                "restoring {topic}[{}] took longer than {:?} (an open transaction on it?): \
-                 {} keys read, watermarks {wm:?}, position {:?}",
-                p.1,
+                "restoring {changelog} took longer than {:?} (an open transaction on it?): \
+                 not read to the end: {}; positions {:?}",
                 d.cfg.restore_timeout,
-                keys.len(),
+                left.join(", "),
                 reader.position().ok().map(|t| t
                     .elements()
                     .iter()
-                    .map(|e| e.offset())
+                    .map(|e| (e.partition(), e.offset()))
                     .collect::<Vec<_>>())
             )));
         }
@@ -630,14 +863,21 @@ fn restore(d: &Dedup, p: &PartitionId) -> Result<HashMap<String, i64>, TxnError>
                 if horizon.is_some_and(|h| at < h) {
                     continue;
                 }
-                keys.insert(String::from_utf8_lossy(k).into_owned(), at);
+                if let Some(index) = keys.get_mut(&(topic.to_string(), m.partition())) {
+                    index.insert(String::from_utf8_lossy(k).into_owned(), at);
+                }
             }
             // End of the committed log: with read_committed, the last stable offset.
-            Some(Err(KafkaError::PartitionEOF(_))) => return Ok(keys),
-            Some(Err(e)) => tracing::warn!(error = %e, %topic, "changelog restore: consumer error"),
+            Some(Err(KafkaError::PartitionEOF(p))) => {
+                done.insert(p);
+            }
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, %changelog, "changelog restore: consumer error")
+            }
             None => {}
         }
     }
+    Ok(keys)
 }
 
 /// Creates each input's changelog topic if missing (compacted, as many partitions as the
@@ -748,5 +988,354 @@ fn classify(e: &KafkaError) -> TxnError {
             PublishError::Config(s) => TxnError::Config(s),
             p => TxnError::Aborted(p.to_string()),
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The batch step driven by hand on the real broker (skipped without
+    //! `IDEMQ_TEST_KAFKA_BROKERS`): a group rebalance served between a batch's poll and its
+    //! commit.
+    use super::*;
+    use idemq_core::publish::{Publisher, DEDUP_HEADER};
+
+    pub(super) fn brokers() -> Option<String> {
+        std::env::var("IDEMQ_TEST_KAFKA_BROKERS")
+            .ok()
+            .filter(|b| !b.is_empty())
+    }
+
+    pub(super) fn unique(prefix: &str) -> String {
+        format!(
+            "{prefix}-{}-{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or_default()
+        )
+    }
+
+    pub(super) async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
+        let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .create()
+            .expect("admin client");
+        let t = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
+        let opts = AdminOptions::new().operation_timeout(Some(Duration::from_secs(20)));
+        for r in admin.create_topics([&t], &opts).await.expect("create") {
+            r.expect("topic created");
+        }
+    }
+
+    /// `group`'s committed offset per partition of `topic` (`None` where none).
+    pub(super) fn committed(
+        brokers: &str,
+        group: &str,
+        topic: &str,
+        parts: i32,
+    ) -> Vec<Option<i64>> {
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .set("group.id", group)
+            .set("isolation.level", "read_committed")
+            .create()
+            .expect("offsets client");
+        let mut tpl = TopicPartitionList::new();
+        for p in 0..parts {
+            tpl.add_partition(topic, p);
+        }
+        let got = c
+            .committed_offsets(tpl, Duration::from_secs(10))
+            .expect("committed offsets");
+        got.elements()
+            .iter()
+            .map(|e| match e.offset() {
+                Offset::Offset(o) => Some(o),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// Every record of `topic` partition 0, read `read_committed` to its end.
+    fn read_committed(brokers: &str, topic: &str) -> Vec<String> {
+        let c: BaseConsumer = ClientConfig::new()
+            .set("bootstrap.servers", brokers)
+            .set("group.id", unique("reader"))
+            .set("isolation.level", "read_committed")
+            .set("enable.partition.eof", "true")
+            .create()
+            .expect("reader");
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition_offset(topic, 0, Offset::Beginning)
+            .expect("tpl");
+        c.assign(&tpl).expect("assign");
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let mut out = Vec::new();
+        loop {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{topic} not read to its end in 30 s"
+            );
+            match c.poll(Duration::from_millis(200)) {
+                Some(Ok(m)) => {
+                    out.push(String::from_utf8_lossy(m.payload().unwrap_or_default()).into_owned())
+                }
+                Some(Err(KafkaError::PartitionEOF(_))) => return out,
+                _ => {}
+            }
+        }
+    }
+
+    fn owned<C: ConsumerContext>(c: &BaseConsumer<C>) -> Vec<i32> {
+        let mut v: Vec<i32> = c
+            .assignment()
+            .map(|t| t.elements().iter().map(|e| e.partition()).collect())
+            .unwrap_or_default();
+        v.sort();
+        v
+    }
+
+    /// A batch is polled (records of both input partitions), then a second member joins and
+    /// the group takes one partition away (cooperative rebalance, served by the processor's
+    /// own consumer); the batch step then runs on what was polled. Records of the revoked
+    /// partition must be neither transformed nor committed (outputs, changelog keys,
+    /// offsets); the kept partition's records are processed once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn records_of_a_partition_revoked_after_the_poll_are_neither_transformed_nor_committed() {
+        let Some(brokers) = brokers() else {
+            eprintln!("skipped: IDEMQ_TEST_KAFKA_BROKERS is not set");
+            return;
+        };
+        let input = unique("revoke-in");
+        let output = unique("revoke-out");
+        create_topic(&brokers, &input, 2).await;
+        create_topic(&brokers, &output, 1).await;
+        let publisher = crate::KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers))
+            .expect("publisher");
+        let msgs: Vec<OutgoingMessage> = (0..20)
+            .map(|i| {
+                let k = format!("{input}-{i:02}");
+                OutgoingMessage::new(&input, format!("in:{k}"))
+                    .with_key(k.clone())
+                    .with_dedup_key(k)
+            })
+            .collect();
+        for r in publisher.publish_batch(msgs).await {
+            r.expect("publish");
+        }
+        let group = format!("{input}-g");
+        let cfg = KafkaProducerConfig::transactional(&brokers, &unique("revoke-txn"));
+        let opts = TxnOptions::default()
+            .consumer_property("partition.assignment.strategy", "cooperative-sticky")
+            .consumer_property("session.timeout.ms", "6000")
+            .consumer_property("heartbeat.interval.ms", "100")
+            .dedup(BusinessDedup::new(
+                KeyStrategy::dedup_header(&group).expect("key strategy"),
+            ));
+        let proc = TransactionalProcessor::with_options(&cfg, &group, &[input.as_str()], opts)
+            .await
+            .expect("processor");
+
+        // 1. Poll until the batch holds records of both partitions.
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let mut polled = Vec::new();
+        loop {
+            let parts: HashSet<i32> = polled
+                .iter()
+                .filter_map(|r: &Polled| r.env.source.partition)
+                .collect();
+            if parts.len() == 2 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no records of both partitions within 30 s: {} polled",
+                polled.len()
+            );
+            polled.extend(proc.poll(100, Duration::from_secs(1)).await.expect("poll"));
+        }
+
+        // 2. A second member joins; the processor's consumer serves the rebalance (records
+        // it returns meanwhile are set aside, never processed) until each owns one partition.
+        let c = proc.consumer.clone();
+        let (brokers2, input2, group2) = (brokers.clone(), input.clone(), group.clone());
+        let (kept, other) = tokio::task::spawn_blocking(move || {
+            let other: BaseConsumer = ClientConfig::new()
+                .set("bootstrap.servers", &brokers2)
+                .set("group.id", &group2)
+                .set("enable.auto.commit", "false")
+                .set("partition.assignment.strategy", "cooperative-sticky")
+                .set("session.timeout.ms", "6000")
+                .set("heartbeat.interval.ms", "100")
+                .create()
+                .expect("second member");
+            other.subscribe(&[&input2]).expect("subscribe");
+            let deadline = std::time::Instant::now() + Duration::from_secs(30);
+            loop {
+                let _ = c.poll(Duration::from_millis(50));
+                let _ = other.poll(Duration::from_millis(50));
+                let (mine, theirs) = (owned(&c), owned(&other));
+                if mine.len() == 1 && theirs.len() == 1 {
+                    return (mine[0], other);
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the rebalance did not split the partitions within 30 s: processor \
+                     {mine:?}, second member {theirs:?}"
+                );
+            }
+        })
+        .await
+        .expect("rebalance driver");
+        let revoked = 1 - kept;
+
+        // 3. The batch step on what was polled before the revocation.
+        let mut transformed: Vec<(i32, i64)> = Vec::new();
+        let out = output.clone();
+        let mut transform = |env: &Envelope| {
+            transformed.push((env.source.partition.unwrap_or(-1), env_offset(env)));
+            let k = env
+                .headers
+                .get_str(DEDUP_HEADER)
+                .unwrap_or_default()
+                .to_string();
+            Ok(vec![
+                OutgoingMessage::new(out.clone(), format!("out:{k}")).with_dedup_key(k)
+            ])
+        };
+        let kept_polled: Vec<i64> = polled
+            .iter()
+            .filter(|r| r.env.source.partition == Some(kept))
+            .map(|r| env_offset(&r.env))
+            .collect();
+        let result = proc.run_batch(polled, &mut transform).await;
+
+        let of_revoked: Vec<&(i32, i64)> =
+            transformed.iter().filter(|(p, _)| *p == revoked).collect();
+        let offsets = committed(&brokers, &group, &input, 2);
+        let outputs = read_committed(&brokers, &output);
+        drop(other);
+        assert!(
+            result.as_ref().is_ok_and(|n| *n == kept_polled.len())
+                && of_revoked.is_empty()
+                && offsets[revoked as usize].is_none()
+                && offsets[kept as usize] == kept_polled.iter().max().map(|o| o + 1)
+                && outputs.len() == kept_polled.len(),
+            "partition {revoked} was revoked between the poll and the commit, {kept} kept: \
+             batch result {result:?}; {} records of the revoked partition transformed \
+             (partition, offset: {of_revoked:?}); committed offsets {offsets:?} (want none on \
+             {revoked}, {:?} on {kept}); {} committed outputs (want {})",
+            of_revoked.len(),
+            kept_polled.iter().max().map(|o| o + 1),
+            outputs.len(),
+            kept_polled.len(),
+        );
+    }
+}
+
+#[cfg(test)]
+mod fenced_tests {
+    //! A fenced processor stops for good (real broker; skipped without
+    //! `IDEMQ_TEST_KAFKA_BROKERS`).
+    use super::tests::{brokers, committed, create_topic, unique};
+    use super::*;
+    use idemq_core::publish::Publisher;
+
+    fn position(c: &BaseConsumer<TxnCtx>) -> Vec<(i32, Offset)> {
+        c.position()
+            .map(|t| {
+                t.elements()
+                    .iter()
+                    .map(|e| (e.partition(), e.offset()))
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Fenced mid-batch by a newer instance with its `transactional.id`, the processor
+    /// returns `Fenced`, then refuses every later batch with `Fenced` without consuming
+    /// anything more (its consumer's position stays where the fenced batch left it), and
+    /// keeps no business-dedup keys; the group's offsets stay at its last commit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_fenced_processor_refuses_later_batches_and_consumes_nothing_more() {
+        let Some(brokers) = brokers() else {
+            eprintln!("skipped: IDEMQ_TEST_KAFKA_BROKERS is not set");
+            return;
+        };
+        let input = unique("fenced-in");
+        let output = unique("fenced-out");
+        create_topic(&brokers, &input, 1).await;
+        create_topic(&brokers, &output, 1).await;
+        let publisher = crate::KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers))
+            .expect("publisher");
+        let msgs: Vec<OutgoingMessage> = (0..20)
+            .map(|i| {
+                let k = format!("{input}-{i:02}");
+                OutgoingMessage::new(&input, k.clone()).with_dedup_key(k)
+            })
+            .collect();
+        for r in publisher.publish_batch(msgs).await {
+            r.expect("publish");
+        }
+        let group = format!("{input}-g");
+        let cfg = KafkaProducerConfig::transactional(&brokers, &unique("fenced-txn"));
+        let opts = |group: &str| {
+            TxnOptions::default()
+                .consumer_property("session.timeout.ms", "6000")
+                .dedup(BusinessDedup::new(
+                    KeyStrategy::dedup_header(group).expect("key strategy"),
+                ))
+        };
+        let mut old =
+            TransactionalProcessor::with_options(&cfg, &group, &[input.as_str()], opts(&group))
+                .await
+                .expect("processor");
+        let out = output.clone();
+        let forward =
+            move |env: &Envelope| Ok(vec![OutgoingMessage::new(out.clone(), env.payload.clone())]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        let mut done = 0;
+        while done == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no first batch within 30 s"
+            );
+            done = old
+                .process_batch(5, Duration::from_secs(1), forward.clone())
+                .await
+                .expect("first batch");
+        }
+        assert_eq!(done, 5, "the first batch");
+        // A newer instance with the same transactional.id (in another group: it takes no
+        // partition away) fences the old one.
+        let other = format!("{group}-new");
+        let _new =
+            TransactionalProcessor::with_options(&cfg, &other, &[input.as_str()], opts(&other))
+                .await
+                .expect("newer instance");
+        let fenced = old
+            .process_batch(5, Duration::from_secs(5), forward.clone())
+            .await;
+        assert!(
+            matches!(fenced, Err(TxnError::Fenced(_))),
+            "the old instance is fenced: {fenced:?}"
+        );
+        let at = position(&old.consumer);
+        let again = old
+            .process_batch(5, Duration::from_secs(2), forward.clone())
+            .await;
+        let after = position(&old.consumer);
+        let keys_left = lock(&old.parts).index.len();
+        let offsets = committed(&brokers, &group, &input, 1);
+        assert!(
+            matches!(&again, Err(TxnError::Fenced(why)) if why.contains("stopped earlier"))
+                && after == at
+                && keys_left == 0
+                && offsets == [Some(5)],
+            "after being fenced: later batch {again:?} (want Fenced, stopped earlier); consumer \
+             position {at:?} then {after:?} (want unchanged); {keys_left} partitions' keys kept \
+             (want 0); committed offsets {offsets:?} (want [Some(5)])"
+        );
     }
 }
