@@ -287,13 +287,13 @@ mod conversion_tests {
                         !k.is_empty() && all.ends_with(k),
                         "seed {seed}: {k:?} of {all:?}"
                     );
-                    if properties.get(DEDUP_HEADER).is_none() {
+                    if !properties.contains_key(DEDUP_HEADER) {
                         assert_eq!(k, all, "seed {seed}: without a dedup key KEYS is the key");
                     }
                 }
                 (Some(_), None) => panic!("seed {seed}: a key without KEYS"),
                 (None, Some(all)) => assert!(
-                    all.is_empty() || properties.get(DEDUP_HEADER).is_some(),
+                    all.is_empty() || properties.contains_key(DEDUP_HEADER),
                     "seed {seed}: KEYS {all:?} lost"
                 ),
                 (None, None) => {}
