@@ -37,7 +37,8 @@ enum Command {
     /// stdout is at-least-once after a crash: printing a line is the effect, and it comes
     /// before the message is recorded done, so a run killed in between prints that line
     /// again when restarted, with "takeover": true (a line with "takeover": true may repeat
-    /// one an earlier run printed). Without a crash each message is printed once.
+    /// one an earlier run printed). A store outage that outlasts the completion's patience
+    /// (5 min) prints a line again the same way; otherwise each message is printed once.
     ///
     /// stderr says what the consumer waits for (a Kafka consumer: partitions from the group
     /// coordinator), reports dead-lettered messages (count and last reason, at most every

@@ -82,11 +82,13 @@ pub trait Settle: Send + Sync {
 /// What a broker does natively, so the engine and the docs know what an adapter emulates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Capabilities {
-    /// `nack(delay)` waits at the broker (RabbitMQ TTL queues, RocketMQ reconsume levels);
-    /// otherwise the adapter holds the message locally (Kafka).
+    /// `nack(delay)` waits out the delay without the engine's help (RabbitMQ TTL queues;
+    /// RocketMQ holds the message on its listener thread); otherwise the adapter holds the
+    /// message locally (Kafka).
     pub delayed_redelivery: bool,
-    /// The shortest redelivery delay the broker can honour (RocketMQ: its first reconsume
-    /// level); the engine's delays below it are rounded up by the broker.
+    /// The shortest redelivery delay the source can honour; the engine's delays below it
+    /// are rounded up (zero for every adapter today: RocketMQ holds a nack for exactly its
+    /// delay instead of using the broker's reconsume levels).
     pub min_redelivery_delay: std::time::Duration,
     /// `reject` keeps the message, with its reason, somewhere an operator can read it.
     pub dead_letter: bool,
