@@ -221,7 +221,10 @@ impl Bridge {
             let Some(settled) = self.deliver(m, held) else {
                 return Verdict::Later(ABANDONED_RETRY);
             };
-            match step(settled.as_ref(), *self.closed.borrow()) {
+            // Read apart from the match: a `watch::Ref` kept for the match would hold the
+            // channel's read lock while the arm waits, and `close` / drop could never send.
+            let closing = *self.closed.borrow();
+            match step(settled.as_ref(), closing) {
                 Step::Done => return Verdict::Done,
                 Step::GiveBack(d) => return Verdict::Later(d),
                 Step::Hold(d) => {
@@ -875,6 +878,69 @@ mod retry_budget_tests {
             let _ = stop.send(());
             let _ = run.await;
         }
+    }
+
+    /// The source closes (as `close` and a drop do) while the listener holds a nacked
+    /// message: the close goes through at once and the listener gives the message back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn closing_while_a_message_is_held_gives_it_back_at_once() {
+        let store = Arc::new(Switchable {
+            inner: MemoryStore::new(),
+            down: AtomicBool::new(true),
+        });
+        let (bridge, mut source, closing) = bridge().await;
+        let consumer = IdempotentConsumer::new(
+            store.clone(),
+            KeyStrategy::dedup_header(GROUP).expect("keys"),
+            |_m: ClaimedMessage| async { Ok::<_, HandlerError>(None) },
+        )
+        .with_config(ConsumerConfig {
+            // The store-outage nack waits this long: the listener is holding when it closes.
+            store_backoff: Duration::from_secs(5),
+            store_backoff_max: Duration::from_secs(5),
+            store_retries: 0,
+            ..quick_config()
+        });
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let engine = consumer.clone();
+        let run = tokio::spawn(async move {
+            let _ = engine
+                .run(&mut source, async move {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        let listener = concurrently(&bridge, message("pay-3"));
+        until("a store-outage nack", Duration::from_secs(30), || {
+            consumer.stats().store_unavailable >= 1
+        })
+        .await;
+        assert!(!listener.is_finished(), "the nacked message is held");
+        // From a thread of its own: a close that blocks must fail the test, not hang it.
+        let (sent_tx, sent) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = closing.send(true);
+            let _ = sent_tx.send(());
+        });
+        let closed =
+            tokio::task::spawn_blocking(move || sent.recv_timeout(Duration::from_secs(10)))
+                .await
+                .expect("waiting thread");
+        assert!(
+            closed.is_ok(),
+            "closing the source blocked while the listener held a message"
+        );
+        until("the listener answers", Duration::from_secs(10), || {
+            listener.is_finished()
+        })
+        .await;
+        assert_eq!(
+            listener.join().expect("listener"),
+            ConsumeConcurrentlyStatus::ReconsumeLater,
+            "a closing source gives the message back"
+        );
+        let _ = stop.send(());
+        let _ = run.await;
     }
 
     /// Another worker holds the key (a live lease elsewhere): the engine nacks "in flight";
