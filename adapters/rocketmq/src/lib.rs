@@ -71,7 +71,7 @@ pub use rocketmq_client_rust;
 pub use rocketmq_model;
 pub use source::{ConsumeMode, RocketSource, SourceConfig, MIN_RECONSUME_DELAY};
 pub use transaction::{
-    LocalOutcome, StoreCheckBack, TransactionalPublisher, CHECK_IMMUNITY, LOCAL_TIMEOUT,
+    LocalOutcome, StoreCheckBack, TransactionalPublisher, LOCAL_TIMEOUT,
 };
 
 /// Errors of the adapter's setup calls.
