@@ -503,7 +503,7 @@ mod tests {
     #[test]
     fn librdkafka_headers_are_read_as_bytes_whatever_their_names() {
         for seed in 0..2_000u64 {
-            let mut rng = StdRng::seed_from_u64(seed ^ 0x6b61_666b_61);
+            let mut rng = StdRng::seed_from_u64(seed ^ 0x006b_6166_6b61);
             let mut headers = raw_headers(&mut rng);
             if seed % 10 == 0 {
                 // The record of the finding: a Latin-1 name among ordinary ones.
