@@ -257,7 +257,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                 self.settle(d, Settlement::Nack(delay)).await;
                 continue;
             }
-            let key = match self.derive_key(&d.envelope) {
+            let key = match super::derive_key(&self.keys, &d.envelope) {
                 Ok(k) => k,
                 Err(reason) => {
                     tracing::warn!(source = %d.envelope.source.name, %reason, "rejecting message");
@@ -299,24 +299,6 @@ impl<H: Handler> IdempotentConsumer<H> {
             }
         }
         items
-    }
-
-    /// The message's dedup key, or why it has none. The key strategy may run a user's
-    /// function: a panic in it is this message's problem (its reason), not the consumer's.
-    fn derive_key(&self, envelope: &Envelope) -> Result<DedupKey, String> {
-        match std::panic::catch_unwind(AssertUnwindSafe(|| self.keys.derive(envelope))) {
-            Ok(Ok(key)) => Ok(key),
-            Ok(Err(e)) => Err(format!("no usable dedup key: {e}")),
-            Err(panic) => {
-                let why = super::panic_message(panic.as_ref());
-                tracing::error!(panic = %why, "the key function panicked");
-                metrics::counter!(m::HOOK_FAILURES, "hook" => "key_function", "failure" => "panic")
-                    .increment(1);
-                Err(format!(
-                    "no usable dedup key: the key function panicked: {why}"
-                ))
-            }
-        }
     }
 
     /// Runs one of the user's hooks (`on_duplicate`, `on_dead_letter`) isolated like the

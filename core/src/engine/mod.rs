@@ -43,8 +43,9 @@ use health::LoopHealth;
 pub use health::{Health, HealthReport, HealthState};
 pub use lease::{LeaseKeepAlive, LeaseState, LossCause};
 
+use crate::envelope::Envelope;
 use crate::handler::Handler;
-use crate::key::KeyStrategy;
+use crate::key::{DedupKey, KeyStrategy};
 use crate::source::{Source, SourceError};
 use crate::store::DedupStore;
 use std::future::Future;
@@ -59,6 +60,30 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
         s.clone()
     } else {
         "a panic without a message".to_string()
+    }
+}
+
+/// The message's dedup key, or the reason to dead-letter it. The key strategy may run a
+/// user's function: a panic in it is this message's problem (its reason, with the panic
+/// message), not the consumer's, so it is caught, logged and counted here. Every consumer
+/// that derives keys goes through this one function.
+pub fn derive_key(keys: &KeyStrategy, envelope: &Envelope) -> Result<DedupKey, String> {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| keys.derive(envelope))) {
+        Ok(Ok(key)) => Ok(key),
+        Ok(Err(e)) => Err(format!("no usable dedup key: {e}")),
+        Err(panic) => {
+            let why = panic_message(panic.as_ref());
+            tracing::error!(panic = %why, "the key function panicked");
+            metrics::counter!(
+                crate::metrics::HOOK_FAILURES,
+                "hook" => "key_function",
+                "failure" => "panic"
+            )
+            .increment(1);
+            Err(format!(
+                "no usable dedup key: the key function panicked: {why}"
+            ))
+        }
     }
 }
 

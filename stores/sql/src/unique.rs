@@ -8,7 +8,9 @@
 //!
 //! [`UniqueIndexConsumer`] runs that strategy over any [`Source`]:
 //!
-//! 1. derive each delivery's key (no usable key → rejected with the reason);
+//! 1. derive each delivery's key (no usable key → rejected with the reason; a panicking
+//!    key function rejects its message with the panic message, as in the dedup-table
+//!    engine, and the consumer keeps going);
 //! 2. open one transaction for the batch and insert all its keys into the keys table with
 //!    one statement (`INSERT … ON CONFLICT DO NOTHING RETURNING`, sorted, so two consumers
 //!    lock keys in the same order); keys that were already there are duplicates;
@@ -57,7 +59,7 @@
 use crate::backend::{error_class, Dialect, ErrorClass, Kind, SqlBackend, Val};
 use crate::store::SqlStore;
 use async_trait::async_trait;
-use idemq_core::engine::{close_after_run, drive_source_reporting, Backoff, Health};
+use idemq_core::engine::{close_after_run, derive_key, drive_source_reporting, Backoff, Health};
 use idemq_core::metrics::{self as m, outcome};
 use idemq_core::{
     ConsumerError, DedupKey, Delivery, Envelope, HandlerError, KeyStrategy, RetryPolicy, Source,
@@ -490,10 +492,12 @@ impl<DB: SqlBackend, H: TxHandler<DB>> UniqueIndexConsumer<DB, H> {
             if d.is_stale() {
                 continue; // the source gave it up; dropping it abandons nothing of ours
             }
-            let key = match self.keys.derive(&d.envelope) {
+            // Isolated like the dedup-table engine: a panicking key function dead-letters
+            // its message instead of killing this consumer (and, redelivered, the next).
+            let key = match derive_key(&self.keys, &d.envelope) {
                 Ok(k) => k,
-                Err(e) => {
-                    keyless.push((d, format!("no usable dedup key: {e}")));
+                Err(reason) => {
+                    keyless.push((d, reason));
                     continue;
                 }
             };

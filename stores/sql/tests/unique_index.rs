@@ -346,3 +346,44 @@ async fn a_message_without_a_key_is_dead_lettered_and_the_rest_commit() {
     assert_eq!(dead.len(), 1);
     assert!(dead[0].reason.contains("payment_id"), "{}", dead[0].reason);
 }
+
+/// A custom key function that panics on one message dead-letters that message with the
+/// panic message as its reason, as the dedup-table engine does; the consumer survives and
+/// the rest commit (a panic escaping would kill the consumer, and the redelivery again).
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn a_panicking_key_function_dead_letters_the_message_and_the_rest_commit() {
+    let (_guard, store) = support::sqlite_store().await.expect("sqlite");
+    let broker = MemoryBroker::new();
+    broker.publish(payment("pay-1"));
+    broker.publish(payment(POISON));
+    broker.publish(payment("pay-2"));
+    let keys = KeyStrategy::custom("panicky", |e| {
+        let text = String::from_utf8_lossy(&e.payload).into_owned();
+        if text.contains(POISON) {
+            panic!("the key function cannot read {POISON}");
+        }
+        Ok(text)
+    })
+    .expect("keys");
+    let consumer =
+        UniqueIndexConsumer::from_fn(store, keys, |_msg, _tx| Box::pin(async { Ok(()) }));
+    let mut source = broker.subscribe();
+    let run = tokio::spawn(async move {
+        let result = consumer.run_until_idle(&mut source).await;
+        (consumer, result)
+    });
+    let (consumer, result) = run
+        .await
+        .expect("the consumer must survive a panicking key function");
+    result.expect("run");
+    assert_eq!(consumer.stats().processed, 2);
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert!(
+        dead[0].reason.contains("key function panicked")
+            && dead[0].reason.contains("cannot read pay-poison"),
+        "{}",
+        dead[0].reason
+    );
+}
