@@ -1,5 +1,8 @@
 //! A model of the claim / lease / heartbeat / complete / release protocol, checked with
-//! [`stateright`] (issue 11, "The model").
+//! [`stateright`], and two smaller models beside it: the RocketMQ transactional check-back
+//! (ROLLBACK only after fencing the local transaction's key) and Kafka Flow 2's
+//! revoked-partition rule (records polled before a revocation are dropped); each is
+//! described where it is defined, below the claim protocol's tests.
 //!
 //! # What is modelled
 //!
@@ -64,10 +67,10 @@
 //! expired: crash, stall, cut off, refused completion, none of which releases the key). An
 //! attempt whose handler failed cleanly releases the key, so the attempt after it says
 //! `takeover == false` even when an attempt before that one ran the effect and crashed; only
-//! `attempt > 1` signals every repeat (issue 11 item 4).
+//! `attempt > 1` signals every repeat.
 //!
-//! What the lease watch buys: without it (variant [`Variant::HandlerNotCancelled`], bug 2 of
-//! issue 11) a stalled handler whose extends fail outlives its lease, the key is taken over,
+//! What the lease watch buys: without it (variant [`Variant::HandlerNotCancelled`], bug 2) a
+//! stalled handler whose extends fail outlives its lease, the key is taken over,
 //! and both handlers perform the effect: the checker finds that counterexample. With the
 //! handler cancelled when its lease is lost, that state is unreachable.
 //!
@@ -804,4 +807,576 @@ fn bug2_handler_not_cancelled_on_lease_loss_runs_the_effect_twice() {
     show(&checker, REPEAT_SIGNALLED);
     let path = checker.discovery(REPEAT_SIGNALLED).unwrap();
     assert!(path.last_state().effects[0] >= 2, "two effects for one key");
+}
+
+/// Runs a BFS over any model and prints its state count in the line format of [`check`].
+fn check_any<M>(name: &str, model: M, stop_at: &[&'static str]) -> impl Checker<M>
+where
+    M: Model + Send + Sync + 'static,
+    M::State: Send + Sync + std::hash::Hash + Eq + std::fmt::Debug + Clone,
+    M::Action: Send + Sync + std::fmt::Debug + Clone + PartialEq,
+{
+    let started = Instant::now();
+    let mut builder = model.checker().threads(2);
+    if !stop_at.is_empty() {
+        let wanted: BTreeSet<&'static str> = stop_at.iter().copied().collect();
+        builder = builder.finish_when(HasDiscoveries::AllOf(wanted));
+    }
+    let checker = builder.spawn_bfs().join();
+    println!(
+        "protocol model [{name}]: {} unique states ({} generated), max depth {}, {:.2?}",
+        checker.unique_state_count(),
+        checker.state_count(),
+        checker.max_depth(),
+        started.elapsed()
+    );
+    assert!(checker.unique_state_count() > 0);
+    checker
+}
+
+/// Prints the path a checker found for `property` ("counterexample" lines).
+fn show_any<M>(checker: &impl Checker<M>, property: &'static str)
+where
+    M: Model,
+    M::State: std::fmt::Debug + Clone + PartialEq + std::hash::Hash,
+    M::Action: std::fmt::Debug + Clone + PartialEq,
+{
+    let path = checker
+        .discovery(property)
+        .unwrap_or_else(|| panic!("expected a discovery for `{property}`"));
+    println!(
+        "  counterexample for `{property}`: {} steps",
+        path.clone().into_actions().len()
+    );
+    for a in path.clone().into_actions() {
+        println!("    {a:?}");
+    }
+    println!("    final: {:?}", path.last_state());
+}
+
+// ---------------------------------------------------------------------------------------
+// RocketMQ transactional check-back
+// ---------------------------------------------------------------------------------------
+//
+// One half message and its local transaction, whose effect and completion commit together
+// (`complete_in_tx`: the effect is applied iff the completion's token still owns the key).
+// The producer: claim (first thing in the local transaction) → write the effect in its open
+// database transaction → complete-and-commit (or `Fenced` → roll back) → tell the broker its
+// outcome (a message that can be lost). It may crash at any step (its open transaction rolls
+// back) or stall for as long as the scheduler likes while its lease ends on the store's clock
+// (`Expire`), then carry on: a paused process, or a slow one in a process whose bound did not
+// cancel it. The broker checks the half message back any number of times while it is
+// pending, from any producer of the group, once the local transaction has claimed its key.
+// Not modelled: a check-back (after the broker's 6 s transaction timeout, from another
+// producer of the group) that comes before the claim: it finds no record, claims and releases
+// the key, and the late transaction claims it afterwards; nothing can fence a transaction
+// that holds no token yet (a check-back in the transaction's own process answers UNKNOWN,
+// and the docs tell users to claim first).
+//
+// The two check-back rules:
+// * `Read` (before the fix): a read of the record; an ended lease (by the producer's clock,
+//   which may also run ahead of the store's) or no record answers ROLLBACK, the store
+//   unchanged — the stalled transaction's completion still owns the key.
+// * `Fenced`: the check-back claims the key; only a claim the store grants (no record, a
+//   released key, an ended lease taken over: a new token) answers ROLLBACK, and the key is
+//   released; completed → COMMIT; a live lease → UNKNOWN.
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum CheckRule {
+    Read,
+    Fenced,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum TxRecord {
+    InProgress { token: u8, live: bool },
+    Completed,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum LocalPhase {
+    /// The half message is sent; the local transaction is about to claim.
+    Started,
+    /// Claimed with `token`.
+    Claimed(u8),
+    /// The effect is written in the open database transaction.
+    Written(u8),
+    /// Finished: its outcome, not yet told to the broker.
+    Finished(Outcome2),
+    /// Told (or the message was lost), or crashed.
+    Gone,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Outcome2 {
+    Commit,
+    Unknown,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Half {
+    Pending,
+    Committed,
+    RolledBack,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct CheckState {
+    record: Option<TxRecord>,
+    /// Tokens handed out so far (the next claim gets `tokens + 1`).
+    tokens: u8,
+    local: LocalPhase,
+    /// The business effect is committed.
+    effect: bool,
+    half: Half,
+    crashes: u8,
+    lost_ends: u8,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum CheckAction {
+    Claim,
+    Write,
+    CompleteAndCommit,
+    TellBroker {
+        lost: bool,
+    },
+    Crash,
+    /// The lease ends on the store's clock (the transaction is stalled or dead).
+    Expire,
+    /// A check-back; `clock_ahead`: the producer's clock runs ahead of the store's (the
+    /// `Read` rule compares the two).
+    CheckBack {
+        clock_ahead: bool,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct CheckBackModel {
+    rule: CheckRule,
+    /// The producer's clock may run ahead of the store's (matters to the `Read` rule only).
+    clock_skew: bool,
+}
+
+const CHECK_LOSS: &str = "effect applied, message never delivered";
+const CHECK_PHANTOM: &str = "message delivered without its effect";
+const CHECK_RESOLVED: &str = "every half message is eventually committed or rolled back";
+const CHECK_ROLLED_BACK: &str = "a half message is rolled back (reachable)";
+const CHECK_COMMITTED: &str = "a half message is committed (reachable)";
+
+impl CheckBackModel {
+    /// The check-back's answer, and the store after it.
+    fn check_back(&self, s: &CheckState, clock_ahead: bool) -> (Option<Half>, CheckState) {
+        let mut n = s.clone();
+        let answer = match (self.rule, s.record) {
+            (_, Some(TxRecord::Completed)) => Some(Half::Committed),
+            (CheckRule::Read, Some(TxRecord::InProgress { live, .. })) => {
+                if live && !clock_ahead {
+                    None
+                } else {
+                    Some(Half::RolledBack)
+                }
+            }
+            (CheckRule::Read, None) => Some(Half::RolledBack),
+            (CheckRule::Fenced, Some(TxRecord::InProgress { live: true, .. })) => None,
+            (CheckRule::Fenced, Some(TxRecord::InProgress { live: false, .. }) | None) => {
+                // Granted: a new token (a takeover fences the old one), then released.
+                n.tokens += 1;
+                n.record = Some(TxRecord::InProgress {
+                    token: n.tokens,
+                    live: false,
+                });
+                Some(Half::RolledBack)
+            }
+        };
+        (answer, n)
+    }
+}
+
+impl Model for CheckBackModel {
+    type State = CheckState;
+    type Action = CheckAction;
+
+    fn init_states(&self) -> Vec<CheckState> {
+        vec![CheckState {
+            record: None,
+            tokens: 0,
+            local: LocalPhase::Started,
+            effect: false,
+            half: Half::Pending,
+            crashes: 1,
+            lost_ends: 1,
+        }]
+    }
+
+    fn actions(&self, s: &CheckState, actions: &mut Vec<CheckAction>) {
+        match s.local {
+            LocalPhase::Started => actions.push(CheckAction::Claim),
+            LocalPhase::Claimed(_) => actions.push(CheckAction::Write),
+            LocalPhase::Written(_) => actions.push(CheckAction::CompleteAndCommit),
+            LocalPhase::Finished(_) => {
+                actions.push(CheckAction::TellBroker { lost: false });
+                if s.lost_ends > 0 {
+                    actions.push(CheckAction::TellBroker { lost: true });
+                }
+            }
+            LocalPhase::Gone => {}
+        }
+        if s.crashes > 0 && !matches!(s.local, LocalPhase::Gone) {
+            actions.push(CheckAction::Crash);
+        }
+        if matches!(s.record, Some(TxRecord::InProgress { live: true, .. })) {
+            actions.push(CheckAction::Expire);
+        }
+        // The broker asks only while the half message is pending; the claim comes first in
+        // the local transaction (see the header for the window before it).
+        if s.half == Half::Pending && s.local != LocalPhase::Started {
+            actions.push(CheckAction::CheckBack { clock_ahead: false });
+            if self.rule == CheckRule::Read && self.clock_skew {
+                actions.push(CheckAction::CheckBack { clock_ahead: true });
+            }
+        }
+    }
+
+    fn next_state(&self, s: &CheckState, action: CheckAction) -> Option<CheckState> {
+        let mut n = s.clone();
+        match action {
+            CheckAction::Claim => {
+                n.local = match s.record {
+                    None | Some(TxRecord::InProgress { live: false, .. }) => {
+                        n.tokens += 1;
+                        n.record = Some(TxRecord::InProgress {
+                            token: n.tokens,
+                            live: true,
+                        });
+                        LocalPhase::Claimed(n.tokens)
+                    }
+                    // Duplicate (done before) / InFlight: nothing written, let the
+                    // check-back decide.
+                    _ => LocalPhase::Finished(Outcome2::Unknown),
+                };
+            }
+            CheckAction::Write => {
+                if let LocalPhase::Claimed(t) = s.local {
+                    n.local = LocalPhase::Written(t);
+                }
+            }
+            CheckAction::CompleteAndCommit => {
+                let LocalPhase::Written(t) = s.local else {
+                    return None;
+                };
+                // `complete_in_tx`: completes (and the effect commits) only if the token
+                // still owns the key; an ended lease not taken over still belongs to it.
+                let owns =
+                    matches!(s.record, Some(TxRecord::InProgress { token, .. }) if token == t);
+                if owns {
+                    n.record = Some(TxRecord::Completed);
+                    n.effect = true;
+                    n.local = LocalPhase::Finished(Outcome2::Commit);
+                } else {
+                    n.local = LocalPhase::Finished(Outcome2::Unknown);
+                }
+            }
+            CheckAction::TellBroker { lost } => {
+                let LocalPhase::Finished(outcome) = s.local else {
+                    return None;
+                };
+                n.local = LocalPhase::Gone;
+                if lost {
+                    n.lost_ends -= 1;
+                } else if outcome == Outcome2::Commit && s.half == Half::Pending {
+                    n.half = Half::Committed;
+                }
+            }
+            CheckAction::Crash => {
+                n.crashes -= 1;
+                n.local = LocalPhase::Gone; // an open database transaction rolls back
+            }
+            CheckAction::Expire => {
+                if let Some(TxRecord::InProgress { token, .. }) = s.record {
+                    n.record = Some(TxRecord::InProgress { token, live: false });
+                }
+            }
+            CheckAction::CheckBack { clock_ahead } => {
+                let (answer, after) = self.check_back(s, clock_ahead);
+                n = after;
+                if let Some(h) = answer {
+                    n.half = h;
+                }
+            }
+        }
+        (n != *s).then_some(n)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(CHECK_LOSS, |_, s: &CheckState| {
+                !(s.effect && s.half == Half::RolledBack)
+            }),
+            Property::always(CHECK_PHANTOM, |_, s: &CheckState| {
+                !(s.half == Half::Committed && !s.effect)
+            }),
+            Property::eventually(CHECK_RESOLVED, |_, s: &CheckState| s.half != Half::Pending),
+            Property::sometimes(CHECK_ROLLED_BACK, |_, s: &CheckState| {
+                s.half == Half::RolledBack
+            }),
+            Property::sometimes(CHECK_COMMITTED, |_, s: &CheckState| {
+                s.half == Half::Committed
+            }),
+        ]
+    }
+}
+
+#[test]
+fn rocketmq_check_back_rolls_back_only_after_fencing() {
+    let checker = check_any(
+        "rocketmq check-back, fenced rule",
+        CheckBackModel {
+            rule: CheckRule::Fenced,
+            clock_skew: true,
+        },
+        &[],
+    );
+    checker.assert_no_discovery(CHECK_LOSS);
+    checker.assert_no_discovery(CHECK_PHANTOM);
+    checker.assert_no_discovery(CHECK_RESOLVED);
+    assert!(checker.discovery(CHECK_ROLLED_BACK).is_some());
+    assert!(checker.discovery(CHECK_COMMITTED).is_some());
+}
+
+#[test]
+fn rocketmq_check_back_rolling_back_on_a_read_loses_the_message() {
+    // Same clocks: the read of a lease that ended while the transaction stalled.
+    // Then a producer clock ahead of the store's: the read of a lease still live.
+    for (name, clock_skew) in [
+        (
+            "rocketmq check-back, read rule (before the fix), one clock",
+            false,
+        ),
+        (
+            "rocketmq check-back, read rule (before the fix), producer clock ahead",
+            true,
+        ),
+    ] {
+        let checker = check_any(
+            name,
+            CheckBackModel {
+                rule: CheckRule::Read,
+                clock_skew,
+            },
+            &[CHECK_LOSS],
+        );
+        show_any(&checker, CHECK_LOSS);
+        let path = checker.discovery(CHECK_LOSS).expect("a loss");
+        let last = path.last_state();
+        assert!(last.effect && last.half == Half::RolledBack);
+        if !clock_skew {
+            assert!(
+                path.into_actions().contains(&CheckAction::Expire),
+                "without skew the loss needs the lease to end first"
+            );
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Kafka Flow 2 (consume-transform-produce): the revoked-partition rule
+// ---------------------------------------------------------------------------------------
+//
+// One input partition holding one record, two consumers of one group with transactional
+// producers. A consumer polls the record into its buffer; a rebalance (from a finite budget)
+// moves the partition to the other consumer and starts a new group generation, which both
+// members join (the old owner stays in the group, with no partition). A consumer whose
+// partition is assigned fetches its committed offset *stable* (KIP-447: not while a
+// transaction holding offsets for it is open) and polls from there. A transform opens a
+// transaction: the output, and the offset past the record sent with the consumer's group
+// metadata (its generation). The group coordinator accepts the offsets if that generation is
+// current (it checks generation and member, not who owns the partition); otherwise the
+// transaction aborts (the output is never visible) and the consumer rewinds.
+//
+// Without the rule, the old owner transforms what it polled before the revocation with its
+// new (current) generation and commits; the new owner fetched the old offset before that
+// transaction opened, polls the record again, and commits a second output. The rule: records
+// of a partition revoked after their poll (the assignment they were polled under has ended)
+// are dropped, neither transformed nor committed.
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum RevokeRule {
+    Unchecked,
+    DropRevoked,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+struct Member {
+    /// Owns the partition now.
+    assigned: bool,
+    /// Assignments of the partition to this member so far (the epoch).
+    epoch: u8,
+    /// Fetch position: `None` until the committed offset is fetched after an assignment.
+    position: Option<u8>,
+    /// The polled record's epoch (the assignment it was polled under).
+    buffer: Option<u8>,
+    /// An open transaction: the generation its offsets carry.
+    txn: Option<u8>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct FlowState {
+    members: [Member; 2],
+    generation: u8,
+    committed: u8,
+    /// Committed outputs for the record (saturating at 3).
+    outputs: u8,
+    rebalances: u8,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum FlowAction {
+    Fetch(usize),
+    Poll(usize),
+    Transform(usize),
+    Commit(usize),
+    Rebalance,
+}
+
+#[derive(Clone, Debug)]
+struct RevokeModel {
+    rule: RevokeRule,
+}
+
+const FLOW_ONE_OUTPUT: &str = "at most one committed output per input record";
+const FLOW_DONE: &str = "the record's output is eventually committed";
+
+impl RevokeModel {
+    fn open_txn(s: &FlowState) -> bool {
+        s.members.iter().any(|m| m.txn.is_some())
+    }
+}
+
+impl Model for RevokeModel {
+    type State = FlowState;
+    type Action = FlowAction;
+
+    fn init_states(&self) -> Vec<FlowState> {
+        let owner = Member {
+            assigned: true,
+            epoch: 1,
+            ..Member::default()
+        };
+        vec![FlowState {
+            members: [owner, Member::default()],
+            generation: 1,
+            committed: 0,
+            outputs: 0,
+            rebalances: 2,
+        }]
+    }
+
+    fn actions(&self, s: &FlowState, actions: &mut Vec<FlowAction>) {
+        for (i, m) in s.members.iter().enumerate() {
+            if m.assigned && m.position.is_none() && !Self::open_txn(s) {
+                actions.push(FlowAction::Fetch(i));
+            }
+            if m.assigned && m.position == Some(0) && m.buffer.is_none() && m.txn.is_none() {
+                actions.push(FlowAction::Poll(i));
+            }
+            if m.buffer.is_some() && m.txn.is_none() {
+                actions.push(FlowAction::Transform(i));
+            }
+            if m.txn.is_some() {
+                actions.push(FlowAction::Commit(i));
+            }
+        }
+        if s.rebalances > 0 {
+            actions.push(FlowAction::Rebalance);
+        }
+    }
+
+    fn next_state(&self, s: &FlowState, action: FlowAction) -> Option<FlowState> {
+        let mut n = s.clone();
+        match action {
+            FlowAction::Fetch(i) => n.members[i].position = Some(s.committed),
+            FlowAction::Poll(i) => {
+                n.members[i].buffer = Some(s.members[i].epoch);
+                n.members[i].position = Some(1);
+            }
+            FlowAction::Transform(i) => {
+                let m = s.members[i];
+                let Some(polled_under) = m.buffer else {
+                    return None;
+                };
+                let revoked = !m.assigned || polled_under != m.epoch;
+                if revoked && self.rule == RevokeRule::DropRevoked {
+                    n.members[i].buffer = None;
+                } else {
+                    // Output and offsets in one transaction, with this member's generation.
+                    n.members[i].txn = Some(s.generation);
+                }
+            }
+            FlowAction::Commit(i) => {
+                let m = s.members[i];
+                let Some(generation) = m.txn else {
+                    return None;
+                };
+                n.members[i].txn = None;
+                n.members[i].buffer = None;
+                if generation == s.generation {
+                    n.outputs = (n.outputs + 1).min(3);
+                    n.committed = 1;
+                } else if m.assigned {
+                    // Aborted (stale generation): rewind to the committed offset.
+                    n.members[i].position = None;
+                }
+            }
+            FlowAction::Rebalance => {
+                n.rebalances -= 1;
+                n.generation += 1;
+                for m in &mut n.members {
+                    if m.assigned {
+                        m.assigned = false;
+                        m.position = None;
+                    } else {
+                        m.assigned = true;
+                        m.epoch += 1;
+                        m.position = None;
+                    }
+                }
+            }
+        }
+        Some(n)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always(FLOW_ONE_OUTPUT, |_, s: &FlowState| s.outputs <= 1),
+            Property::eventually(FLOW_DONE, |_, s: &FlowState| s.outputs >= 1),
+        ]
+    }
+}
+
+#[test]
+fn kafka_flow2_drops_records_of_a_revoked_partition_and_commits_one_output() {
+    let checker = check_any(
+        "kafka flow 2, revoked-partition rule",
+        RevokeModel {
+            rule: RevokeRule::DropRevoked,
+        },
+        &[],
+    );
+    checker.assert_no_discovery(FLOW_ONE_OUTPUT);
+    checker.assert_no_discovery(FLOW_DONE);
+}
+
+#[test]
+fn kafka_flow2_without_the_rule_a_second_owner_commits_a_second_output() {
+    let checker = check_any(
+        "kafka flow 2, records of a revoked partition transformed (no rule)",
+        RevokeModel {
+            rule: RevokeRule::Unchecked,
+        },
+        &[FLOW_ONE_OUTPUT],
+    );
+    show_any(&checker, FLOW_ONE_OUTPUT);
+    let path = checker.discovery(FLOW_ONE_OUTPUT).expect("a second output");
+    assert!(path.last_state().outputs >= 2);
 }
