@@ -415,8 +415,9 @@ async fn the_cache_reports_payload_conflicts() {
     ));
 }
 
-/// The watchdog keeps a short lease alive past its end, and reports a takeover.
-#[tokio::test]
+/// The watchdog keeps a short lease alive past its end, and reports a takeover. On tokio's
+/// paused clock: a stalled machine cannot make a renewal look late (a false `Expired`).
+#[tokio::test(start_paused = true)]
 async fn watchdog_extends_and_reports_loss() {
     let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
     let k = key(&group(), "long");
@@ -429,8 +430,8 @@ async fn watchdog_extends_and_reports_loss() {
     else {
         panic!()
     };
-    // Renewed every 200 ms: a renewal may come up to 500 ms late (a loaded machine)
-    // before the lease is given up.
+    // Renewed every 200 ms: a renewal may come up to 500 ms late before the lease is given
+    // up (on the paused clock, however long the machine stalls).
     let every = Duration::from_millis(200);
     let dog = LeaseWatchdog::spawn_with(
         store.clone(),
