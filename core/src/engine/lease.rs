@@ -408,7 +408,8 @@ pub enum LeaseState {
 /// lease then ends on its own unless the key is completed or released.
 ///
 /// ```
-/// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
+/// # // Tokio's paused clock: a stalled test machine cannot make a renewal look late.
+/// # tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build().unwrap().block_on(async {
 /// use idemq_core::{ClaimOutcome, ClaimRequest, ConsumerGroup, DedupKey, DedupStore, MemoryStore};
 /// use idemq_core::engine::{LeaseKeepAlive, LeaseState};
 /// use std::{sync::Arc, time::Duration};
