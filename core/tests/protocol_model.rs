@@ -1114,7 +1114,7 @@ impl Model for CheckBackModel {
                 !(s.effect && s.half == Half::RolledBack)
             }),
             Property::always(CHECK_PHANTOM, |_, s: &CheckState| {
-                !(s.half == Half::Committed && !s.effect)
+                s.half != Half::Committed || s.effect
             }),
             Property::eventually(CHECK_RESOLVED, |_, s: &CheckState| s.half != Half::Pending),
             Property::sometimes(CHECK_ROLLED_BACK, |_, s: &CheckState| {
@@ -1302,9 +1302,7 @@ impl Model for RevokeModel {
             }
             FlowAction::Transform(i) => {
                 let m = s.members[i];
-                let Some(polled_under) = m.buffer else {
-                    return None;
-                };
+                let polled_under = m.buffer?;
                 let revoked = !m.assigned || polled_under != m.epoch;
                 if revoked && self.rule == RevokeRule::DropRevoked {
                     n.members[i].buffer = None;
@@ -1315,9 +1313,7 @@ impl Model for RevokeModel {
             }
             FlowAction::Commit(i) => {
                 let m = s.members[i];
-                let Some(generation) = m.txn else {
-                    return None;
-                };
+                let generation = m.txn?;
                 n.members[i].txn = None;
                 n.members[i].buffer = None;
                 if generation == s.generation {
