@@ -189,6 +189,12 @@ mod kafka {
     use idemq::kafka::{KafkaProducerConfig, KafkaPublisher};
     use idemq::{OutgoingMessage, Publisher};
 
+    /// The `--idle-exit` of the runs that must print everything published before them. The
+    /// source is ready once partitions are assigned, before the offset lookup and the first
+    /// fetch: on a loaded machine that fetch and the first SQLite batch can take seconds, and
+    /// a short window would end the run before it printed every line.
+    const IDLE_EXIT: &str = "8";
+
     /// A fresh topic of `partitions` partitions.
     async fn create_topic(brokers: &str, tag: &str, partitions: i32) -> String {
         let topic = format!("idemq_cli_{tag}_{:08x}", rand::random::<u32>());
@@ -274,8 +280,8 @@ mod kafka {
         );
     }
 
-    /// `idemq consume` of `topic` in `group` with `--key json:/payment_id --idle-exit 3`, to
-    /// its end: (stdout's JSON lines, stderr).
+    /// `idemq consume` of `topic` in `group` with `--key json:/payment_id` and
+    /// `--idle-exit` [`IDLE_EXIT`], to its end: (stdout's JSON lines, stderr).
     async fn consume_payments(
         brokers: &str,
         topic: &str,
@@ -294,7 +300,7 @@ mod kafka {
                 "--group",
                 group,
                 "--idle-exit",
-                "3",
+                IDLE_EXIT,
             ],
             Duration::from_secs(120),
         )
@@ -495,7 +501,7 @@ mod kafka {
         assert!(held.contains("assigned 2 partitions"), "{held}");
         first.child.kill().await.expect("SIGKILL the first run");
         publish_payments(&brokers, &topic, 0..10).await;
-        let again_args = args(&["--idle-exit", "3"]);
+        let again_args = args(&["--idle-exit", IDLE_EXIT]);
         let again = idemq(
             &again_args.iter().map(String::as_str).collect::<Vec<_>>(),
             Duration::from_secs(120),
@@ -534,6 +540,12 @@ mod kafka {
     /// What the member prints on stderr once it holds partitions.
     const HOLDING: &str = "holding partitions";
 
+    /// How long the coordinator waits for a member that stopped heartbeating before it
+    /// gives the member's partitions to another (the member's session timeout). Longer than
+    /// [`IDLE_EXIT`] by a margin a slow start cannot eat: an idle clock that counted the wait
+    /// for partitions would end the run before any partition was assigned.
+    const MEMBER_SESSION_MS: &str = "15000";
+
     /// The child's part: `brokers topic group` in its argument. Never returns.
     fn hold_partitions(arg: &str) -> ! {
         let mut parts = arg.split(' ');
@@ -541,10 +553,10 @@ mod kafka {
         else {
             panic!("member argument `{arg}` is not `brokers topic group`");
         };
-        // The broker's smallest session timeout, so the test waits 6 s for the coordinator
-        // to give the dead member up, not the default 45 s.
+        // Not the default 45 s, so the test does not wait that long for the coordinator to
+        // give the dead member up.
         let cfg = idemq::kafka::KafkaSourceConfig::new(brokers, group, &[topic])
-            .set("session.timeout.ms", "6000")
+            .set("session.timeout.ms", MEMBER_SESSION_MS)
             .set("heartbeat.interval.ms", "1000");
         let source = idemq::kafka::KafkaSource::new(cfg).expect("member source");
         loop {
@@ -593,7 +605,8 @@ mod kafka {
         let group = format!("{topic}-g");
         publish_payments(&brokers, &topic, 0..30).await;
         // A consumer of the group crashes holding both partitions: until the coordinator
-        // gives it up (its session timeout), a restarted consumer gets nothing.
+        // gives it up (its session timeout, well past the idle window), a restarted consumer
+        // gets nothing.
         let mut member = start_member(
             "kafka::idle_exit_counts_only_once_partitions_are_assigned",
             &brokers,
@@ -614,7 +627,7 @@ mod kafka {
                 "--group",
                 &group,
                 "--idle-exit",
-                "2",
+                IDLE_EXIT,
             ],
             Duration::from_secs(120),
         )
