@@ -70,9 +70,7 @@ pub use rocketmq_client_rust;
 /// The RocketMQ message model (messages, queues, consume-from settings) of that client.
 pub use rocketmq_model;
 pub use source::{ConsumeMode, RocketSource, SourceConfig, MIN_RECONSUME_DELAY};
-pub use transaction::{
-    LocalOutcome, StoreCheckBack, TransactionalPublisher, LOCAL_TIMEOUT,
-};
+pub use transaction::{LocalOutcome, StoreCheckBack, TransactionalPublisher, LOCAL_TIMEOUT};
 
 /// Errors of the adapter's setup calls.
 #[derive(Debug, thiserror::Error)]

@@ -43,7 +43,7 @@ use rocketmq_client_rust::{
 };
 use rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
 use rocketmq_model::common::message::message_ext::MessageExt;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{watch, Mutex, Notify};
@@ -56,6 +56,13 @@ pub const MIN_RECONSUME_DELAY: Duration = Duration::from_secs(10);
 /// How long a delivery dropped unsettled (a cancelled batch) is held before it is handed to
 /// the engine again, and how long an orderly queue pauses when its source closes.
 const ABANDONED_RETRY: Duration = Duration::from_secs(1);
+
+/// Failed dead-letter sends of one message after which the listener stops holding it and gives
+/// it back to the broker: a dead-letter topic that stays unreachable would otherwise keep the
+/// message (and its listener thread, and in orderly mode its queue) here for good. Given back,
+/// the broker's own reconsume levels bound it and end in `%DLQ%<group>`, without our reason
+/// but not lost.
+const DEAD_LETTER_ATTEMPTS: u32 = 3;
 
 /// The client's `consume_timeout`, in minutes: a message in a listener call longer than that
 /// is sent back by the client (one broker attempt). Messages are held in listener calls
@@ -214,11 +221,12 @@ impl Bridge {
     fn consume_inner(&self, m: &MessageExt) -> Verdict {
         // Hand-overs of this message by this listener call after the first (held nacks).
         let mut held = 0u32;
+        let dlq_failures = Arc::new(AtomicU32::new(0));
         loop {
             if *self.closed.borrow() {
                 return Verdict::Later(ABANDONED_RETRY);
             }
-            let Some(settled) = self.deliver(m, held) else {
+            let Some(settled) = self.deliver(m, held, &dlq_failures) else {
                 return Verdict::Later(ABANDONED_RETRY);
             };
             // Read apart from the match: a `watch::Ref` kept for the match would hold the
@@ -227,6 +235,16 @@ impl Bridge {
             match step(settled.as_ref(), closing) {
                 Step::Done => return Verdict::Done,
                 Step::GiveBack(d) => return Verdict::Later(d),
+                Step::Hold(_) if dlq_failures.load(Ordering::SeqCst) >= DEAD_LETTER_ATTEMPTS => {
+                    tracing::error!(
+                        topic = %self.dlq.topic,
+                        attempts = DEAD_LETTER_ATTEMPTS,
+                        "the dead-letter topic refused this message every time: giving it back \
+                         to the broker (its reconsume levels, then %DLQ%<group>)"
+                    );
+                    metrics::counter!("idemq_rocketmq_dead_letters_given_back_total").increment(1);
+                    return Verdict::Later(ABANDONED_RETRY);
+                }
                 Step::Hold(d) => {
                     metrics::counter!("idemq_rocketmq_nacks_held_total").increment(1);
                     if !self.hold(d) {
@@ -240,13 +258,19 @@ impl Bridge {
 
     /// Hands the message to the engine and waits for its settlement. `None`: the source is
     /// gone; `Some(None)`: no settlement (closing).
-    fn deliver(&self, m: &MessageExt, held: u32) -> Option<Option<Settlement>> {
+    fn deliver(
+        &self,
+        m: &MessageExt,
+        held: u32,
+        dlq_failures: &Arc<AtomicU32>,
+    ) -> Option<Option<Settlement>> {
         let (recorder, outcome) = SettleRecorder::new();
         let settle = RocketSettle {
             recorder,
             dlq: self.dlq.clone(),
             message: m.clone(),
             progress: self.progress.clone(),
+            dlq_failures: dlq_failures.clone(),
         };
         let mut envelope = to_envelope(m);
         if held > 0 {
@@ -354,6 +378,8 @@ struct RocketSettle {
     dlq: Arc<DeadLetters>,
     message: MessageExt,
     progress: Arc<Progress>,
+    /// Failed dead-letter sends of this message, across the listener call's hand-overs.
+    dlq_failures: Arc<AtomicU32>,
 }
 
 impl RocketSettle {
@@ -381,13 +407,22 @@ impl Settle for RocketSettle {
                 "the listener stopped waiting for this message".into(),
             ));
         }
-        let copy = dead_letter_copy(&self.message, &self.dlq.topic, reason)
-            .map_err(|e| SourceError::Broker(format!("dead-letter copy: {e}")))?;
-        self.dlq
-            .publisher
-            .send_raw(copy, None)
-            .await
-            .map_err(|e| SourceError::Broker(format!("dead-letter to {}: {e}", self.dlq.topic)))?;
+        let sent = match dead_letter_copy(&self.message, &self.dlq.topic, reason) {
+            Ok(copy) => self
+                .dlq
+                .publisher
+                .send_raw(copy, None)
+                .await
+                .map(|_| ())
+                .map_err(|e| {
+                    SourceError::Broker(format!("dead-letter to {}: {e}", self.dlq.topic))
+                }),
+            Err(e) => Err(SourceError::Broker(format!("dead-letter copy: {e}"))),
+        };
+        if let Err(e) = sent {
+            self.dlq_failures.fetch_add(1, Ordering::SeqCst);
+            return Err(e);
+        }
         metrics::counter!("idemq_rocketmq_dead_lettered_total").increment(1);
         let sent = self.recorder.ack().await;
         self.counted(sent)
@@ -793,6 +828,56 @@ mod retry_budget_tests {
             Step::GiveBack(ABANDONED_RETRY)
         );
         assert_eq!(step(None, true), Step::GiveBack(ABANDONED_RETRY));
+    }
+
+    /// A message the engine dead-letters while the dead-letter topic cannot be reached (here
+    /// the dead-letter producer's name server does not exist): each failed reject comes back
+    /// as a nack, and the listener must not hold it for good; after a few failed sends it
+    /// gives the message back to the broker, whose reconsume levels bound it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_letter_that_cannot_be_sent_goes_back_to_the_broker_not_held_for_good() {
+        let (bridge, mut source, _closing) = bridge().await;
+        let runs = Arc::new(AtomicU32::new(0));
+        let counter = runs.clone();
+        let consumer = IdempotentConsumer::new(
+            Arc::new(MemoryStore::new()),
+            KeyStrategy::dedup_header(GROUP).expect("keys"),
+            move |_m: ClaimedMessage| {
+                let counter = counter.clone();
+                async move {
+                    counter.fetch_add(1, Ordering::SeqCst);
+                    Err::<Option<bytes::Bytes>, _>(HandlerError::permanent("a malformed payment"))
+                }
+            },
+        )
+        .with_config(quick_config());
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let engine = consumer.clone();
+        let run = tokio::spawn(async move {
+            let _ = engine
+                .run(&mut source, async move {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        let listener = concurrently(&bridge, message("pay-poison"));
+        until(
+            "the listener gives the message back",
+            Duration::from_secs(120),
+            || listener.is_finished(),
+        )
+        .await;
+        assert_eq!(
+            listener.join().expect("listener"),
+            ConsumeConcurrentlyStatus::ReconsumeLater,
+            "given back to the broker, not acked: the message was never dead-lettered"
+        );
+        assert!(
+            runs.load(Ordering::SeqCst) >= 1,
+            "the handler ran before the dead-letter was tried"
+        );
+        let _ = stop.send(());
+        let _ = run.await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
