@@ -21,7 +21,7 @@
 #   scripts/servers.sh rocketmq-built     exit 0 when the RocketMQ servers are built
 #
 # SERVER is any of: postgres mariadb redis redis-cluster kafka rabbitmq rocketmq (default: all of them;
-# the first RocketMQ start builds its servers from source: ~15-40 min on 2 cores, once per machine).
+# the first RocketMQ start builds its servers from source: ~20 min on 2 cores beside a cargo build, once).
 # Every server gets a private data dir under $IDEMQ_STATE_DIR, listens on
 # 127.0.0.1 only, on a non-default port, so it never collides with a
 # system-wide instance or another checkout's defaults. Data is thrown away on
