@@ -71,7 +71,17 @@ pub(crate) async fn poll_or_fatal(
             return Err(SourceError::Broker(why));
         }
         tokio::select! {
-            got = inner.poll(max) => return got,
+            got = inner.poll(max) => {
+                // The panicking call may have been the last holder of the sender: the channel
+                // then reads as closed at the same moment the panic is kept, and the panic,
+                // not a clean end, is what the caller must hear.
+                if matches!(got, Ok(None) | Err(_)) {
+                    if let Some(why) = panicked.why() {
+                        return Err(SourceError::Broker(why));
+                    }
+                }
+                return got;
+            }
             _ = &mut kept => {}
         }
     }
