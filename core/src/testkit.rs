@@ -818,6 +818,7 @@ macro_rules! store_contract_tests {
 
 pub mod process;
 pub mod servers;
+pub mod switchable;
 
 /// The clock-skew scenario (issue 11, item 3), shared by the SQL and Redis stores' tests.
 pub mod clock_skew {

@@ -640,88 +640,18 @@ mod retry_budget_tests {
     use cheetah_string::CheetahString;
     use idemq_core::engine::{ConsumerConfig, RetryPolicy};
     use idemq_core::publish::DEDUP_HEADER;
-    use idemq_core::store::{
-        ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupRecord, DedupStore,
-        ExtendOutcome, FencingToken, ReleaseOutcome, StoreError,
-    };
+    use idemq_core::store::{ClaimOutcome, ClaimRequest, DedupStore};
+    use idemq_core::testkit::switchable::SwitchableStore;
     use idemq_core::{
         ClaimedMessage, ConsumerGroup, DedupKey, HandlerError, IdempotentConsumer, KeyStrategy,
         MemoryStore,
     };
     use rocketmq_model::common::message::message_queue::MessageQueue;
     use rocketmq_model::common::message::MessageTrait;
-    use std::sync::atomic::{AtomicBool, AtomicU32};
+    use std::sync::atomic::AtomicU32;
     use std::thread::JoinHandle;
 
     const GROUP: &str = "billing";
-
-    /// The memory store behind a switch: while it is down every call is `Unavailable`.
-    struct Switchable {
-        inner: MemoryStore,
-        down: AtomicBool,
-    }
-
-    impl Switchable {
-        fn check(&self) -> Result<(), StoreError> {
-            if self.down.load(Ordering::SeqCst) {
-                Err(StoreError::Unavailable("test: the store is down".into()))
-            } else {
-                Ok(())
-            }
-        }
-    }
-
-    #[async_trait]
-    impl DedupStore for Switchable {
-        async fn claim_batch(
-            &self,
-            reqs: &[ClaimRequest],
-        ) -> Result<Vec<ClaimOutcome>, StoreError> {
-            self.check()?;
-            self.inner.claim_batch(reqs).await
-        }
-        async fn complete_batch(
-            &self,
-            items: &[Completion],
-        ) -> Result<Vec<CompleteOutcome>, StoreError> {
-            self.check()?;
-            self.inner.complete_batch(items).await
-        }
-        async fn release(
-            &self,
-            key: &DedupKey,
-            token: FencingToken,
-        ) -> Result<ReleaseOutcome, StoreError> {
-            self.check()?;
-            self.inner.release(key, token).await
-        }
-        async fn extend(
-            &self,
-            key: &DedupKey,
-            token: FencingToken,
-            lease: Duration,
-        ) -> Result<ExtendOutcome, StoreError> {
-            self.check()?;
-            self.inner.extend(key, token, lease).await
-        }
-        async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
-            self.check()?;
-            self.inner.get(key).await
-        }
-        async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
-            self.inner.purge_expired(limit).await
-        }
-        async fn list_stuck(
-            &self,
-            stale_for: Duration,
-            limit: usize,
-        ) -> Result<Vec<DedupRecord>, StoreError> {
-            self.inner.list_stuck(stale_for, limit).await
-        }
-        async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
-            self.inner.forget(key).await
-        }
-    }
 
     /// A message as the broker hands it over: first delivery, the dedup key in its property.
     fn message(key: &str) -> MessageExt {
@@ -883,10 +813,8 @@ mod retry_budget_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_store_outage_spends_none_of_the_reconsume_budget() {
         for mode in [ConsumeMode::Concurrently, ConsumeMode::Orderly] {
-            let store = Arc::new(Switchable {
-                inner: MemoryStore::new(),
-                down: AtomicBool::new(true),
-            });
+            let store = Arc::new(SwitchableStore::new(Arc::new(MemoryStore::new())));
+            store.set_down(true);
             let (bridge, mut source, _closing) = bridge().await;
             let applied = Arc::new(AtomicU32::new(0));
             let counter = applied.clone();
@@ -943,7 +871,7 @@ mod retry_budget_tests {
                 0,
                 "nothing ran while the store was down"
             );
-            store.down.store(false, Ordering::SeqCst);
+            store.set_down(false);
             until("the listener answers", Duration::from_secs(30), answered).await;
             match (concurrent, ordered) {
                 (Some(t), _) => assert_eq!(
@@ -969,10 +897,8 @@ mod retry_budget_tests {
     /// message: the close goes through at once and the listener gives the message back.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn closing_while_a_message_is_held_gives_it_back_at_once() {
-        let store = Arc::new(Switchable {
-            inner: MemoryStore::new(),
-            down: AtomicBool::new(true),
-        });
+        let store = Arc::new(SwitchableStore::new(Arc::new(MemoryStore::new())));
+        store.set_down(true);
         let (bridge, mut source, closing) = bridge().await;
         let consumer = IdempotentConsumer::new(
             store.clone(),

@@ -7,87 +7,16 @@
 
 mod support;
 
-use async_trait::async_trait;
 use idemq_core::engine::{ConsumerConfig, RetryPolicy};
 use idemq_core::publish::{OutgoingMessage, Publisher};
-use idemq_core::store::{
-    ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupRecord, DedupStore,
-    ExtendOutcome, FencingToken, ReleaseOutcome, StoreError,
-};
-use idemq_core::{
-    ClaimedMessage, DedupKey, HandlerError, IdempotentConsumer, KeyStrategy, MemoryStore,
-};
+use idemq_core::testkit::switchable::SwitchableStore;
+use idemq_core::{ClaimedMessage, HandlerError, IdempotentConsumer, KeyStrategy, MemoryStore};
 use idemq_rocketmq::{SourceConfig, DLQ_REASON};
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use support::wait_until;
 use tokio::time::Instant;
-
-/// The memory store behind a switch: while it is down every call is `Unavailable`.
-struct Switchable {
-    inner: MemoryStore,
-    down: AtomicBool,
-}
-
-impl Switchable {
-    fn check(&self) -> Result<(), StoreError> {
-        if self.down.load(Ordering::SeqCst) {
-            Err(StoreError::Unavailable("test: the store is down".into()))
-        } else {
-            Ok(())
-        }
-    }
-}
-
-#[async_trait]
-impl DedupStore for Switchable {
-    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
-        self.check()?;
-        self.inner.claim_batch(reqs).await
-    }
-    async fn complete_batch(
-        &self,
-        items: &[Completion],
-    ) -> Result<Vec<CompleteOutcome>, StoreError> {
-        self.check()?;
-        self.inner.complete_batch(items).await
-    }
-    async fn release(
-        &self,
-        key: &DedupKey,
-        token: FencingToken,
-    ) -> Result<ReleaseOutcome, StoreError> {
-        self.check()?;
-        self.inner.release(key, token).await
-    }
-    async fn extend(
-        &self,
-        key: &DedupKey,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Result<ExtendOutcome, StoreError> {
-        self.check()?;
-        self.inner.extend(key, token, lease).await
-    }
-    async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
-        self.check()?;
-        self.inner.get(key).await
-    }
-    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
-        self.inner.purge_expired(limit).await
-    }
-    async fn list_stuck(
-        &self,
-        stale_for: Duration,
-        limit: usize,
-    ) -> Result<Vec<DedupRecord>, StoreError> {
-        self.inner.list_stuck(stale_for, limit).await
-    }
-    async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
-        self.inner.forget(key).await
-    }
-}
 
 /// A store outage longer than the broker's first reconsume level, with a reconsume budget of
 /// one: the payment waits and is applied once when the store is back, never dead-lettered;
@@ -111,10 +40,8 @@ async fn a_store_outage_does_not_dead_letter_and_a_failing_handler_does_with_its
             .expect("SEND_OK");
     }
 
-    let store = Arc::new(Switchable {
-        inner: MemoryStore::new(),
-        down: AtomicBool::new(true),
-    });
+    let store = Arc::new(SwitchableStore::new(Arc::new(MemoryStore::new())));
+    store.set_down(true);
     let applied = Arc::new(AtomicU32::new(0));
     let (counter, failures) = (applied.clone(), Arc::new(AtomicU32::new(0)));
     let failed = failures.clone();
@@ -159,7 +86,7 @@ async fn a_store_outage_does_not_dead_letter_and_a_failing_handler_does_with_its
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let dead_early: Vec<String> = dlq.snapshot().iter().map(support::dedup_key_of).collect();
-    store.down.store(false, Ordering::SeqCst);
+    store.set_down(false);
 
     let settled = wait_until(Duration::from_secs(60), || {
         applied.load(Ordering::SeqCst) >= 1

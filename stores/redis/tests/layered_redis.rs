@@ -3,15 +3,13 @@
 
 mod support;
 
-use async_trait::async_trait;
+use idemq_core::testkit::switchable::SwitchableStore;
 use idemq_core::{
-    ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupKey, DedupRecord, DedupStore,
-    ExtendOutcome, FencingToken, MemoryStore, ReleaseOutcome, StoreError,
+    ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupKey, DedupStore, MemoryStore,
 };
 use idemq_layered::{FallbackGate, LayeredStore, LocalBloom, Novelty, PreFilter};
 use idemq_redis::{redisbloom_loaded, RedisBloomFilter, RedisStore};
 use redis::AsyncCommands;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use support::*;
@@ -90,83 +88,6 @@ async fn redisbloom(
             .await
             .expect("open filter"),
     )
-}
-
-/// A store that can be switched off, answering `Unavailable` like a Redis outage.
-struct Switch {
-    inner: Arc<dyn DedupStore>,
-    up: AtomicBool,
-}
-
-impl Switch {
-    fn new(inner: Arc<dyn DedupStore>) -> Arc<Self> {
-        Arc::new(Self {
-            inner,
-            up: AtomicBool::new(true),
-        })
-    }
-    fn set(&self, up: bool) {
-        self.up.store(up, Ordering::SeqCst);
-    }
-    fn check(&self) -> Result<(), StoreError> {
-        if self.up.load(Ordering::SeqCst) {
-            Ok(())
-        } else {
-            Err(StoreError::Unavailable("switched off".into()))
-        }
-    }
-}
-
-#[async_trait]
-impl DedupStore for Switch {
-    async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
-        self.check()?;
-        self.inner.claim_batch(reqs).await
-    }
-    async fn complete_batch(
-        &self,
-        items: &[Completion],
-    ) -> Result<Vec<CompleteOutcome>, StoreError> {
-        self.check()?;
-        self.inner.complete_batch(items).await
-    }
-    async fn release(
-        &self,
-        key: &DedupKey,
-        token: FencingToken,
-    ) -> Result<ReleaseOutcome, StoreError> {
-        self.check()?;
-        self.inner.release(key, token).await
-    }
-    async fn extend(
-        &self,
-        key: &DedupKey,
-        token: FencingToken,
-        lease: Duration,
-    ) -> Result<ExtendOutcome, StoreError> {
-        self.check()?;
-        self.inner.extend(key, token, lease).await
-    }
-    async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
-        self.check()?;
-        self.inner.get(key).await
-    }
-    async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
-        self.check()?;
-        self.inner.purge_expired(limit).await
-    }
-    async fn list_stuck(
-        &self,
-        stale_for: Duration,
-        limit: usize,
-    ) -> Result<Vec<DedupRecord>, StoreError> {
-        self.check()?;
-        self.inner.list_stuck(stale_for, limit).await
-    }
-    async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
-        self.check()?;
-        self.inner.forget(key).await
-    }
 }
 
 #[tokio::test]
@@ -315,7 +236,7 @@ async fn a_saturated_redisbloom_filter_never_skips_a_fresh_message() {
             .all(|p| *p == Novelty::MaybeSeen),
         "every probe of a saturated filter is positive"
     );
-    let primary = Switch::new(Arc::new(redis_store));
+    let primary = Arc::new(SwitchableStore::new(Arc::new(redis_store)));
     let s = LayeredStore::builder(primary.clone())
         .prefilter(Arc::new(f))
         .fallback(Arc::new(MemoryStore::new()), FallbackGate::NeverSeenKeys)
@@ -329,7 +250,7 @@ async fn a_saturated_redisbloom_filter_never_skips_a_fresh_message() {
             o => panic!("fresh {k} with a saturated filter: {o:?}"),
         }
     }
-    primary.set(false);
+    primary.set_down(true);
     let reqs: Vec<ClaimRequest> = probes[150..]
         .iter()
         .map(|k| ClaimRequest::new(k.clone(), LONG))
@@ -340,7 +261,7 @@ async fn a_saturated_redisbloom_filter_never_skips_a_fresh_message() {
             "outage: refuse, never skip: {o:?}"
         );
     }
-    primary.set(true);
+    primary.set_down(false);
     for o in s.claim_batch(&reqs).await.unwrap() {
         assert!(matches!(o, ClaimOutcome::Acquired(_)), "{o:?}");
     }
