@@ -20,7 +20,7 @@
 
 use crate::envelope::Envelope;
 use crate::key::DedupKey;
-use crate::store::{DedupRecord, FencingToken};
+use crate::store::{ClaimMode, DedupRecord, FencingToken};
 use async_trait::async_trait;
 use bytes::Bytes;
 use std::future::Future;
@@ -57,15 +57,47 @@ pub struct LeaseWatch {
 #[derive(Debug)]
 pub(crate) struct LeaseFlags {
     lost: Vec<std::sync::atomic::AtomicBool>,
+    /// What a handler's own transaction settled for each message ([`Settled`] as a byte):
+    /// the engine then skips the completion round trip it would make.
+    settled: Vec<std::sync::atomic::AtomicU8>,
     notify: tokio::sync::Notify,
+}
+
+/// What a handler's transaction settled for a message, before the handler returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Settled {
+    /// Nothing: the engine completes the message itself.
+    No = 0,
+    /// The effect and the dedup record committed together.
+    Completed = 1,
+    /// The key was already recorded: nothing was applied.
+    Duplicate = 2,
 }
 
 impl LeaseFlags {
     pub(crate) fn new(n: usize) -> std::sync::Arc<Self> {
         std::sync::Arc::new(Self {
             lost: (0..n).map(|_| Default::default()).collect(),
+            settled: (0..n).map(|_| Default::default()).collect(),
             notify: tokio::sync::Notify::new(),
         })
+    }
+    pub(crate) fn settled(&self, index: usize) -> Settled {
+        match self
+            .settled
+            .get(index)
+            .map(|f| f.load(std::sync::atomic::Ordering::Acquire))
+        {
+            Some(1) => Settled::Completed,
+            Some(2) => Settled::Duplicate,
+            _ => Settled::No,
+        }
+    }
+    fn set_settled(&self, index: usize, how: Settled) {
+        if let Some(f) = self.settled.get(index) {
+            f.store(how as u8, std::sync::atomic::Ordering::Release);
+        }
     }
     pub(crate) fn is_lost(&self, index: usize) -> bool {
         self.lost
@@ -107,6 +139,22 @@ impl LeaseWatch {
     pub fn is_lost(&self) -> bool {
         self.flags.is_lost(self.index)
     }
+    /// Resolves when any of `watches` (of one batch) is lost.
+    pub(crate) async fn any_lost(watches: &[LeaseWatch]) {
+        let Some(first) = watches.first() else {
+            return std::future::pending().await;
+        };
+        loop {
+            let notified = first.flags.notify.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if watches.iter().any(LeaseWatch::is_lost) {
+                return;
+            }
+            notified.await;
+        }
+    }
+
     /// Resolves when the lease is lost; never, if it is kept until the batch ends.
     pub async fn lost(&self) {
         loop {
@@ -146,6 +194,10 @@ pub struct ClaimedMessage {
     pub retention: std::time::Duration,
     /// Whether this worker still holds the key (see [`LeaseWatch`]).
     pub lease: LeaseWatch,
+    /// Where the key was claimed: [`ClaimMode::Lease`] (the store holds a lease for
+    /// `token`), or [`ClaimMode::InEffectTransaction`] (nothing is recorded yet: the
+    /// handler's transaction inserts the key with the effect).
+    pub claim_mode: ClaimMode,
 }
 
 impl ClaimedMessage {
@@ -166,7 +218,53 @@ impl ClaimedMessage {
             takeover,
             retention: std::time::Duration::from_secs(7 * 24 * 3600),
             lease,
+            claim_mode: ClaimMode::Lease,
         }
+    }
+
+    /// Sets where the key was claimed (builder form; engines set it from the store).
+    pub fn with_claim_mode(mut self, mode: ClaimMode) -> Self {
+        self.claim_mode = mode;
+        self
+    }
+
+    /// The payload parsed from JSON as `T`; a payload that does not parse is a permanent
+    /// failure ([`MalformedPayload`], naming the type and serde's reason), so `?` in a
+    /// handler dead-letters the message instead of retrying it forever.
+    ///
+    /// ```
+    /// use idemq_core::{BrokerKind, ClaimedMessage, DedupKey, Envelope, FencingToken};
+    /// use idemq_core::handler::LeaseWatch;
+    /// # use std::sync::Arc;
+    /// #[derive(serde::Deserialize)]
+    /// struct Payment { amount: i64 }
+    /// let env = Arc::new(Envelope::new(BrokerKind::Memory, "payments", r#"{"amount":5}"#));
+    /// let key = DedupKey::from_stored("payments:p-1");
+    /// let msg = ClaimedMessage::new(env, key, FencingToken(1), 1, false, LeaseWatch::pair().1);
+    /// assert_eq!(msg.json::<Payment>().unwrap().amount, 5);
+    /// ```
+    pub fn json<T: serde::de::DeserializeOwned>(&self) -> Result<T, HandlerError> {
+        serde_json::from_slice(&self.envelope.payload).map_err(|source| {
+            HandlerError::permanent(MalformedPayload {
+                type_name: std::any::type_name::<T>(),
+                source,
+            })
+        })
+    }
+
+    /// Says that the handler's own transaction committed this message's effect together
+    /// with its dedup record (a store's in-transaction batch completion calls it after the
+    /// commit): the engine acks without a completion round trip of its own. Call it only
+    /// after the commit succeeded.
+    pub fn mark_completed(&self) {
+        self.lease.flags.set_settled(self.lease.index, Settled::Completed);
+    }
+
+    /// Says that the handler's own transaction found this message's key already recorded
+    /// ([`ClaimMode::InEffectTransaction`]) and applied nothing for it: the engine acks it
+    /// as a duplicate. Call it only after the transaction that found the key ended.
+    pub fn mark_duplicate(&self) {
+        self.lease.flags.set_settled(self.lease.index, Settled::Duplicate);
     }
 
     /// Sets the retention an in-transaction completion stores (builder form).
@@ -235,6 +333,21 @@ impl HandlerError {
 pub trait Handler: Send + Sync + 'static {
     /// Handles one claimed message.
     async fn handle(&self, msg: ClaimedMessage) -> HandlerResult;
+
+    /// The batch form of this handler, if it has one (see [`BatchHandler`] and
+    /// [`batched`]): the engine then hands it all claimed messages of a batch at once and
+    /// calls [`Handler::handle`] only to isolate a failure. `None` by default.
+    fn as_batch(&self) -> Option<&dyn BatchHandler> {
+        None
+    }
+
+    /// Whether this handler inserts each key in its effect's transaction, so it may run
+    /// over a store whose claims happen there ([`ClaimMode::InEffectTransaction`], the
+    /// unique-index strategy). False by default: the engine refuses to run a handler that
+    /// does not over such a store, since nothing would record the keys.
+    fn claims_in_transaction(&self) -> bool {
+        false
+    }
 
     /// Called for a message the store knows as completed, before it is acked, with the
     /// stored record (its `result` is what `handle` returned). Request/reply consumers answer
@@ -366,6 +479,138 @@ where
             })
         })?;
         (self.f)(self.state.clone(), msg, payload).await
+    }
+}
+
+/// Performs the effects of many messages at once: what a hand-written consumer does with a
+/// multi-row statement, with the engine's dedup, retries and dead-letters around it.
+///
+/// The engine claims a polled batch's keys in one round trip and hands every acquired
+/// message to [`BatchHandler::handle_batch`] in one call, in delivery order (so messages of
+/// one partition or ordering key keep their order within the call). When the call
+/// succeeds, every message in it is completed (in one round trip, or by the handler's own
+/// transaction: see [`ClaimedMessage::mark_completed`]) and acked. When it fails, panics,
+/// times out or loses a lease, the batch is not retried whole: each of its messages runs
+/// again alone (a call with one message, in lane order), so only the one at fault is
+/// retried or dead-lettered by the [`RetryPolicy`](crate::RetryPolicy) and the others
+/// complete once. A batch handler must therefore leave no effect behind when it fails
+/// (one transaction per call, as the store's batch transactions give), or apply effects
+/// that are idempotent on their own.
+///
+/// Wrap it with [`batched`] (or write a closure with [`batch`]) to hand it to
+/// [`IdempotentConsumer::new`](crate::IdempotentConsumer::new).
+///
+/// ```
+/// use idemq_core::{async_trait, BatchHandler, ClaimedMessage, HandlerError};
+/// use std::sync::Mutex;
+///
+/// struct Ledger(Mutex<Vec<String>>);
+/// #[async_trait]
+/// impl BatchHandler for Ledger {
+///     async fn handle_batch(&self, msgs: Vec<ClaimedMessage>) -> Result<(), HandlerError> {
+///         // One statement for the whole batch in a real handler.
+///         let rows = msgs.iter().map(|m| m.key.to_string());
+///         self.0.lock().unwrap().extend(rows);
+///         Ok(())
+///     }
+/// }
+/// let handler = idemq_core::handler::batched(Ledger(Mutex::default()));
+/// # let _ = handler;
+/// ```
+#[async_trait]
+pub trait BatchHandler: Send + Sync + 'static {
+    /// Applies the effects of `msgs` (at least one) together; an error fails the call, and
+    /// the engine then runs each message alone to find the one at fault.
+    async fn handle_batch(&self, msgs: Vec<ClaimedMessage>) -> Result<(), HandlerError>;
+
+    /// As [`Handler::on_duplicate`].
+    async fn on_duplicate(&self, _envelope: &Envelope, _record: &DedupRecord) {}
+
+    /// As [`Handler::on_dead_letter`].
+    async fn on_dead_letter(&self, _envelope: &Envelope, _reason: &str) {}
+
+    /// As [`Handler::claims_in_transaction`].
+    fn claims_in_transaction(&self) -> bool {
+        false
+    }
+}
+
+/// A [`BatchHandler`] as a [`Handler`] the engine runs batch-wise; made by [`batched`].
+#[derive(Debug, Clone)]
+pub struct Batched<B>(pub B);
+
+/// Makes a [`BatchHandler`] a handler for [`IdempotentConsumer`](crate::IdempotentConsumer):
+/// the engine calls it once per polled batch, and with one message at a time to isolate a
+/// failure.
+pub fn batched<B: BatchHandler>(handler: B) -> Batched<B> {
+    Batched(handler)
+}
+
+#[async_trait]
+impl<B: BatchHandler> Handler for Batched<B> {
+    async fn handle(&self, msg: ClaimedMessage) -> HandlerResult {
+        self.0.handle_batch(vec![msg]).await.map(|()| None)
+    }
+    fn as_batch(&self) -> Option<&dyn BatchHandler> {
+        Some(&self.0)
+    }
+    fn claims_in_transaction(&self) -> bool {
+        self.0.claims_in_transaction()
+    }
+    async fn on_duplicate(&self, envelope: &Envelope, record: &DedupRecord) {
+        self.0.on_duplicate(envelope, record).await
+    }
+    async fn on_dead_letter(&self, envelope: &Envelope, reason: &str) {
+        self.0.on_dead_letter(envelope, reason).await
+    }
+}
+
+/// A batch handler from a closure with shared state; made by [`batch`].
+pub struct BatchFn<S, F> {
+    state: S,
+    f: F,
+}
+
+/// A batch handler from a closure that gets a clone of `state` and the claimed messages
+/// of a batch (see [`BatchHandler`] for what the engine does with it). Read typed payloads
+/// with [`ClaimedMessage::json`]: a malformed one fails the call, and the engine then
+/// dead-letters that message alone.
+///
+/// ```
+/// use idemq_core::handler::batch;
+/// use std::sync::{Arc, atomic::{AtomicUsize, Ordering}};
+///
+/// #[derive(serde::Deserialize)]
+/// struct Payment { amount: i64 }
+///
+/// let total = Arc::new(AtomicUsize::new(0));
+/// let handler = batch(total.clone(), |total, msgs| async move {
+///     for m in &msgs {
+///         let p: Payment = m.json()?;
+///         total.fetch_add(p.amount as usize, Ordering::Relaxed);
+///     }
+///     Ok(())
+/// });
+/// # let _ = handler;
+/// ```
+pub fn batch<S, F, Fut>(state: S, f: F) -> Batched<BatchFn<S, F>>
+where
+    S: Clone + Send + Sync + 'static,
+    F: Fn(S, Vec<ClaimedMessage>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    Batched(BatchFn { state, f })
+}
+
+#[async_trait]
+impl<S, F, Fut> BatchHandler for BatchFn<S, F>
+where
+    S: Clone + Send + Sync + 'static,
+    F: Fn(S, Vec<ClaimedMessage>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = Result<(), HandlerError>> + Send + 'static,
+{
+    async fn handle_batch(&self, msgs: Vec<ClaimedMessage>) -> Result<(), HandlerError> {
+        (self.f)(self.state.clone(), msgs).await
     }
 }
 

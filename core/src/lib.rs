@@ -39,14 +39,16 @@ pub use engine::{
 };
 pub use envelope::{BrokerKind, Envelope, Headers, Position, SourceRef, TRACEPARENT_HEADER};
 pub use handler::{
-    BoxError, ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseLost, LeaseWatch,
+    BatchHandler, BoxError, ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseLost,
+    LeaseWatch,
 };
 pub use key::{ConsumerGroup, DedupKey, Field, KeyError, KeySource, KeyStrategy, OversizeKey};
 pub use memory::MemoryStore;
 pub use publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher, DEDUP_HEADER};
 pub use source::{Capabilities, Delivery, Settle, Source, SourceError};
 pub use store::{
-    evaluate_claim, evaluate_claim_request, now_ms, ClaimOutcome, ClaimRequest, ClaimVerdict,
+    evaluate_claim, evaluate_claim_request, now_ms, ClaimMode, ClaimOutcome, ClaimRequest,
+    ClaimVerdict,
     CompleteOutcome, Completion, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease,
     PayloadHash, RecordStatus, ReleaseOutcome, StoreError, StoreStats,
 };

@@ -35,6 +35,11 @@ pub const SETTLE_FAILURES: &str = "idemq_settle_failures_total";
 /// User hooks (and key functions) that panicked or overran `hook_timeout`; the message was
 /// settled as it would have been anyway.
 pub const HOOK_FAILURES: &str = "idemq_hook_failures_total";
+/// Batch handler calls that failed and were split: each of their messages ran alone.
+pub const BATCH_SPLITS: &str = "idemq_batch_splits_total";
+/// Transactions retried after the database reported a deadlock or a serialization failure
+/// (label `reason`: `deadlock` or `serialization`).
+pub const TRANSACTION_RETRIES: &str = "idemq_transaction_retries_total";
 /// Consumers of this process that are ready (polling, store and broker answering).
 pub const READY: &str = "idemq_consumer_ready";
 

@@ -343,12 +343,38 @@ impl StoreError {
     }
 }
 
+/// Where a store's claim of a key happens, which decides how the engine runs a message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum ClaimMode {
+    /// Claimed with a lease before the handler runs and completed after it: a dedup record
+    /// with states, for any effect (a database row, an HTTP call, a publish). The default.
+    #[default]
+    Lease,
+    /// The claim is the key's insert in the effect's own transaction (the unique-index
+    /// strategy): the handler's transaction claims, applies and completes in one commit,
+    /// and reports keys that were already there with [`ClaimedMessage::mark_duplicate`].
+    /// The store's `claim_batch` only hands the keys out (no round trip, no lease to keep);
+    /// only a handler that says it claims in its transaction
+    /// ([`Handler::claims_in_transaction`]) may run over such a store: the engine refuses
+    /// any other at start-up, since nothing else would record the key.
+    ///
+    /// [`ClaimedMessage::mark_duplicate`]: crate::ClaimedMessage::mark_duplicate
+    /// [`Handler::claims_in_transaction`]: crate::Handler::claims_in_transaction
+    InEffectTransaction,
+}
+
 /// The contract every dedup store implements (memory, SQL, Redis, layered).
 ///
 /// Object safe: engines hold an `Arc<dyn DedupStore>`. Batch variants make one round trip
 /// for many keys and must answer exactly what the single calls would.
 #[async_trait]
 pub trait DedupStore: Send + Sync + 'static {
+    /// Where this store's claims happen ([`ClaimMode::Lease`] unless it says otherwise).
+    fn claim_mode(&self) -> ClaimMode {
+        ClaimMode::Lease
+    }
+
     /// Claims many keys in one round trip. Keys must be distinct; the answer is in order.
     async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError>;
 

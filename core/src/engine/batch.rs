@@ -4,12 +4,12 @@ use super::config::{DeliveryOrder, RetryPolicy, MIN_REDELIVERY_DELAY};
 use super::lease::{heartbeat, AbortOnDrop, LiveLeases};
 use super::IdempotentConsumer;
 use crate::envelope::Envelope;
-use crate::handler::{ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseWatch};
+use crate::handler::{ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseWatch, Settled};
 use crate::key::DedupKey;
 use crate::metrics as m;
 use crate::source::Delivery;
 use crate::store::{
-    now_ms, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, FencingToken, Lease,
+    now_ms, ClaimMode, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, FencingToken, Lease,
     PayloadHash, StoreError,
 };
 use bytes::Bytes;
@@ -164,13 +164,17 @@ impl<H: Handler> IdempotentConsumer<H> {
             claimed_at,
             self.cfg.lease,
         ));
-        let keep_alive = self.keep_leases_alive(live.clone());
         let stages = async {
             let (acquired, lanes) = self
                 .stage_dispatch(items, outcomes, &live, claimed_at)
                 .await;
             self.stage_run_and_finish(acquired, lanes, &live).await
         };
+        if self.store.claim_mode() == ClaimMode::InEffectTransaction {
+            // No lease was taken: the handler's transaction holds the keys.
+            return stages.await;
+        }
+        let keep_alive = self.keep_leases_alive(live.clone());
         tokio::select! {
             biased;
             store_down = stages => store_down,
@@ -457,15 +461,25 @@ impl<H: Handler> IdempotentConsumer<H> {
                             Envelope::new(item.delivery.envelope.broker, "", Bytes::new());
                         let envelope =
                             Arc::new(std::mem::replace(&mut item.delivery.envelope, placeholder));
+                        let mode = self.store.claim_mode();
+                        let attempt = match mode {
+                            // No record counts attempts across deliveries: the broker's
+                            // count, when it keeps one, is the better floor.
+                            ClaimMode::InEffectTransaction => lease
+                                .attempt
+                                .max(envelope.delivery_count.unwrap_or(1)),
+                            _ => lease.attempt,
+                        };
                         let msg = ClaimedMessage::new(
                             envelope.clone(),
                             item.key.clone(),
                             lease.token,
-                            lease.attempt,
+                            attempt,
                             lease.takeover,
                             watch,
                         )
-                        .with_retention(self.cfg.retention);
+                        .with_retention(self.cfg.retention)
+                        .with_claim_mode(mode);
                         let job = Job { index, msg };
                         match item.lane.as_ref().and_then(|l| lane_slot.get(l)) {
                             Some(&slot) => lanes[slot].rest.push(job),
@@ -560,6 +574,15 @@ impl<H: Handler> IdempotentConsumer<H> {
         lanes: Vec<LaneJobs>,
         verdicts: tokio::sync::mpsc::UnboundedSender<(usize, Verdict)>,
     ) {
+        let lanes = match self.handler.as_batch() {
+            Some(batch) if lanes.len() > 1 || lanes.first().is_some_and(|l| !l.rest.is_empty()) => {
+                match self.run_batch_call(batch, lanes, &verdicts).await {
+                    Some(lanes) => lanes,
+                    None => return,
+                }
+            }
+            _ => lanes,
+        };
         let workers = self.cfg.max_concurrency.min(lanes.len());
         let queue = std::sync::Mutex::new(lanes);
         let handler = &*self.handler;
@@ -603,6 +626,72 @@ impl<H: Handler> IdempotentConsumer<H> {
         // `verdicts` drops here: the finisher ends once it has taken the last one.
     }
 
+    /// Runs a batch handler over every job of the batch in one call (lanes one after
+    /// another, each in order). `None` when it succeeded (every job's verdict is sent);
+    /// otherwise the lanes come back to be run one message at a time, so that the message
+    /// at fault is found and only it is retried or dead-lettered. After a call that was cut
+    /// off (panic, timeout, lost lease) its effects may be half done, so the messages say
+    /// `takeover`.
+    async fn run_batch_call(
+        &self,
+        batch: &dyn crate::handler::BatchHandler,
+        mut lanes: Vec<LaneJobs>,
+        verdicts: &tokio::sync::mpsc::UnboundedSender<(usize, Verdict)>,
+    ) -> Option<Vec<LaneJobs>> {
+        let jobs = || {
+            lanes
+                .iter()
+                .flat_map(|l| std::iter::once(&l.first).chain(&l.rest))
+        };
+        let msgs: Vec<ClaimedMessage> = jobs().map(|j| j.msg.clone()).collect();
+        let watches: Vec<LeaseWatch> = msgs.iter().map(|m| m.lease.clone()).collect();
+        let span = tracing::info_span!("idemq.handle_batch", size = msgs.len());
+        let work = AssertUnwindSafe(batch.handle_batch(msgs)).catch_unwind();
+        let bounded = async {
+            let panicked = |p: Box<dyn std::any::Any + Send>| {
+                HandlerFailure::Panicked(super::panic_message(p.as_ref()))
+            };
+            match self.cfg.handler_timeout {
+                Some(t) => match tokio::time::timeout(t, work).await {
+                    Ok(r) => r.map_err(panicked),
+                    Err(_) => Err(HandlerFailure::TimedOut(t)),
+                },
+                None => work.await.map_err(panicked),
+            }
+        };
+        let res = tokio::select! {
+            r = bounded.instrument(span) => r,
+            _ = LeaseWatch::any_lost(&watches) => Err(HandlerFailure::LeaseLost),
+        };
+        let cut_off = match res {
+            Ok(Ok(())) => {
+                for j in jobs() {
+                    let _ = verdicts.send((j.index, Verdict::Done(None)));
+                }
+                return None;
+            }
+            Ok(Err(e)) => {
+                tracing::info!(error = %e, messages = watches.len(), "batch handler failed; running each message alone to isolate the failure");
+                false
+            }
+            Err(failure) => {
+                tracing::warn!(error = %failure, messages = watches.len(), "batch handler cut off; running each message alone (as takeovers: its effects may be half done)");
+                true
+            }
+        };
+        self.counters.batch_splits.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(m::BATCH_SPLITS, "group" => self.keys.group().as_str().to_string())
+            .increment(1);
+        if cut_off {
+            for l in &mut lanes {
+                for j in std::iter::once(&mut l.first).chain(&mut l.rest) {
+                    j.msg.takeover = true;
+                }
+            }
+        }
+        Some(lanes)
+    }
+
     /// Stage 4a: failed handlers give their keys back; the successes go on to completion.
     async fn stage_give_back(
         &self,
@@ -610,8 +699,29 @@ impl<H: Handler> IdempotentConsumer<H> {
         live: &LiveLeases,
     ) -> Vec<(Item, Lease, Completion)> {
         let mut done = Vec::with_capacity(ran.len());
+        let in_tx = self.store.claim_mode() == ClaimMode::InEffectTransaction;
         for (item, lease, verdict) in ran {
             match verdict {
+                Verdict::Done(_) if live.settled(item.index) == Settled::Duplicate => {
+                    // The handler's transaction found the key already recorded.
+                    live.remove(item.index);
+                    let n = 1 + item.followers.len() as u64;
+                    metrics::counter!(m::DUPLICATES, "topic" => item.delivery.envelope.source.name.clone(), "group" => self.keys.group().as_str().to_string()).increment(n);
+                    tracing::debug!(key = %item.key, "duplicate found in the effect's transaction");
+                    self.settle_item(item, Settlement::Ack, Outcome::DUPLICATE)
+                        .await;
+                }
+                Verdict::Done(_) if live.settled(item.index) == Settled::Completed => {
+                    // Completed in the effect's own transaction: durable, nothing to send.
+                    self.settle_completed(live, item, CompleteOutcome::Completed)
+                        .await;
+                }
+                Verdict::Done(_) if in_tx => {
+                    // Nothing recorded the key: acking would lose its dedup.
+                    let why = "the handler returned without recording the key in its transaction (a store that claims in the effect's transaction needs a handler that does)".to_string();
+                    tracing::error!(key = %item.key, "{why}");
+                    self.give_back(live, item, Some(lease.token), Settlement::Nack(self.cfg.store_backoff)).await;
+                }
                 Verdict::Done(result) => {
                     let c = Completion {
                         key: item.key.clone(),
@@ -627,7 +737,10 @@ impl<H: Handler> IdempotentConsumer<H> {
                 }
                 Verdict::CutOff(how, why) => {
                     tracing::warn!(key = %item.key, attempt = lease.attempt, error = %why, "handler cut off; its lease is left to expire so the next run is a takeover");
-                    self.give_back(live, item, None, how).await;
+                    // Without a lease there is nothing to expire: the release only counts
+                    // the attempt.
+                    let token = in_tx.then_some(lease.token);
+                    self.give_back(live, item, token, how).await;
                 }
                 Verdict::NotRun(delay) => {
                     live.remove(item.index);

@@ -189,6 +189,11 @@ impl LiveLeases {
         self.flags.watch(index)
     }
 
+    /// What the handler's own transaction settled for item `index`.
+    pub(crate) fn settled(&self, index: usize) -> crate::handler::Settled {
+        self.flags.settled(index)
+    }
+
     fn slot(&self, index: usize) -> Option<&Slot> {
         self.slots.get(index).and_then(Option::as_ref)
     }

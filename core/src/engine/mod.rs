@@ -101,6 +101,7 @@ pub(crate) struct Counters {
     pub(crate) deferred: AtomicU64,
     pub(crate) stale: AtomicU64,
     pub(crate) settle_failures: AtomicU64,
+    pub(crate) batch_splits: AtomicU64,
     /// Readiness, shared by clones of the engine.
     pub(crate) health: Health,
     /// Per broker kind and outcome: counted but not yet reported to `metrics` (reported
@@ -148,6 +149,8 @@ pub struct ConsumerStats {
     pub stale: u64,
     /// Settlements the broker refused (the message will be redelivered).
     pub settle_failures: u64,
+    /// Batch handler calls that failed and were split: each of their messages ran alone.
+    pub batch_splits: u64,
 }
 
 impl ConsumerStats {
@@ -259,6 +262,7 @@ impl<H: Handler> IdempotentConsumer<H> {
             deferred: l(&c.deferred),
             stale: l(&c.stale),
             settle_failures: l(&c.settle_failures),
+            batch_splits: l(&c.batch_splits),
         }
     }
 
@@ -276,6 +280,17 @@ impl<H: Handler> IdempotentConsumer<H> {
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), ConsumerError> {
         self.cfg.validate().map_err(ConsumerError::Config)?;
+        if self.store.claim_mode() == crate::store::ClaimMode::InEffectTransaction
+            && !self.handler.claims_in_transaction()
+        {
+            return Err(ConsumerError::Config(
+                "the store claims keys in the effect's transaction (unique-index strategy), but \
+                 the handler does not insert them there: nothing would record the keys. Use the \
+                 store's transactional handler (e.g. idemq_sql's `SqlStore::batch_handler`), or \
+                 give this handler a store with leases"
+                    .into(),
+            ));
+        }
         let running = lease::RunningLoop::start(self.cfg.pipeline_depth);
         let result = self.poll_loop(source, shutdown).await;
         drop(running);

@@ -53,6 +53,9 @@ impl SwitchableStore {
 
 #[async_trait]
 impl DedupStore for SwitchableStore {
+    fn claim_mode(&self) -> crate::store::ClaimMode {
+        self.inner.claim_mode()
+    }
     async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
         self.check()?;
         self.inner.claim_batch(reqs).await

@@ -8,7 +8,12 @@
 //! - **dedup table** — [`SqlStore`] implements [`idemq_core::DedupStore`]: a status row per
 //!   key with lease, fencing token, attempts, payload hash, stored result and retention.
 //!   Claims, batched or not, are one atomic statement per batch.
-//! - **unique index in the business transaction** — [`SqlStore::insert_key_in_tx`], and
+//! - **batch effects in one transaction** — [`SqlStore::batch_handler`]: the engine hands a
+//!   polled batch's claimed messages to one closure; their effect rows and their dedup
+//!   records commit together (one transaction per batch).
+//! - **unique index in the business transaction** — [`SqlStore::unique_index`] as the
+//!   consumer's store: the claim is the key's insert in the batch's transaction (one write
+//!   per message); [`SqlStore::insert_key_in_tx`] for a transaction of your own, and
 //!   [`SqlStore::complete_in_tx`] to commit a dedup-table completion with the effect.
 //! - **optimistic lock** — [`VersionedEntity`]: apply only if the message's version is
 //!   newer, or compare-and-set on an expected version; one row per entity.
@@ -49,6 +54,7 @@
 )]
 
 mod backend;
+pub mod batch;
 mod claimed;
 mod entity;
 mod errors;
@@ -62,6 +68,7 @@ mod queries;
 mod sniff;
 mod store;
 pub mod unique;
+pub use unique::UniqueIndexStore;
 
 pub use backend::{map_sqlx_error, Dialect, SqlBackend};
 #[doc(hidden)]
@@ -78,6 +85,7 @@ pub use outbox::{
     OutboxStatus, RelayOptions, RelayReport, DEFAULT_OUTBOX_TABLE, MAX_OUTBOX_DEDUP_KEY_BYTES,
     MAX_OUTBOX_TABLE_LEN,
 };
+pub use batch::{KeyedTxFuture, TxBatchHandler, TxFuture};
 pub use store::{KeyInsert, SqlStore, SqlStoreOptions, SqliteSynchronous, MAX_WORKER_BYTES};
 
 /// The SQLite store (feature `sqlite`).

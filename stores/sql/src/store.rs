@@ -498,6 +498,32 @@ impl<DB: SqlBackend> SqlStore<DB> {
         done.map_err(|e| map_sqlx_error::<DB>("complete_in_tx", e))
     }
 
+    /// Completes many claimed keys inside the caller's transaction, one statement per
+    /// chunk of keys (sorted, so concurrent transactions lock them in one order); the
+    /// answer is in order. Unlike [`SqlStore::complete_in_tx`] it updates the dedup rows
+    /// themselves, so the transaction should run at READ COMMITTED (the default) and be
+    /// short: it holds those rows' locks (and the heartbeat's renewal of them waits) until
+    /// it ends. A takeover waits for it too, then finds the keys completed. The batch
+    /// handler of [`SqlStore::batch_handler`](crate::SqlStore::batch_handler) uses it.
+    pub async fn complete_batch_in_tx(
+        &self,
+        conn: &mut DB::Connection,
+        items: &[Completion],
+    ) -> Result<Vec<CompleteOutcome>, StoreError> {
+        for c in items {
+            check_key(&c.key)?;
+        }
+        let mut out: Vec<Option<CompleteOutcome>> = vec![None; items.len()];
+        for chunk in self.sorted_chunks(items.iter().map(|c| &c.key)) {
+            self.complete_chunk(conn, items, &chunk, &mut out).await?;
+        }
+        out.into_iter()
+            .map(|o| {
+                o.ok_or_else(|| StoreError::Backend("completion left a key unanswered".into()))
+            })
+            .collect()
+    }
+
     /// [`SqlStore::complete_in_tx`] with a fence table.
     async fn complete_fenced(
         &self,

@@ -1,13 +1,17 @@
-//! The unique-index consumer (issue 16): the claim is the key insert in the business
-//! transaction. A storm of producer duplicates, lost acks, handler failures and consumer
+//! Batch effects in one transaction, and the unique-index strategy as a store of the one
+//! engine. A storm of producer duplicates, lost acks, handler failures and consumer
 //! crashes, three consumers at once, on SQLite, PostgreSQL and MariaDB: every payment's
-//! effect row (in a ledger table *without* a unique constraint) exists exactly once.
+//! effect row (in a ledger table *without* a unique constraint) exists exactly once, with
+//! the keys in the keys table (unique index), in the effect rows themselves, or in the
+//! dedup table with leases completed in the batch's transaction.
 
 mod support;
 
 use idemq_core::broker::{Faults, MemoryBroker};
-use idemq_core::{BrokerKind, Envelope, HandlerError, KeyStrategy, RetryPolicy};
-use idemq_sql::unique::{UniqueIndexConfig, UniqueIndexConsumer, UniqueMessage};
+use idemq_core::{
+    BrokerKind, ClaimedMessage, ConsumerConfig, DedupStore, Envelope, HandlerError,
+    IdempotentConsumer, KeyStrategy, RetryPolicy,
+};
 use idemq_sql::{Kind, SqlBackend, SqlStore, Val};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -40,7 +44,7 @@ async fn exec<DB: SqlBackend>(store: &SqlStore<DB>, sql: &str) {
         .expect(sql);
 }
 
-fn payment_id(msg: &UniqueMessage) -> String {
+fn payment_id(msg: &ClaimedMessage) -> String {
     msg.key
         .as_str()
         .rsplit(':')
@@ -51,7 +55,7 @@ fn payment_id(msg: &UniqueMessage) -> String {
 
 /// The failures the storm injects, after the effect row was written (the rollback must
 /// take it away): the poison fails for good, ~5% of keys fail their first attempt.
-fn injected_failure(msg: &UniqueMessage) -> Result<(), HandlerError> {
+fn injected_failure(msg: &ClaimedMessage) -> Result<(), HandlerError> {
     let id = payment_id(msg);
     if id == POISON {
         return Err(HandlerError::permanent("poison payment"));
@@ -62,39 +66,42 @@ fn injected_failure(msg: &UniqueMessage) -> Result<(), HandlerError> {
     Ok(())
 }
 
-/// The two handler shapes behind one face, so one storm drives both.
+/// The consumers of the shapes (one engine, handlers of different types) behind one face.
 #[idemq_core::async_trait]
 trait Storm: Send + Sync {
     async fn run_until_idle(
         &self,
         src: &mut idemq_core::broker::MemorySource,
     ) -> Result<(), idemq_core::ConsumerError>;
-    fn stats(&self) -> idemq_sql::unique::UniqueIndexStats;
+    fn stats(&self) -> idemq_core::ConsumerStats;
 }
 
 #[idemq_core::async_trait]
-impl<DB: SqlBackend, H: idemq_sql::unique::TxHandler<DB>> Storm for UniqueIndexConsumer<DB, H> {
+impl<H: idemq_core::Handler> Storm for IdempotentConsumer<H> {
     async fn run_until_idle(
         &self,
         src: &mut idemq_core::broker::MemorySource,
     ) -> Result<(), idemq_core::ConsumerError> {
-        UniqueIndexConsumer::run_until_idle(self, src).await
+        IdempotentConsumer::run_until_idle(self, src).await
     }
-    fn stats(&self) -> idemq_sql::unique::UniqueIndexStats {
-        UniqueIndexConsumer::stats(self)
+    fn stats(&self) -> idemq_core::ConsumerStats {
+        IdempotentConsumer::stats(self)
     }
 }
 
-/// How the storm's handler writes.
-#[derive(Clone, Copy, PartialEq, Eq)]
+/// How the storm's handler writes, and where the keys go.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Shape {
-    /// One effect row per message (`from_fn`), keys in the store's keys table.
+    /// One statement per message, keys in the store's keys table (unique index).
     PerMessage,
-    /// One multi-row insert per batch (`from_batch_fn`), keys in the store's keys table.
+    /// One multi-row insert per batch, keys in the store's keys table (unique index).
     Batched,
-    /// The effect table's unique column is the dedup (`from_keyed_batch_fn`); the rows it
+    /// The effect table's unique column is the dedup (`keyed_batch_handler`); the rows it
     /// wrote are copied to the unconstrained ledger, so a failed dedup would show there.
     KeyedEffects,
+    /// One multi-row insert per batch over the dedup table with leases, completed in the
+    /// batch's transaction.
+    Leases,
 }
 
 async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str, shape: Shape) {
@@ -125,16 +132,30 @@ async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str, shape: Shape) {
         }
     }
 
-    let insert = DB::DIALECT.placeholders(format!("INSERT INTO {ledger} (payment_id) VALUES (?)"));
     let keys =
         KeyStrategy::json_pointer(&support::unique("payments"), "/payment_id").expect("keys");
-    let cfg = UniqueIndexConfig::default()
-        .with_max_batch(64)
-        .with_retry(RetryPolicy::fixed(Duration::from_millis(5)).with_max_attempts(4));
-    let consumer: Arc<dyn Storm> = if shape == Shape::KeyedEffects {
-        let (ledger, keyed) = (ledger.clone(), keyed.clone());
-        Arc::new(
-            UniqueIndexConsumer::from_keyed_batch_fn(store.clone(), keys, move |msgs, tx| {
+    let cfg = ConsumerConfig {
+        max_batch: 64,
+        retry: RetryPolicy::fixed(Duration::from_millis(5)).with_max_attempts(4),
+        ..ConsumerConfig::default()
+    };
+    let table = ledger.clone();
+    let multi_row = move |msgs: &[ClaimedMessage]| {
+        let ledger = &table;
+        let rows = vec!["(?)"; msgs.len()].join(", ");
+        DB::DIALECT.placeholders(format!("INSERT INTO {ledger} (payment_id) VALUES {rows}"))
+    };
+    let ids = |msgs: &[ClaimedMessage]| -> Vec<Val> {
+        msgs.iter()
+            .map(|m| Val::Text(Some(payment_id(m))))
+            .collect()
+    };
+    let one_row = DB::DIALECT.placeholders(format!("INSERT INTO {ledger} (payment_id) VALUES (?)"));
+    let unique: Arc<dyn DedupStore> = Arc::new(store.unique_index());
+    let consumer: Arc<dyn Storm> = match shape {
+        Shape::KeyedEffects => {
+            let (ledger, keyed) = (ledger.clone(), keyed.clone());
+            let handler = store.keyed_batch_handler(move |tx, msgs| {
                 let rows = vec!["(?)"; msgs.len()].join(", ");
                 let write = DB::DIALECT.placeholders(match DB::DIALECT {
                     idemq_sql::Dialect::MySql => format!(
@@ -167,46 +188,44 @@ async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str, shape: Shape) {
                             .await
                             .map_err(HandlerError::retryable)?;
                     }
-                    msgs.iter().try_for_each(|m| injected_failure(m))?;
+                    msgs.iter().try_for_each(injected_failure)?;
                     Ok(written)
                 })
-            })
-            .with_config(cfg),
-        )
-    } else if shape == Shape::Batched {
-        // All new messages of a batch written with one multi-row insert.
-        let ledger = ledger.clone();
-        Arc::new(
-            UniqueIndexConsumer::from_batch_fn(store.clone(), keys, move |msgs, tx| {
-                let rows = vec!["(?)"; msgs.len()].join(", ");
-                let sql = DB::DIALECT
-                    .placeholders(format!("INSERT INTO {ledger} (payment_id) VALUES {rows}"));
+            });
+            Arc::new(IdempotentConsumer::new(unique, keys, handler).with_config(cfg))
+        }
+        Shape::Batched | Shape::Leases => {
+            // All new messages of a batch written with one multi-row insert.
+            let handler = store.batch_handler(move |tx, msgs| {
+                let (sql, args) = (multi_row(msgs), ids(msgs));
                 Box::pin(async move {
-                    let ids = msgs
-                        .iter()
-                        .map(|m| Val::Text(Some(payment_id(m))))
-                        .collect();
-                    DB::execute(tx, &sql, ids)
+                    DB::execute(tx, &sql, args)
                         .await
                         .map_err(HandlerError::retryable)?;
-                    msgs.iter().try_for_each(|m| injected_failure(m))
+                    msgs.iter().try_for_each(injected_failure)
                 })
-            })
-            .with_config(cfg),
-        )
-    } else {
-        Arc::new(
-            UniqueIndexConsumer::from_fn(store.clone(), keys, move |msg: &UniqueMessage, tx| {
-                let insert = insert.clone();
+            });
+            let on: Arc<dyn DedupStore> = match shape {
+                Shape::Leases => Arc::new(store.clone()),
+                _ => unique,
+            };
+            Arc::new(IdempotentConsumer::new(on, keys, handler).with_config(cfg))
+        }
+        Shape::PerMessage => {
+            let handler = store.batch_handler(move |tx, msgs| {
+                let insert = one_row.clone();
                 Box::pin(async move {
-                    DB::execute(tx, &insert, vec![Val::Text(Some(payment_id(msg)))])
-                        .await
-                        .map_err(HandlerError::retryable)?;
-                    injected_failure(msg)
+                    for m in msgs {
+                        DB::execute(&mut *tx, &insert, vec![Val::Text(Some(payment_id(m)))])
+                            .await
+                            .map_err(HandlerError::retryable)?;
+                        injected_failure(m)?;
+                    }
+                    Ok(())
                 })
-            })
-            .with_config(cfg),
-        )
+            });
+            Arc::new(IdempotentConsumer::new(unique, keys, handler).with_config(cfg))
+        }
     };
 
     // Three consumers; the first crashes four times (its future is dropped mid-batch:
@@ -257,13 +276,13 @@ async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str, shape: Shape) {
         .count();
     let stats = consumer.stats();
     eprintln!(
-        "[{label}] published={} processed={} duplicates={} retried={} rejected={} split_batches={} double_effects={double_effects} lost={lost}",
+        "[{label}] published={} processed={} duplicates={} retried={} rejected={} batch_splits={} double_effects={double_effects} lost={lost}",
         broker.published(),
         stats.processed,
         stats.duplicates,
         stats.retried,
         stats.rejected,
-        stats.split_batches
+        stats.batch_splits
     );
     assert_eq!(double_effects, 0, "[{label}] double effects: {counts:?}");
     assert_eq!(lost, 0, "[{label}] lost payments");
@@ -279,7 +298,7 @@ async fn storm<DB: SqlBackend>(store: SqlStore<DB>, label: &str, shape: Shape) {
         dead[0].reason
     );
     assert!(
-        stats.retried > 0 && stats.split_batches > 0,
+        stats.retried > 0 && stats.batch_splits > 0,
         "[{label}] failures were injected and isolated: {stats:?}"
     );
     assert!(
@@ -296,7 +315,8 @@ async fn unique_index_storm_sqlite() {
     let (_guard, store) = support::sqlite_store().await.expect("sqlite");
     storm(store.clone(), "sqlite", Shape::PerMessage).await;
     storm(store.clone(), "sqlite batched", Shape::Batched).await;
-    storm(store, "sqlite keyed effects", Shape::KeyedEffects).await;
+    storm(store.clone(), "sqlite keyed effects", Shape::KeyedEffects).await;
+    storm(store, "sqlite leases", Shape::Leases).await;
 }
 
 #[cfg(feature = "postgres")]
@@ -307,7 +327,8 @@ async fn unique_index_storm_postgres() {
     };
     storm(store.clone(), "postgres", Shape::PerMessage).await;
     storm(store.clone(), "postgres batched", Shape::Batched).await;
-    storm(store, "postgres keyed effects", Shape::KeyedEffects).await;
+    storm(store.clone(), "postgres keyed effects", Shape::KeyedEffects).await;
+    storm(store, "postgres leases", Shape::Leases).await;
 }
 
 #[cfg(feature = "mysql")]
@@ -318,7 +339,8 @@ async fn unique_index_storm_mariadb() {
     };
     storm(store.clone(), "mariadb", Shape::PerMessage).await;
     storm(store.clone(), "mariadb batched", Shape::Batched).await;
-    storm(store, "mariadb keyed effects", Shape::KeyedEffects).await;
+    storm(store.clone(), "mariadb keyed effects", Shape::KeyedEffects).await;
+    storm(store, "mariadb leases", Shape::Leases).await;
 }
 
 /// A message without a usable key is dead-lettered with the reason; the rest commit.
@@ -335,8 +357,8 @@ async fn a_message_without_a_key_is_dead_lettered_and_the_rest_commit() {
     ));
     broker.publish(payment("pay-2"));
     let keys = KeyStrategy::json_pointer("nokey", "/payment_id").expect("keys");
-    let consumer =
-        UniqueIndexConsumer::from_fn(store, keys, |_msg, _tx| Box::pin(async { Ok(()) }));
+    let handler = store.batch_handler(|_tx, _msgs| Box::pin(async { Ok(()) }));
+    let consumer = IdempotentConsumer::new(Arc::new(store.unique_index()), keys, handler);
     consumer
         .run_until_idle(&mut broker.subscribe())
         .await
@@ -366,8 +388,8 @@ async fn a_panicking_key_function_dead_letters_the_message_and_the_rest_commit()
         Ok(text)
     })
     .expect("keys");
-    let consumer =
-        UniqueIndexConsumer::from_fn(store, keys, |_msg, _tx| Box::pin(async { Ok(()) }));
+    let handler = store.batch_handler(|_tx, _msgs| Box::pin(async { Ok(()) }));
+    let consumer = IdempotentConsumer::new(Arc::new(store.unique_index()), keys, handler);
     let mut source = broker.subscribe();
     let run = tokio::spawn(async move {
         let result = consumer.run_until_idle(&mut source).await;
@@ -386,4 +408,54 @@ async fn a_panicking_key_function_dead_letters_the_message_and_the_rest_commit()
         "{}",
         dead[0].reason
     );
+}
+
+/// Every producer duplicate acked across batches is counted as a duplicate (the earlier
+/// unique-index consumer's stats stayed at 0 with every copy acked).
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn duplicates_found_in_the_transaction_are_counted() {
+    let (_guard, store) = support::sqlite_store().await.expect("sqlite");
+    let broker = MemoryBroker::new();
+    for i in 0..50 {
+        broker.publish(payment(&format!("pay-{i}")));
+    }
+    for i in 0..50 {
+        broker.publish(payment(&format!("pay-{i}"))); // the producer retried, later
+    }
+    let keys = KeyStrategy::json_pointer(&support::unique("dups"), "/payment_id").expect("keys");
+    let handler = store.batch_handler(|_tx, _msgs| Box::pin(async { Ok(()) }));
+    let consumer = IdempotentConsumer::new(Arc::new(store.unique_index()), keys, handler)
+        .with_config(ConsumerConfig {
+            max_batch: 10,
+            ..ConsumerConfig::default()
+        });
+    consumer
+        .run_until_idle(&mut broker.subscribe())
+        .await
+        .expect("run");
+    let stats = consumer.stats();
+    assert_eq!((stats.processed, stats.duplicates), (50, 50), "{stats:?}");
+}
+
+/// A plain handler cannot run over the unique-index store: nothing would record the keys,
+/// so the engine refuses at start-up with the reason instead of acking unrecorded effects.
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn a_handler_that_records_no_key_is_refused_over_the_unique_index() {
+    let (_guard, store) = support::sqlite_store().await.expect("sqlite");
+    let broker = MemoryBroker::new();
+    broker.publish(payment("pay-1"));
+    let keys = KeyStrategy::json_pointer("plain", "/payment_id").expect("keys");
+    let consumer = IdempotentConsumer::new(
+        Arc::new(store.unique_index()),
+        keys,
+        |_m: ClaimedMessage| async { Ok(None) },
+    );
+    let err = consumer
+        .run_until_idle(&mut broker.subscribe())
+        .await
+        .expect_err("refused");
+    assert!(err.to_string().contains("does not insert them"), "{err}");
+    assert_eq!(broker.dead_letters().len(), 0);
 }
