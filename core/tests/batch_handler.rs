@@ -4,8 +4,8 @@
 use idemq_core::broker::{Faults, MemoryBroker};
 use idemq_core::handler::batch;
 use idemq_core::{
-    BrokerKind, ClaimedMessage, ConsumerConfig, DedupStore, DeliveryOrder, Envelope,
-    HandlerError, IdempotentConsumer, KeyStrategy, MemoryStore,
+    BrokerKind, ClaimedMessage, ConsumerConfig, DedupStore, DeliveryOrder, Envelope, HandlerError,
+    IdempotentConsumer, KeyStrategy, MemoryStore,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -55,9 +55,7 @@ struct Ledger {
 
 /// A transactional batch handler: `poison` fails for good, `flaky` on its first attempt,
 /// `panicky` panics on its first attempt; nothing of a failed call is applied.
-fn ledger_handler(
-    ledger: Arc<Mutex<Ledger>>,
-) -> impl idemq_core::Handler {
+fn ledger_handler(ledger: Arc<Mutex<Ledger>>) -> impl idemq_core::Handler {
     batch(ledger, |ledger, msgs: Vec<ClaimedMessage>| async move {
         let mut staged = Vec::with_capacity(msgs.len());
         for m in &msgs {
@@ -139,12 +137,24 @@ async fn a_failing_message_does_not_sink_its_batch() {
     for i in 0..30 {
         assert_eq!(l.applied.get(&format!("p-{i}")), Some(&1), "p-{i}");
     }
-    assert_eq!(l.applied.get("flaky"), Some(&1), "retried alone, applied once");
-    assert_eq!(l.applied.get("panicky"), Some(&1), "run again alone as a takeover");
+    assert_eq!(
+        l.applied.get("flaky"),
+        Some(&1),
+        "retried alone, applied once"
+    );
+    assert_eq!(
+        l.applied.get("panicky"),
+        Some(&1),
+        "run again alone as a takeover"
+    );
     assert_eq!(l.applied.get("poison"), None);
     let dead = broker.dead_letters();
     assert_eq!(dead.len(), 1, "{dead:?}");
-    assert!(dead[0].reason.contains("poison payment"), "{}", dead[0].reason);
+    assert!(
+        dead[0].reason.contains("poison payment"),
+        "{}",
+        dead[0].reason
+    );
     let stats = consumer.stats();
     assert!(stats.batch_splits >= 1, "{stats:?}");
     assert_eq!(stats.processed, 32, "{stats:?}");

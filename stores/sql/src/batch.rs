@@ -297,10 +297,7 @@ impl<DB: SqlBackend, W: WriteEffects<DB>> TxBatchHandler<DB, W> {
                 .complete_batch_in_tx(&mut **tx, &completions)
                 .await
                 .map_err(TxFailure::Store)?;
-            if let Some(i) = outcomes
-                .iter()
-                .position(|o| *o == CompleteOutcome::Fenced)
-            {
+            if let Some(i) = outcomes.iter().position(|o| *o == CompleteOutcome::Fenced) {
                 return Err(TxFailure::Fenced(msgs[i].key.clone()));
             }
             return Ok(vec![true; msgs.len()]);
@@ -370,8 +367,7 @@ impl<DB: SqlBackend, W: WriteEffects<DB>> BatchHandler for TxBatchHandler<DB, W>
                 Err(failure) => match failure.conflict::<DB>() {
                     Some(reason) if tries < self.conflict_retries => {
                         tries += 1;
-                        metrics::counter!(m::TRANSACTION_RETRIES, "reason" => reason)
-                            .increment(1);
+                        metrics::counter!(m::TRANSACTION_RETRIES, "reason" => reason).increment(1);
                         let first = msgs.first().map(|m| m.key.as_str()).unwrap_or("");
                         tracing::warn!(
                             reason,
