@@ -171,6 +171,53 @@ redis.call('SET', k, nv, 'PX', ret + tonumber(ARGV[2]))
 return {1}
 "#;
 
+/// A batch's effects and completions in one script: `KEYS` = the records; `ARGV[1]`
+/// unused, `ARGV[2]` = completed grace ms, then per key its token and retention ms, then
+/// the effect commands as in [`COMPLETE_WITH_BODY`] (count, then each as length and
+/// words). Every record is checked before anything is written: one lost lease (not the
+/// token's, released) applies nothing. Reply `{1}` applied and completed, `{2}` every
+/// record already completed by its token (a retried call: nothing applied again), `{0, i}`
+/// the lease of key `i` lost, `{9, i}` key `i` unreadable, `{3, c, err}` effect command `c`
+/// failed (the commands before it stay applied; no record is completed).
+const COMPLETE_BATCH_WITH_BODY: &str = r#"
+local nows = fmt(now)
+local grace = tonumber(ARGV[2])
+local nk = #KEYS
+local recs = {}
+local done = 0
+for i = 1, nk do
+  local v = redis.pcall('GET', KEYS[i])
+  if type(v) == 'table' then return {9, i} end
+  if not v then return {0, i} end
+  local r = parse(v)
+  if not r then return {9, i} end
+  if r.tok ~= ARGV[1 + 2 * i] then return {0, i} end
+  if r.st == '1' then
+    done = done + 1
+  elseif r.lu == 0 then
+    return {0, i}
+  end
+  recs[i] = r
+end
+if done == nk then return {2} end
+if done > 0 then return {9, 0} end
+local a = 3 + 2 * nk
+for c = 1, tonumber(ARGV[a]) do
+  local n = tonumber(ARGV[a + 1])
+  local ok = redis.pcall(unpack(ARGV, a + 2, a + 1 + n))
+  if type(ok) == 'table' and ok.err then return {3, c, ok.err} end
+  a = a + n + 1
+end
+for i = 1, nk do
+  local r = recs[i]
+  local ret = tonumber(ARGV[2 + 2 * i])
+  local nv = 'i1|1|' .. r.body .. r.lus .. '|' .. r.atts .. '|' .. r.fs .. '|' ..
+    nows .. '|' .. fmt(now + ret) .. '|-'
+  redis.call('SET', KEYS[i], nv, 'PX', ret + grace)
+end
+return {1}
+"#;
+
 /// `KEYS[1]`; `ARGV` = unused, token, in-progress grace ms. Reply 1 released, 0 fenced (not
 /// the token's, completed, or already released), 9 unreadable.
 const RELEASE_BODY: &str = r#"
@@ -245,7 +292,18 @@ pub(crate) static PURGE: LazyLock<Lua> = LazyLock::new(|| lua("purge", PURGE_BOD
 pub(crate) static COMPLETE_WITH: LazyLock<Lua> =
     LazyLock::new(|| lua("complete_with", COMPLETE_WITH_BODY));
 
+pub(crate) static COMPLETE_BATCH_WITH: LazyLock<Lua> =
+    LazyLock::new(|| lua("complete_batch_with", COMPLETE_BATCH_WITH_BODY));
+
 /// Every script, for loading them up front.
-pub(crate) fn all() -> [&'static Lua; 6] {
-    [&CLAIM, &COMPLETE, &RELEASE, &EXTEND, &PURGE, &COMPLETE_WITH]
+pub(crate) fn all() -> [&'static Lua; 7] {
+    [
+        &CLAIM,
+        &COMPLETE,
+        &RELEASE,
+        &EXTEND,
+        &PURGE,
+        &COMPLETE_WITH,
+        &COMPLETE_BATCH_WITH,
+    ]
 }

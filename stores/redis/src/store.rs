@@ -39,6 +39,39 @@ pub const DEFAULT_MAX_KEYS_PER_SCRIPT: usize = 512;
 /// doubles and far from `i64` overflow.
 const MAX_MS: i64 = 1000 * 365 * 24 * 3600 * 1000;
 
+/// Appends effect commands to a script call: their count, then each one's length and
+/// words. Cursor commands (SCAN …) and empty commands are refused: not effects.
+fn push_effects(c: &mut Cmd, effects: &[Cmd]) -> Result<(), HandlerError> {
+    c.arg(effects.len());
+    for (i, effect) in effects.iter().enumerate() {
+        let mut args: Vec<&[u8]> = Vec::new();
+        for a in effect.args_iter() {
+            match a {
+                redis::Arg::Simple(b) => args.push(b),
+                redis::Arg::Cursor => {
+                    return Err(HandlerError::Permanent(
+                        format!(
+                            "effect command {} is a cursor command (SCAN …): not an effect",
+                            i + 1
+                        )
+                        .into(),
+                    ))
+                }
+            }
+        }
+        if args.is_empty() {
+            return Err(HandlerError::Permanent(
+                format!("effect command {} is empty", i + 1).into(),
+            ));
+        }
+        c.arg(args.len());
+        for a in args {
+            c.arg(a);
+        }
+    }
+    Ok(())
+}
+
 fn clamp_ms(d: Duration) -> i64 {
     duration_ms(d).clamp(0, MAX_MS)
 }
@@ -1041,34 +1074,8 @@ impl RedisStore {
             .arg(self.cfg.completed_grace_ms)
             .arg(msg.token.0)
             .arg(clamp_ms(msg.retention))
-            .arg(result_field(result.as_ref()))
-            .arg(effects.len());
-        for (i, effect) in effects.iter().enumerate() {
-            let mut args: Vec<&[u8]> = Vec::new();
-            for a in effect.args_iter() {
-                match a {
-                    redis::Arg::Simple(b) => args.push(b),
-                    redis::Arg::Cursor => {
-                        return Err(HandlerError::Permanent(
-                            format!(
-                                "effect command {} is a cursor command (SCAN …): not an effect",
-                                i + 1
-                            )
-                            .into(),
-                        ))
-                    }
-                }
-            }
-            if args.is_empty() {
-                return Err(HandlerError::Permanent(
-                    format!("effect command {} is empty", i + 1).into(),
-                ));
-            }
-            c.arg(args.len());
-            for a in args {
-                c.arg(a);
-            }
-        }
+            .arg(result_field(result.as_ref()));
+        push_effects(&mut c, effects)?;
         let slot = self.partition(std::iter::once(&msg.key))[0].0;
         let reply = self
             .eval_many(&lua::COMPLETE_WITH, &[c], &[slot], true)
@@ -1109,6 +1116,118 @@ impl RedisStore {
                 ))
             }
             _ => Err(Self::corrupt(&msg.key, "not an idemq record").into()),
+        }
+    }
+
+    /// [`RedisStore::complete_with`] for a batch: applies `effects` and completes every
+    /// message of `msgs` in **one server-side script**, then marks them completed so the
+    /// engine acks without a completion round trip (the Redis counterpart of `idemq_sql`'s
+    /// `batch_handler`). Call it from a [`BatchHandler`](idemq_core::BatchHandler) with the
+    /// claimed messages it was given.
+    ///
+    /// Every lease is checked before anything is written: if one was lost, nothing is
+    /// applied and the error is [`HandlerError::Retryable`] with [`LeaseLost`] naming that
+    /// key (the engine then runs the batch's messages one by one). A retried call whose
+    /// reply was lost applies nothing again. A failing command is as in `complete_with`:
+    /// the commands before it stay applied and no record is completed. In a Redis Cluster
+    /// the records and the keys the commands touch must share one slot: give the store a
+    /// hash tag ([`RedisStoreBuilder::hash_tag`]) so a group's records do.
+    ///
+    /// ```no_run
+    /// use idemq_core::{ClaimedMessage, HandlerError};
+    /// use idemq_redis::{redis, RedisStore};
+    ///
+    /// async fn apply(store: &RedisStore, msgs: Vec<ClaimedMessage>) -> Result<(), HandlerError> {
+    ///     let mut credit = redis::cmd("HINCRBY");
+    ///     credit.arg("{payments}:balances").arg("account-7").arg(100 * msgs.len() as i64);
+    ///     store.complete_batch_with(&msgs, &[credit]).await
+    /// }
+    /// ```
+    pub async fn complete_batch_with(
+        &self,
+        msgs: &[ClaimedMessage],
+        effects: &[Cmd],
+    ) -> Result<(), HandlerError> {
+        if msgs.is_empty() {
+            return Ok(());
+        }
+        let parts = self.partition(msgs.iter().map(|m| &m.key));
+        let slot = parts.first().map_or(0, |p| p.0);
+        if parts.iter().any(|p| p.0 != slot) {
+            return Err(HandlerError::Permanent(
+                "the batch's records live on several Redis Cluster slots: give the store a \
+                 hash tag (RedisStoreBuilder::hash_tag) so one script can complete them"
+                    .into(),
+            ));
+        }
+        let mut c = redis::cmd("EVALSHA");
+        c.arg(&lua::COMPLETE_BATCH_WITH.sha).arg(msgs.len());
+        for m in msgs {
+            c.arg(self.redis_key(&m.key));
+        }
+        c.arg(0).arg(self.cfg.completed_grace_ms);
+        for m in msgs {
+            c.arg(m.token.0).arg(clamp_ms(m.retention));
+        }
+        push_effects(&mut c, effects)?;
+        let reply = self
+            .eval_many(&lua::COMPLETE_BATCH_WITH, &[c], &[slot], true)
+            .await?
+            .pop()
+            .ok_or_else(|| StoreError::Backend("missing complete_batch_with reply".into()))?;
+        let parts = match reply {
+            Value::Array(v) if !v.is_empty() => v,
+            other => {
+                return Err(StoreError::Backend(format!(
+                    "unexpected complete_batch_with reply {other:?}"
+                ))
+                .into())
+            }
+        };
+        let at = |i: usize| -> Result<i64, StoreError> {
+            parts
+                .get(i)
+                .map(Self::int)
+                .transpose()
+                .map(Option::unwrap_or_default)
+        };
+        let key_at = |i: i64| {
+            usize::try_from(i - 1)
+                .ok()
+                .and_then(|i| msgs.get(i))
+                .map(|m| m.key.clone())
+        };
+        match at(0)? {
+            1 | 2 => {
+                for m in msgs {
+                    m.mark_completed();
+                }
+                Ok(())
+            }
+            0 => {
+                let key = key_at(at(1)?).unwrap_or_else(|| msgs[0].key.clone());
+                Err(HandlerError::Retryable(LeaseLost { key }.into()))
+            }
+            3 => {
+                let which = at(1)?;
+                let why = match parts.get(2) {
+                    Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+                    Some(Value::SimpleString(s)) => s.clone(),
+                    other => format!("{other:?}"),
+                };
+                Err(HandlerError::Permanent(
+                    format!(
+                        "effect command {which} of a batch of {} failed: {why} (the commands \
+                         before it were applied; no record was completed)",
+                        msgs.len()
+                    )
+                    .into(),
+                ))
+            }
+            _ => {
+                let key = key_at(at(1)?).unwrap_or_else(|| msgs[0].key.clone());
+                Err(Self::corrupt(&key, "not an idemq record").into())
+            }
         }
     }
 
