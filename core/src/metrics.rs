@@ -12,6 +12,8 @@
 //! | `idemq_payload_conflicts_total` | counter | `group` |
 //! | `idemq_settle_failures_total` | counter | `broker`, `settlement` (ack, nack, reject) |
 //! | `idemq_hook_failures_total` | counter | `hook` (on_duplicate, on_dead_letter, key_function), `failure` (panic, timeout) |
+//! | `idemq_batch_splits_total` | counter | `group` (batch calls split into per-message runs) |
+//! | `idemq_transaction_retries_total` | counter | `reason` (deadlock, serialization) |
 //! | `idemq_consumer_ready` | gauge | – (consumers of this process whose [`Health`](crate::engine::Health) is ready) |
 
 /// Messages by outcome.

@@ -222,8 +222,8 @@ impl Health {
 }
 
 /// One poll loop's share of a [`Health`]: its source's state; dropping it marks the loop
-/// ended. Consumer modes built outside the core (the SQL store's unique-index consumer)
-/// report through [`drive_source_reporting`](super::drive_source_reporting), which holds one.
+/// ended. [`drive_source_reporting`](super::drive_source_reporting) holds one for its loop:
+/// the engine's `run` and `run_all` report through it.
 #[derive(Debug)]
 pub(crate) struct LoopHealth {
     health: Health,

@@ -467,9 +467,9 @@ impl Backoff {
 /// source ends. Configuration errors of the source end the loop; other poll and commit
 /// errors are logged and retried after the back-off. The caller closes the source.
 ///
-/// [`IdempotentConsumer`] runs on it, and so do other consumer modes built outside the core
-/// (the SQL store's unique-index consumer), so they poll, commit and back off alike. Batches
-/// run one after another; [`drive_source_pipelined`] overlaps them.
+/// [`IdempotentConsumer`] runs on it (through [`drive_source_reporting`]); it is public for
+/// consumers built outside the core, so they poll, commit and back off alike. Batches run
+/// one after another; [`drive_source_pipelined`] overlaps them.
 pub async fn drive_source<S, F, Fut>(
     source: &mut S,
     max_batch: usize,
