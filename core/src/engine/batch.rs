@@ -9,8 +9,8 @@ use crate::key::DedupKey;
 use crate::metrics as m;
 use crate::source::Delivery;
 use crate::store::{
-    now_ms, ClaimMode, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, FencingToken, Lease,
-    PayloadHash, StoreError,
+    now_ms, ClaimMode, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, FencingToken,
+    Lease, PayloadHash, StoreError,
 };
 use bytes::Bytes;
 use futures::FutureExt;
@@ -465,9 +465,9 @@ impl<H: Handler> IdempotentConsumer<H> {
                         let attempt = match mode {
                             // No record counts attempts across deliveries: the broker's
                             // count, when it keeps one, is the better floor.
-                            ClaimMode::InEffectTransaction => lease
-                                .attempt
-                                .max(envelope.delivery_count.unwrap_or(1)),
+                            ClaimMode::InEffectTransaction => {
+                                lease.attempt.max(envelope.delivery_count.unwrap_or(1))
+                            }
                             _ => lease.attempt,
                         };
                         let msg = ClaimedMessage::new(
@@ -720,7 +720,13 @@ impl<H: Handler> IdempotentConsumer<H> {
                     // Nothing recorded the key: acking would lose its dedup.
                     let why = "the handler returned without recording the key in its transaction (a store that claims in the effect's transaction needs a handler that does)".to_string();
                     tracing::error!(key = %item.key, "{why}");
-                    self.give_back(live, item, Some(lease.token), Settlement::Nack(self.cfg.store_backoff)).await;
+                    self.give_back(
+                        live,
+                        item,
+                        Some(lease.token),
+                        Settlement::Nack(self.cfg.store_backoff),
+                    )
+                    .await;
                 }
                 Verdict::Done(result) => {
                     let c = Completion {
