@@ -257,14 +257,18 @@ impl ClaimedMessage {
     /// commit): the engine acks without a completion round trip of its own. Call it only
     /// after the commit succeeded.
     pub fn mark_completed(&self) {
-        self.lease.flags.set_settled(self.lease.index, Settled::Completed);
+        self.lease
+            .flags
+            .set_settled(self.lease.index, Settled::Completed);
     }
 
     /// Says that the handler's own transaction found this message's key already recorded
     /// ([`ClaimMode::InEffectTransaction`]) and applied nothing for it: the engine acks it
     /// as a duplicate. Call it only after the transaction that found the key ended.
     pub fn mark_duplicate(&self) {
-        self.lease.flags.set_settled(self.lease.index, Settled::Duplicate);
+        self.lease
+            .flags
+            .set_settled(self.lease.index, Settled::Duplicate);
     }
 
     /// Sets the retention an in-transaction completion stores (builder form).

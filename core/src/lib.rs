@@ -48,9 +48,8 @@ pub use publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher, DEDU
 pub use source::{Capabilities, Delivery, Settle, Source, SourceError};
 pub use store::{
     evaluate_claim, evaluate_claim_request, now_ms, ClaimMode, ClaimOutcome, ClaimRequest,
-    ClaimVerdict,
-    CompleteOutcome, Completion, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease,
-    PayloadHash, RecordStatus, ReleaseOutcome, StoreError, StoreStats,
+    ClaimVerdict, CompleteOutcome, Completion, DedupRecord, DedupStore, ExtendOutcome,
+    FencingToken, Lease, PayloadHash, RecordStatus, ReleaseOutcome, StoreError, StoreStats,
 };
 
 #[cfg(all(test, feature = "testkit"))]

@@ -73,6 +73,7 @@ pub use unique::UniqueIndexStore;
 pub use backend::{map_sqlx_error, Dialect, SqlBackend};
 #[doc(hidden)]
 pub use backend::{ErrorClass, Kind, Row, Val};
+pub use batch::{KeyedTxFuture, TxBatchHandler, TxFuture};
 pub use claimed::{LeaseLost, MessageTx, PooledTx};
 pub use entity::{EntityId, StateMachine, Transition, VersionOutcome, VersionedEntity};
 pub use errors::{handler_error, is_retryable_sqlx_error, SqlResultExt};
@@ -85,7 +86,6 @@ pub use outbox::{
     OutboxStatus, RelayOptions, RelayReport, DEFAULT_OUTBOX_TABLE, MAX_OUTBOX_DEDUP_KEY_BYTES,
     MAX_OUTBOX_TABLE_LEN,
 };
-pub use batch::{KeyedTxFuture, TxBatchHandler, TxFuture};
 pub use store::{KeyInsert, SqlStore, SqlStoreOptions, SqliteSynchronous, MAX_WORKER_BYTES};
 
 /// The SQLite store (feature `sqlite`).
