@@ -150,7 +150,18 @@ fn smoke_profile_writes_results_report_and_plots() {
         assert_eq!(retained, [0, 2_000, 10_000], "{g}");
     }
     let rabbit = result("broker-rabbitmq");
-    for k in ["bare", "memory", "handwritten", "postgres", "redis"] {
+    for k in [
+        "bare",
+        "memory",
+        "handwritten",
+        "bound3",
+        "unique_keyed",
+        "unique",
+        "batch_redis",
+        "batch_postgres",
+        "postgres",
+        "redis",
+    ] {
         assert!(
             rabbit[k].as_f64().unwrap_or(0.0) > 0.0,
             "rabbitmq {k}: {rabbit}"
@@ -196,7 +207,15 @@ fn smoke_profile_writes_results_report_and_plots() {
             "x** (",
         ),
         (
-            "rabbitmq: idemq + PostgreSQL store / hand-written ON CONFLICT",
+            "rabbitmq: unique-keyed (batch handler, unique index, keyed effect rows",
+            "x** (",
+        ),
+        (
+            "rabbitmq: batch-redis (batch handler + Redis store",
+            "x** (",
+        ),
+        (
+            "rabbitmq: batch-postgres (batch handler + PostgreSQL dedup table with leases) / bound3",
             "x** (",
         ),
     ] {

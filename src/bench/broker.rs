@@ -8,19 +8,29 @@
 //! - **bare**: the broker's own consumer, manual ack/commit, no dedup at all;
 //! - **hand-written**: the same consumer writing each batch's effect rows with one
 //!   `INSERT … ON CONFLICT (msg_key) DO NOTHING` on PostgreSQL, then acking (what a team
-//!   writes without idemq; at-least-once with idempotent rows);
+//!   writes without idemq; at-least-once with idempotent rows; one row written per message);
+//! - **bound3**: the same consumer writing, per batch, what a dedup table with leases writes,
+//!   raw: the batch's claims into a table shaped like the dedup table (autocommit), then one
+//!   transaction with the effect rows and the claims' completion (three rows per message);
 //! - **idemq + memory store**: the engine over the adapter's `Source`, against *bare*;
-//! - **idemq + PostgreSQL store**: the engine with a handler that inserts the same effect row,
-//!   against *hand-written*;
-//! - **idemq unique index + PostgreSQL**: `UniqueIndexConsumer` with a batch handler (the
-//!   batch's keys and effect rows in one transaction), against *hand-written*.
+//! - **unique-keyed**: the engine over the store's unique index with
+//!   [`SqlStore::keyed_batch_handler`](idemq::sql::SqlStore::keyed_batch_handler): the effect
+//!   rows carry the key, one `INSERT … ON CONFLICT DO NOTHING RETURNING` per batch (the
+//!   default for effect rows in the store's own database), against *hand-written*;
+//! - **unique**: the same with [`SqlStore::batch_handler`](idemq::sql::SqlStore::batch_handler)
+//!   (the batch's keys into the keys table, then its effect rows, one transaction);
+//! - **batch-redis**: [`idemq::handler::batch`] writing the batch's effect rows with one
+//!   [`EffectSink::insert_batch`], claims and completions in Redis, against *hand-written*;
+//! - **batch-postgres**: `batch_handler` over the PostgreSQL dedup table with leases (claim,
+//!   effect and completion rows), against *bound3*;
+//! - **postgres**, **redis**: the per-message handler (one effect insert per message) over
+//!   each store, for comparison.
 //!
 //! Adding a broker is one `impl BrokerBench` in its own module; nothing here knows a broker.
 
-use idemq::sql::unique::{UniqueIndexConfig, UniqueIndexConsumer};
 use idemq::sql::{PgStore, SqlResultExt, SqlStoreOptions, TableName};
 use idemq::{
-    async_trait, Capabilities, ClaimedMessage, ConsumerConfig, DedupStore, HandlerError,
+    async_trait, Capabilities, ClaimedMessage, ConsumerConfig, DedupStore, Handler, HandlerError,
     IdempotentConsumer, KeyStrategy, MemoryStore, Source, SourceError,
 };
 use sqlx::PgPool;
@@ -88,10 +98,20 @@ pub trait BrokerBench: Send + Sync {
 
 /// The effect table of the benchmark: `msg_key` unique, as a hand-written consumer would
 /// make its writes idempotent.
+///
+/// A sink made by [`EffectSink::bound3`] also writes what a dedup table with leases writes
+/// around each batch, raw (see [`EffectSink::insert_batch`]): the bound the engine's
+/// leases-mode batch handler is measured against, through every broker's own
+/// [`BrokerBench::handwritten`].
 #[derive(Clone)]
 pub struct EffectSink {
     pool: PgPool,
     table: String,
+    /// The claims table of a [`EffectSink::bound3`] sink.
+    claims: Option<String>,
+    /// [`EffectSink::insert_batch`] calls (shared by clones), for the mean batch size a
+    /// hand-written consumer wrote.
+    batches: Arc<AtomicUsize>,
 }
 
 impl EffectSink {
@@ -103,7 +123,39 @@ impl EffectSink {
         ))
         .execute(&pool)
         .await?;
-        Ok(Self { pool, table })
+        Ok(Self {
+            pool,
+            table,
+            claims: None,
+            batches: Arc::default(),
+        })
+    }
+
+    /// The same effect table, written with the three statements of a dedup table with
+    /// leases around each batch: creates a claims table shaped like the PostgreSQL store's
+    /// dedup table (its columns, key collation and index).
+    pub async fn bound3(&self) -> anyhow::Result<Self> {
+        let claims = format!("{}_claims", self.table);
+        sqlx::query(&format!(
+            "CREATE TABLE {claims} (\
+             dedup_key VARCHAR(257) COLLATE \"C\" NOT NULL PRIMARY KEY, \
+             status BIGINT NOT NULL, token BIGINT NOT NULL, lease_until_ms BIGINT NOT NULL, \
+             attempts BIGINT NOT NULL, took_over BIGINT NOT NULL DEFAULT 0, payload_hash BYTEA, \
+             result BYTEA, first_seen_ms BIGINT NOT NULL, completed_ms BIGINT, \
+             expires_ms BIGINT, worker TEXT)"
+        ))
+        .execute(&self.pool)
+        .await?;
+        sqlx::query(&format!(
+            "CREATE INDEX {claims}_expires_idx ON {claims} (expires_ms) WHERE status = 1"
+        ))
+        .execute(&self.pool)
+        .await?;
+        Ok(Self {
+            claims: Some(claims),
+            batches: Arc::default(),
+            ..self.clone()
+        })
     }
 
     /// The pool the table lives on.
@@ -111,20 +163,87 @@ impl EffectSink {
         &self.pool
     }
 
-    /// Writes one effect row per `(key, payload)` in one statement; rows already there are
-    /// left alone (`ON CONFLICT DO NOTHING`).
-    pub async fn insert_batch(&self, rows: &[(String, String)]) -> anyhow::Result<()> {
-        let (keys, payloads): (Vec<&str>, Vec<&str>) =
-            rows.iter().map(|(k, p)| (k.as_str(), p.as_str())).unzip();
-        sqlx::query(&format!(
+    /// The multi-row effect insert: `$1` keys, `$2` payloads (text arrays); rows already
+    /// there are left alone.
+    fn insert_sql(&self) -> String {
+        format!(
             "INSERT INTO {} (msg_key, payload) SELECT * FROM UNNEST($1::text[], $2::text[]) \
              ON CONFLICT (msg_key) DO NOTHING",
             self.table
+        )
+    }
+
+    /// Writes one effect row per `(key, payload)` in one statement; rows already there are
+    /// left alone (`ON CONFLICT DO NOTHING`).
+    ///
+    /// A [`EffectSink::bound3`] sink first claims the keys with one multi-row
+    /// `INSERT … ON CONFLICT DO NOTHING RETURNING` into its claims table (autocommit, as the
+    /// store's claim round trip), then writes the effect rows of the keys it claimed and
+    /// completes their claims (one `UPDATE … FROM UNNEST`, fenced by token) in one
+    /// transaction.
+    pub async fn insert_batch(&self, rows: &[(String, String)]) -> anyhow::Result<()> {
+        self.batches.fetch_add(1, Ordering::Relaxed);
+        let Some(claims) = &self.claims else {
+            let (keys, payloads): (Vec<&str>, Vec<&str>) =
+                rows.iter().map(|(k, p)| (k.as_str(), p.as_str())).unzip();
+            sqlx::query(&self.insert_sql())
+                .bind(keys)
+                .bind(payloads)
+                .execute(&self.pool)
+                .await?;
+            return Ok(());
+        };
+        let now = idemq::now_ms();
+        let keys: Vec<&str> = rows.iter().map(|(k, _)| k.as_str()).collect();
+        let tokens: Vec<i64> = rows.iter().map(|_| rand::random::<i64>()).collect();
+        let claimed: Vec<(String,)> = sqlx::query_as(&format!(
+            "INSERT INTO {claims} (dedup_key, status, token, lease_until_ms, attempts, \
+             took_over, first_seen_ms) SELECT v.k, 0, v.tok, $3, 1, 0, $4 \
+             FROM UNNEST($1::text[], $2::bigint[]) AS v(k, tok) \
+             ON CONFLICT (dedup_key) DO NOTHING RETURNING dedup_key"
         ))
-        .bind(keys)
-        .bind(payloads)
-        .execute(&self.pool)
+        .bind(&keys)
+        .bind(&tokens)
+        .bind(now + 30_000)
+        .bind(now)
+        .fetch_all(&self.pool)
         .await?;
+        if claimed.is_empty() {
+            return Ok(());
+        }
+        let mine: std::collections::HashSet<&str> = claimed.iter().map(|(k,)| k.as_str()).collect();
+        let (mut keys, mut payloads, mut toks) = (Vec::new(), Vec::new(), Vec::new());
+        for ((k, p), t) in rows.iter().zip(&tokens) {
+            if mine.contains(k.as_str()) {
+                keys.push(k.as_str());
+                payloads.push(p.as_str());
+                toks.push(*t);
+            }
+        }
+        let mut tx = self.pool.begin().await?;
+        sqlx::query(&self.insert_sql())
+            .bind(&keys)
+            .bind(payloads)
+            .execute(&mut *tx)
+            .await?;
+        let done = sqlx::query(&format!(
+            "UPDATE {claims} AS t SET status = 1, completed_ms = $3, expires_ms = $4 \
+             FROM UNNEST($1::text[], $2::bigint[]) AS v(k, tok) \
+             WHERE t.dedup_key = v.k AND t.token = v.tok AND t.status = 0"
+        ))
+        .bind(&keys)
+        .bind(&toks)
+        .bind(now)
+        .bind(now + 7 * 24 * 3_600_000)
+        .execute(&mut *tx)
+        .await?;
+        anyhow::ensure!(
+            done.rows_affected() == keys.len() as u64,
+            "bound3: {} of {} claims completed",
+            done.rows_affected(),
+            keys.len()
+        );
+        tx.commit().await?;
         Ok(())
     }
 
@@ -149,21 +268,44 @@ impl EffectSink {
         Ok(n)
     }
 
-    /// Empties the table between runs.
+    /// [`EffectSink::insert_batch`] calls since the last [`EffectSink::clear`].
+    pub fn batches(&self) -> usize {
+        self.batches.load(Ordering::Relaxed)
+    }
+
+    /// Empties the table (and the claims table) between runs.
     pub async fn clear(&self) -> anyhow::Result<()> {
-        sqlx::query(&format!("TRUNCATE {}", self.table))
-            .execute(&self.pool)
-            .await?;
+        self.batches.store(0, Ordering::Relaxed);
+        for t in std::iter::once(&self.table).chain(&self.claims) {
+            sqlx::query(&format!("TRUNCATE {t}"))
+                .execute(&self.pool)
+                .await?;
+        }
         Ok(())
     }
 
-    /// Drops the table.
+    /// Drops the table (and the claims table).
     pub async fn drop_table(&self) -> anyhow::Result<()> {
-        sqlx::query(&format!("DROP TABLE IF EXISTS {}", self.table))
-            .execute(&self.pool)
-            .await?;
+        for t in self.claims.iter().chain(std::iter::once(&self.table)) {
+            sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
+                .execute(&self.pool)
+                .await?;
+        }
         Ok(())
     }
+}
+
+/// The effect rows of claimed messages, as the sink's insert binds them: keys
+/// (`msg.key`, the dedup key) and payloads.
+fn effect_rows(msgs: &[ClaimedMessage]) -> (Vec<String>, Vec<String>) {
+    msgs.iter()
+        .map(|m| {
+            (
+                m.key.as_str().to_owned(),
+                String::from_utf8_lossy(&m.envelope.payload).into_owned(),
+            )
+        })
+        .unzip()
 }
 
 /// The source of a measured idempotent consumer: it notes when the consumer starts closing
@@ -211,6 +353,70 @@ impl Source for ClockedSource<'_, '_> {
     }
 }
 
+/// Counts the effects a measured consumer wrote and says when all `n` are in.
+struct Progress {
+    done: AtomicUsize,
+    /// Handler calls that wrote effects (batches, for a batch handler).
+    calls: AtomicUsize,
+    finished: tokio::sync::Notify,
+    n: usize,
+}
+
+impl Progress {
+    fn new(n: usize) -> Arc<Self> {
+        Arc::new(Self {
+            done: AtomicUsize::new(0),
+            calls: AtomicUsize::new(0),
+            finished: tokio::sync::Notify::new(),
+            n,
+        })
+    }
+
+    fn add(&self, written: usize) {
+        self.calls.fetch_add(1, Ordering::Relaxed);
+        if self.done.fetch_add(written, Ordering::AcqRel) + written >= self.n {
+            self.finished.notify_one();
+        }
+    }
+
+    fn done(&self) -> usize {
+        self.done.load(Ordering::Acquire)
+    }
+}
+
+/// Runs `consumer` on `source` until `progress` counted its `n` messages, then stops it:
+/// the time until it began to close its source. Logs the run's handler calls and mean
+/// batch at info (`IDEMQ_LOG=idemq::bench=info`).
+async fn timed<H: Handler>(
+    source: &mut (dyn Source + '_),
+    consumer: IdempotentConsumer<H>,
+    progress: &Progress,
+    what: &str,
+) -> anyhow::Result<Duration> {
+    let mut source = ClockedSource::new(source);
+    let t = Instant::now();
+    consumer
+        .run(&mut source, progress.finished.notified())
+        .await?;
+    let elapsed = source.elapsed_since(t);
+    let calls = progress.calls.load(Ordering::Relaxed);
+    tracing::info!(
+        consumer = what,
+        messages = progress.done(),
+        handler_calls = calls,
+        mean_batch = progress.done() as f64 / calls.max(1) as f64,
+        rate = progress.done() as f64 / elapsed.as_secs_f64().max(1e-9),
+        "bench run"
+    );
+    anyhow::ensure!(
+        progress.done() >= progress.n,
+        "the idempotent consumer ({what}) stopped after {} of {} messages",
+        progress.done(),
+        progress.n
+    );
+    Ok(elapsed)
+}
+
 /// Runs the idempotent consumer over `source` until `n` handlers have run, then stops it.
 /// With a sink, each handler writes its effect row there (one statement per message).
 pub async fn run_engine(
@@ -221,86 +427,96 @@ pub async fn run_engine(
     n: usize,
     cfg: ConsumerConfig,
 ) -> anyhow::Result<Duration> {
-    let done = Arc::new(AtomicUsize::new(0));
-    let finished = Arc::new(tokio::sync::Notify::new());
-    let (count, notify) = (done.clone(), finished.clone());
+    let progress = Progress::new(n);
+    let count = progress.clone();
     let handler = move |m: ClaimedMessage| {
-        let (count, notify, sink) = (count.clone(), notify.clone(), sink.clone());
+        let (count, sink) = (count.clone(), sink.clone());
         async move {
             if let Some(sink) = &sink {
                 sink.insert_one(m.key.as_str(), &m.envelope.payload)
                     .await
                     .map_err(HandlerError::retryable)?;
             }
-            if count.fetch_add(1, Ordering::AcqRel) + 1 >= n {
-                notify.notify_one();
-            }
+            count.add(1);
             Ok(None)
         }
     };
     let consumer = IdempotentConsumer::new(store, keys, handler).with_config(cfg);
-    let mut source = ClockedSource::new(source);
-    let t = Instant::now();
-    consumer.run(&mut source, finished.notified()).await?;
-    let elapsed = source.elapsed_since(t);
-    anyhow::ensure!(
-        done.load(Ordering::Acquire) >= n,
-        "the idempotent consumer stopped after {} of {n} messages",
-        done.load(Ordering::Acquire)
-    );
-    Ok(elapsed)
+    timed(source, consumer, &progress, "per-message handler").await
 }
 
-/// How the unique-index consumer of the benchmark writes its keys.
+/// How a measured batch-handler consumer writes its effect rows, and where its keys go.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum UniqueMode {
-    /// Batch handler: the batch's keys into the store's keys table, then its effect rows,
-    /// in one transaction (two writes per message).
-    KeysTable,
-    /// The effect table's unique column is the dedup: one `INSERT … ON CONFLICT DO NOTHING
-    /// RETURNING msg_key` per batch (one write per message, as the hand-written consumer).
-    KeyedEffects,
+pub enum BatchShape {
+    /// `keyed_batch_handler` over the store's unique index: the effect table's unique
+    /// column is the dedup, one `INSERT … ON CONFLICT DO NOTHING RETURNING msg_key` per
+    /// batch (one write per message, as the hand-written consumer).
+    UniqueKeyed,
+    /// `batch_handler` over the store's unique index: the batch's keys into the keys table,
+    /// then its effect rows, in one transaction (two writes per message).
+    Unique,
+    /// `batch_handler` over the dedup table with leases: claims in one round trip, then
+    /// the effect rows and the completions in one transaction (three writes per message).
+    Leases,
+    /// [`idemq::handler::batch`] over the given store (Redis): one
+    /// [`EffectSink::insert_batch`] per batch, completions by the engine afterwards.
+    Plain,
 }
 
-/// Runs the unique-index consumer in `mode` until `n` effects are written.
-pub async fn run_unique(
+impl BatchShape {
+    /// The consumer's name in `--consumers` and the results.
+    pub fn name(self) -> &'static str {
+        match self {
+            BatchShape::UniqueKeyed => "unique-keyed",
+            BatchShape::Unique => "unique",
+            BatchShape::Leases => "batch-postgres",
+            BatchShape::Plain => "batch-redis",
+        }
+    }
+}
+
+/// Runs the engine with a batch handler of `shape` until the run's messages are written: the SQL
+/// shapes over `pg` (its unique index, or the store itself for leases), [`BatchShape::Plain`]
+/// over `store`.
+pub async fn run_batch(
     source: &mut (dyn Source + '_),
     keys: KeyStrategy,
-    store: PgStore,
+    pg: &PgStore,
+    store: Option<Arc<dyn DedupStore>>,
     sink: EffectSink,
-    n: usize,
-    cfg: UniqueIndexConfig,
-    mode: UniqueMode,
+    run: &BrokerRun,
+    shape: BatchShape,
 ) -> anyhow::Result<Duration> {
-    let done = Arc::new(AtomicUsize::new(0));
-    let finished = Arc::new(tokio::sync::Notify::new());
-    let (count, notify) = (done.clone(), finished.clone());
-    let counted = move |written: usize| {
-        if count.fetch_add(written, Ordering::AcqRel) + written >= n {
-            notify.notify_one();
+    let cfg = run.consumer_config();
+    let progress = Progress::new(run.messages.max(1));
+    let count = progress.clone();
+    let insert = sink.insert_sql();
+    let what = shape.name();
+    match shape {
+        BatchShape::UniqueKeyed => {
+            let insert = format!("{insert} RETURNING msg_key");
+            let handler = pg.keyed_batch_handler(move |tx, msgs| {
+                let (insert, count) = (insert.clone(), count.clone());
+                let (keys, payloads) = effect_rows(msgs);
+                Box::pin(async move {
+                    let written: Vec<(String,)> = sqlx::query_as(&insert)
+                        .bind(keys)
+                        .bind(payloads)
+                        .fetch_all(&mut *tx)
+                        .await
+                        .classify()?;
+                    count.add(written.len());
+                    Ok(written.into_iter().map(|(k,)| k).collect())
+                })
+            });
+            let store = Arc::new(pg.unique_index());
+            let consumer = IdempotentConsumer::new(store, keys, handler).with_config(cfg);
+            timed(source, consumer, &progress, what).await
         }
-    };
-    let rows = |msgs: &[&idemq::sql::unique::UniqueMessage]| {
-        let keys: Vec<String> = msgs.iter().map(|m| m.key.as_str().to_owned()).collect();
-        let payloads: Vec<String> = msgs
-            .iter()
-            .map(|m| String::from_utf8_lossy(&m.envelope.payload).into_owned())
-            .collect();
-        (keys, payloads)
-    };
-    let insert = format!(
-        "INSERT INTO {} (msg_key, payload) SELECT * FROM UNNEST($1::text[], $2::text[]) \
-         ON CONFLICT (msg_key) DO NOTHING",
-        sink.table
-    );
-    let mut source = ClockedSource::new(source);
-    let t = Instant::now();
-    match mode {
-        UniqueMode::KeysTable => {
-            let consumer = UniqueIndexConsumer::from_batch_fn(store, keys, move |msgs, tx| {
-                let (counted, insert) = (counted.clone(), insert.clone());
-                let (keys, payloads) = rows(msgs);
-                let written = msgs.len();
+        BatchShape::Unique | BatchShape::Leases => {
+            let handler = pg.batch_handler(move |tx, msgs| {
+                let (insert, count) = (insert.clone(), count.clone());
+                let (keys, payloads) = effect_rows(msgs);
                 Box::pin(async move {
                     sqlx::query(&insert)
                         .bind(keys)
@@ -308,41 +524,39 @@ pub async fn run_unique(
                         .execute(&mut *tx)
                         .await
                         .classify()?;
-                    counted(written);
+                    count.add(msgs.len());
                     Ok(())
                 })
-            })
-            .with_config(cfg);
-            consumer.run(&mut source, finished.notified()).await?;
+            });
+            let store: Arc<dyn DedupStore> = match shape {
+                BatchShape::Unique => Arc::new(pg.unique_index()),
+                _ => Arc::new(pg.clone()),
+            };
+            let consumer = IdempotentConsumer::new(store, keys, handler).with_config(cfg);
+            timed(source, consumer, &progress, what).await
         }
-        UniqueMode::KeyedEffects => {
-            let insert = format!("{insert} RETURNING msg_key");
-            let consumer =
-                UniqueIndexConsumer::from_keyed_batch_fn(store, keys, move |msgs, tx| {
-                    let (counted, insert) = (counted.clone(), insert.clone());
-                    let (keys, payloads) = rows(msgs);
-                    Box::pin(async move {
-                        let written: Vec<(String,)> = sqlx::query_as(&insert)
-                            .bind(keys)
-                            .bind(payloads)
-                            .fetch_all(&mut *tx)
-                            .await
-                            .classify()?;
-                        counted(written.len());
-                        Ok(written.into_iter().map(|(k,)| k).collect())
+        BatchShape::Plain => {
+            let store = store.ok_or_else(|| anyhow::anyhow!("{what} needs its store"))?;
+            let handler = idemq::handler::batch((sink, count), |(sink, count), msgs| async move {
+                let rows: Vec<(String, String)> = msgs
+                    .iter()
+                    .map(|m| {
+                        (
+                            m.key.as_str().to_owned(),
+                            String::from_utf8_lossy(&m.envelope.payload).into_owned(),
+                        )
                     })
-                })
-                .with_config(cfg);
-            consumer.run(&mut source, finished.notified()).await?;
+                    .collect();
+                sink.insert_batch(&rows)
+                    .await
+                    .map_err(HandlerError::retryable)?;
+                count.add(msgs.len());
+                Ok(())
+            });
+            let consumer = IdempotentConsumer::new(store, keys, handler).with_config(cfg);
+            timed(source, consumer, &progress, what).await
         }
     }
-    let elapsed = source.elapsed_since(t);
-    anyhow::ensure!(
-        done.load(Ordering::Acquire) >= n,
-        "the unique-index consumer ({mode:?}) stopped after {} of {n} messages",
-        done.load(Ordering::Acquire)
-    );
-    Ok(elapsed)
 }
 
 /// Options shared by every broker's run.
@@ -360,8 +574,6 @@ pub struct BrokerRun {
     pub redis_url: Option<String>,
     /// `ConsumerConfig::pipeline_depth` of the idempotent consumers.
     pub pipeline_depth: usize,
-    /// `UniqueIndexConfig::pipeline_depth` of the unique-index consumers.
-    pub unique_pipeline_depth: usize,
     /// Which consumers to measure.
     pub consumers: Consumers,
 }
@@ -372,14 +584,17 @@ pub struct Consumers(Vec<&'static str>);
 
 impl Consumers {
     /// Every consumer's name, in the order they run.
-    pub const NAMES: [&'static str; 8] = [
+    pub const NAMES: [&'static str; 11] = [
         "bare",
         "memory",
         "handwritten",
+        "bound3",
+        "unique-keyed",
+        "unique",
+        "batch-redis",
+        "batch-postgres",
         "postgres",
         "redis",
-        "unique",
-        "unique-keyed",
         "producer",
     ];
 
@@ -430,17 +645,34 @@ pub struct BrokerFigures {
     pub bare: Option<Duration>,
     /// Engine + memory store.
     pub memory: Option<Duration>,
-    /// Hand-written `ON CONFLICT` consumer.
+    /// Hand-written `ON CONFLICT` consumer (one row written per message).
     pub handwritten: Option<Duration>,
+    /// The hand-written consumer writing a dedup table's three rows per message, raw
+    /// ([`EffectSink::bound3`]).
+    pub bound3: Option<Duration>,
+    /// Batch handler over the unique index, effect rows carrying the keys.
+    pub unique_keyed: Option<Duration>,
+    /// Batch handler over the unique index, keys table + effect rows.
+    pub unique: Option<Duration>,
+    /// `handler::batch` + Redis store, effect rows in PostgreSQL.
+    pub batch_redis: Option<Duration>,
+    /// Batch handler over the PostgreSQL dedup table with leases.
+    pub batch_postgres: Option<Duration>,
     /// Engine + PostgreSQL store + effect row per message.
     pub postgres: Option<Duration>,
     /// Engine + Redis store + effect row per message (in PostgreSQL).
     pub redis: Option<Duration>,
-    /// Unique-index consumer with a batch handler: keys and effect rows of a batch in one
-    /// PostgreSQL transaction (one key insert, one effect insert, one commit).
-    pub unique: Option<Duration>,
-    /// Unique-index consumer whose effect rows carry the keys: one insert, one commit.
-    pub unique_keyed: Option<Duration>,
+}
+
+impl BrokerFigures {
+    fn batch_slot(&mut self, shape: BatchShape) -> &mut Option<Duration> {
+        match shape {
+            BatchShape::UniqueKeyed => &mut self.unique_keyed,
+            BatchShape::Unique => &mut self.unique,
+            BatchShape::Plain => &mut self.batch_redis,
+            BatchShape::Leases => &mut self.batch_postgres,
+        }
+    }
 }
 
 /// The Redis store of the run (its own key prefix), when a URL is given and the binary has
@@ -508,7 +740,9 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
             // database's default table.
             let table = TableName::new(&format!("bench_dd_{:08x}", rand::random::<u32>()))?;
             let store = PgStore::connect(url, SqlStoreOptions::with_table(table)).await?;
-            Some((EffectSink::create(pool).await?, Arc::new(store)))
+            let sink = EffectSink::create(pool).await?;
+            let bound = sink.bound3().await?;
+            Some((sink, bound, Arc::new(store)))
         }
         None => None,
     };
@@ -536,56 +770,76 @@ pub async fn measure(bench: &dyn BrokerBench, run: &BrokerRun) -> anyhow::Result
             .await?;
             keep_best(&mut f.memory, t);
         }
-        if let Some((sink, pg_store)) = &pg {
-            if wants("handwritten") {
-                sink.clear().await?;
-                let dest = bench.fill(n).await?;
-                keep_best(&mut f.handwritten, bench.handwritten(&dest, n, sink).await?);
-                anyhow::ensure!(sink.count().await? == n as i64, "hand-written effects");
+        let Some((sink, bound, pg_store)) = &pg else {
+            continue;
+        };
+        for (name, with, slot) in [
+            ("handwritten", sink, &mut f.handwritten),
+            ("bound3", bound, &mut f.bound3),
+        ] {
+            if !wants(name) {
+                continue;
             }
-            if wants("postgres") {
-                let store: Arc<dyn DedupStore> = pg_store.clone();
-                let t = engine_into(bench, sink, store, run, "idemq + PostgreSQL").await?;
-                keep_best(&mut f.postgres, t);
+            with.clear().await?;
+            let dest = bench.fill(n).await?;
+            let t = bench.handwritten(&dest, n, with).await?;
+            tracing::info!(
+                consumer = name,
+                messages = n,
+                handler_calls = with.batches(),
+                mean_batch = n as f64 / with.batches().max(1) as f64,
+                rate = n as f64 / t.as_secs_f64().max(1e-9),
+                "bench run"
+            );
+            keep_best(slot, t);
+            anyhow::ensure!(sink.count().await? == n as i64, "{name} effects");
+        }
+        for shape in [
+            BatchShape::UniqueKeyed,
+            BatchShape::Unique,
+            BatchShape::Plain,
+            BatchShape::Leases,
+        ] {
+            let store = match shape {
+                BatchShape::Plain => match &redis {
+                    Some(r) => Some(r.clone()),
+                    None => continue,
+                },
+                _ => None,
+            };
+            if !wants(shape.name()) {
+                continue;
             }
-            if let (Some(redis), true) = (&redis, wants("redis")) {
-                let t = engine_into(bench, sink, redis.clone(), run, "idemq + Redis").await?;
-                keep_best(&mut f.redis, t);
-            }
-            for (mode, slot) in [
-                (UniqueMode::KeysTable, &mut f.unique),
-                (UniqueMode::KeyedEffects, &mut f.unique_keyed),
-            ] {
-                let name = match mode {
-                    UniqueMode::KeysTable => "unique",
-                    UniqueMode::KeyedEffects => "unique-keyed",
-                };
-                if !wants(name) {
-                    continue;
-                }
-                let mut src = refilled(bench, sink, n).await?;
-                let t = run_unique(
-                    src.as_mut(),
-                    bench.keys()?,
-                    PgStore::clone(pg_store),
-                    sink.clone(),
-                    n,
-                    UniqueIndexConfig::default()
-                        .with_max_batch(run.batch)
-                        .with_pipeline_depth(run.unique_pipeline_depth),
-                    mode,
-                )
-                .await?;
-                anyhow::ensure!(
-                    sink.count().await? == n as i64,
-                    "idemq unique-index effects ({mode:?})"
-                );
-                keep_best(slot, t);
-            }
+            let mut src = refilled(bench, sink, n).await?;
+            let t = run_batch(
+                src.as_mut(),
+                bench.keys()?,
+                pg_store,
+                store,
+                sink.clone(),
+                run,
+                shape,
+            )
+            .await?;
+            anyhow::ensure!(
+                sink.count().await? == n as i64,
+                "idemq {} effects",
+                shape.name()
+            );
+            keep_best(f.batch_slot(shape), t);
+        }
+        if wants("postgres") {
+            let store: Arc<dyn DedupStore> = pg_store.clone();
+            let t = engine_into(bench, sink, store, run, "idemq + PostgreSQL").await?;
+            keep_best(&mut f.postgres, t);
+        }
+        if let (Some(redis), true) = (&redis, wants("redis")) {
+            let t = engine_into(bench, sink, redis.clone(), run, "idemq + Redis").await?;
+            keep_best(&mut f.redis, t);
         }
     }
-    if let Some((sink, store)) = &pg {
-        sink.drop_table().await?;
+    if let Some((sink, bound, store)) = &pg {
+        bound.drop_table().await?;
         for t in store.tables() {
             sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
                 .execute(sink.pool())
@@ -604,58 +858,64 @@ fn print_report(name: &str, n: usize, run: &BrokerRun, f: &BrokerFigures) {
         _ => "-".into(),
     };
     println!(
-        "{name}: best of {} interleaved rounds, {n} messages, batch {}, idemq pipeline depth {} (unique index {})",
+        "{name}: best of {} interleaved rounds, {n} messages, batch {}, idemq pipeline depth {}",
         run.rounds.max(1),
         run.batch,
         run.pipeline_depth,
-        run.unique_pipeline_depth
     );
     let line = |label: &str, t: Option<Duration>, vs: String| {
         if let Some(t) = t {
-            println!("  {label:<42} {:>10.0} msgs/s  {vs}", rate(t));
+            println!("  {label:<50} {:>10.0} msgs/s  {vs}", rate(t));
         }
     };
+    let vs = |ours: Option<Duration>, base: Option<Duration>, of: &str, target: &str| {
+        format!("{} of {of} ({target})", ratio(ours, base))
+    };
+    let hw = f.handwritten;
     line("bare consumer (manual ack/commit)", f.bare, "1.00x".into());
     line(
         "idemq + memory store",
         f.memory,
-        format!("{} of bare (reported)", ratio(f.memory, f.bare)),
+        vs(f.memory, f.bare, "bare", "reported"),
     );
     line(
         "hand-written INSERT … ON CONFLICT consumer",
-        f.handwritten,
+        hw,
         "1.00x".into(),
     );
     line(
-        "idemq + PostgreSQL store",
-        f.postgres,
-        format!(
-            "{} of hand-written (target >= 0.80)",
-            ratio(f.postgres, f.handwritten)
-        ),
-    );
-    line(
-        "idemq + Redis store",
-        f.redis,
-        format!(
-            "{} of hand-written (target >= 0.80)",
-            ratio(f.redis, f.handwritten)
-        ),
-    );
-    line(
-        "idemq unique index, keys table + effects",
-        f.unique,
-        format!(
-            "{} of hand-written (target >= 0.80)",
-            ratio(f.unique, f.handwritten)
-        ),
-    );
-    line(
-        "idemq unique index, keyed effect rows",
+        "unique-keyed: batch handler, keyed effect rows",
         f.unique_keyed,
-        format!(
-            "{} of hand-written (target >= 0.80)",
-            ratio(f.unique_keyed, f.handwritten)
-        ),
+        vs(f.unique_keyed, hw, "hand-written", "target >= 1.00"),
+    );
+    line(
+        "unique: batch handler, keys table + effect rows",
+        f.unique,
+        vs(f.unique, hw, "hand-written", "reported"),
+    );
+    line(
+        "batch-redis: batch handler + Redis store",
+        f.batch_redis,
+        vs(f.batch_redis, hw, "hand-written", "target >= 0.80"),
+    );
+    line(
+        "bound3: hand-written claim + effect + completion",
+        f.bound3,
+        vs(f.bound3, hw, "hand-written", "reported"),
+    );
+    line(
+        "batch-postgres: batch handler, dedup table + leases",
+        f.batch_postgres,
+        vs(f.batch_postgres, f.bound3, "bound3", "target >= 0.80"),
+    );
+    line(
+        "postgres: per-message handler, PostgreSQL store",
+        f.postgres,
+        vs(f.postgres, hw, "hand-written", "reported"),
+    );
+    line(
+        "redis: per-message handler, Redis store",
+        f.redis,
+        vs(f.redis, hw, "hand-written", "reported"),
     );
 }

@@ -68,8 +68,10 @@ pub struct BenchArgs {
     #[arg(long, default_value_t = 3)]
     rounds: usize,
     /// Stores to run the engine over (comma-separated: memory, sqlite; with the postgres
-    /// feature also `postgres` (effect + completion in the handler's transaction) and
-    /// `postgres-unique` (the unique-index consumer), compared with each other).
+    /// feature also `postgres` (the dedup table with leases: effect + completion in the
+    /// handler's transaction), `postgres-unique` (the unique-index strategy, one effect
+    /// statement per message in the batch's transaction) and `postgres-unique-batch` (the
+    /// same with one multi-row effect statement per batch), compared with each other).
     #[arg(long, default_value = "memory,sqlite", value_delimiter = ',')]
     stores: Vec<String>,
     /// Benchmark these brokers instead (comma-separated: kafka, rabbitmq, rocketmq), each
@@ -87,13 +89,9 @@ pub struct BenchArgs {
     /// (`ConsumerConfig::pipeline_depth`; 1 is the default consumer).
     #[arg(long, default_value_t = 1)]
     pipeline_depth: usize,
-    /// The broker benchmarks' unique-index consumers run this many batches at once
-    /// (`UniqueIndexConfig::pipeline_depth`; its default is 4).
-    #[arg(long, default_value_t = 4)]
-    unique_pipeline_depth: usize,
     /// The broker benchmarks measure only these consumers (comma-separated: bare, memory,
-    /// handwritten, postgres, redis, unique, unique-keyed, and producer for Kafka's producer
-    /// comparison; all by default). For profiling
+    /// handwritten, bound3, unique-keyed, unique, batch-redis, batch-postgres, postgres,
+    /// redis, and producer for Kafka's producer comparison; all by default). For profiling
     /// one consumer alone; a ratio needs its baseline in the list too.
     #[arg(long, value_delimiter = ',')]
     consumers: Vec<String>,
@@ -306,7 +304,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
             pg_table,
         ),
         (
-            "PostgreSQL, unique index (key + effect in the batch transaction)",
+            "PostgreSQL, unique index, batch handler (one effect statement per message)",
             pg_unique,
         ),
         (
@@ -344,7 +342,6 @@ async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         postgres_url: args.postgres_url.clone(),
         redis_url: args.redis_url.clone(),
         pipeline_depth: args.pipeline_depth.max(1),
-        unique_pipeline_depth: args.unique_pipeline_depth.max(1),
         consumers: broker::Consumers::parse(&args.consumers)?,
     };
     for name in &args.brokers {
@@ -440,11 +437,8 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
                 rounds: sizes.broker_rounds,
                 postgres_url: Some(postgres_url),
                 redis_url: scenarios::env_url("IDEMQ_TEST_REDIS_URL").ok(),
-                // Remote stores: batches overlap their round trips, as the unique-index
-                // consumer's do by default.
+                // Remote stores: batches overlap their round trips.
                 pipeline_depth: SUITE_PIPELINE_DEPTH,
-                unique_pipeline_depth: idemq::sql::unique::UniqueIndexConfig::default()
-                    .pipeline_depth,
                 consumers: broker::Consumers::all(),
             };
             let f = broker::measure(bench.as_ref(), &run).await?;
@@ -459,10 +453,13 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
                 "bare": rate(f.bare),
                 "memory": rate(f.memory),
                 "handwritten": rate(f.handwritten),
+                "bound3": rate(f.bound3),
+                "unique_keyed": rate(f.unique_keyed),
+                "unique": rate(f.unique),
+                "batch_redis": rate(f.batch_redis),
+                "batch_postgres": rate(f.batch_postgres),
                 "postgres": rate(f.postgres),
                 "redis": rate(f.redis),
-                "unique": rate(f.unique),
-                "unique_keyed": rate(f.unique_keyed),
             }))
         }
     }

@@ -1,17 +1,19 @@
-//! `idemq bench --stores postgres,postgres-unique`: a message's effect row and its dedup
-//! record written in one PostgreSQL transaction, two ways, over the in-memory broker:
+//! `idemq bench --stores postgres,postgres-unique,postgres-unique-batch`: a message's
+//! effect row and its dedup record written in one PostgreSQL transaction, three ways, over
+//! the in-memory broker, all by the one engine ([`IdempotentConsumer`]):
 //!
 //! - **dedup table** (`postgres`): the engine claims the batch's keys with leases, each
 //!   handler opens [`begin_for`](idemq::sql::SqlStore::begin_for), inserts its effect row
 //!   and completes the record in that transaction;
-//! - **unique index** (`postgres-unique`): [`UniqueIndexConsumer`] inserts the batch's keys
-//!   and effect rows in one transaction and commits;
+//! - **unique index** (`postgres-unique`): the store's unique index
+//!   ([`unique_index`](idemq::sql::SqlStore::unique_index)) with a
+//!   [`batch_handler`](idemq::sql::SqlStore::batch_handler) inserting one effect row per
+//!   message: the batch's keys and effect rows in one transaction;
 //! - **unique index, batch handler** (`postgres-unique-batch`): the same with one multi-row
 //!   effect insert per batch.
 
 use super::fill;
 use idemq::handler::with_state;
-use idemq::sql::unique::{UniqueIndexConfig, UniqueIndexConsumer};
 use idemq::sql::{sqlx, PgStore, SqlResultExt, SqlStoreOptions, TableName};
 use idemq::{ConsumerConfig, IdempotentConsumer, KeyStrategy};
 use std::sync::Arc;
@@ -37,12 +39,9 @@ async fn setup(url: &str) -> anyhow::Result<(PgStore, String, KeyStrategy)> {
 }
 
 async fn teardown(store: &PgStore, effects: &str) -> anyhow::Result<()> {
-    let t = store.options().table.as_str().to_owned();
-    for table in [
-        effects.to_owned(),
-        store.keys_table().as_str().to_owned(),
-        t,
-    ] {
+    let tables = std::iter::once(effects.to_owned())
+        .chain(store.tables().into_iter().map(|t| t.as_str().to_owned()));
+    for table in tables {
         sqlx::query(&format!("DROP TABLE IF EXISTS {table} CASCADE"))
             .execute(store.pool())
             .await?;
@@ -88,25 +87,29 @@ pub async fn dedup_table(url: &str, n: usize, batch: usize) -> anyhow::Result<Du
             .classify()?;
         tx.commit().await
     });
-    let consumer = IdempotentConsumer::new(Arc::new(store.clone()), keys, handler).with_config(
-        ConsumerConfig {
-            max_batch: batch,
-            ..ConsumerConfig::default()
-        },
-    );
+    let consumer =
+        IdempotentConsumer::new(Arc::new(store.clone()), keys, handler).with_config(config(batch));
     let mut source = broker.subscribe();
     let run = consumer.run_until_idle(&mut source);
     timed_run(&store, &effects, n, "dedup-table", run).await
 }
 
-/// The unique-index consumer with a batch handler: one key insert, one multi-row effect
+/// The settings of every consumer here: the defaults, with the run's batch.
+fn config(batch: usize) -> ConsumerConfig {
+    ConsumerConfig {
+        max_batch: batch,
+        ..ConsumerConfig::default()
+    }
+}
+
+/// The unique-index strategy with a batch handler: one key insert, one multi-row effect
 /// insert and one commit per batch (what a hand-written `ON CONFLICT` consumer does, plus
 /// the key insert).
 pub async fn unique_index_batched(url: &str, n: usize, batch: usize) -> anyhow::Result<Duration> {
     let (store, effects, keys) = setup(url).await?;
     let broker = fill(n);
     let insert = format!("INSERT INTO {effects} (msg_key) SELECT * FROM UNNEST($1::text[])");
-    let consumer = UniqueIndexConsumer::from_batch_fn(store.clone(), keys, move |msgs, tx| {
+    let handler = store.batch_handler(move |tx, msgs| {
         let insert = insert.clone();
         let keys: Vec<&str> = msgs.iter().map(|m| m.key.as_str()).collect();
         Box::pin(async move {
@@ -117,30 +120,35 @@ pub async fn unique_index_batched(url: &str, n: usize, batch: usize) -> anyhow::
                 .classify()?;
             Ok(())
         })
-    })
-    .with_config(UniqueIndexConfig::default().with_max_batch(batch));
+    });
+    let consumer = IdempotentConsumer::new(Arc::new(store.unique_index()), keys, handler)
+        .with_config(config(batch));
     let mut source = broker.subscribe();
     let run = consumer.run_until_idle(&mut source);
     timed_run(&store, &effects, n, "unique-index batched", run).await
 }
 
-/// The unique-index consumer: key inserts and effect rows in one transaction per batch.
+/// The unique-index strategy, one effect statement per message: the batch's key insert
+/// and its effect rows in one transaction.
 pub async fn unique_index(url: &str, n: usize, batch: usize) -> anyhow::Result<Duration> {
     let (store, effects, keys) = setup(url).await?;
     let broker = fill(n);
     let insert = format!("INSERT INTO {effects} (msg_key) VALUES ($1)");
-    let consumer = UniqueIndexConsumer::from_fn(store.clone(), keys, move |msg, tx| {
+    let handler = store.batch_handler(move |tx, msgs| {
         let insert = insert.clone();
         Box::pin(async move {
-            sqlx::query(&insert)
-                .bind(msg.key.as_str())
-                .execute(&mut *tx)
-                .await
-                .classify()?;
+            for msg in msgs {
+                sqlx::query(&insert)
+                    .bind(msg.key.as_str())
+                    .execute(&mut *tx)
+                    .await
+                    .classify()?;
+            }
             Ok(())
         })
-    })
-    .with_config(UniqueIndexConfig::default().with_max_batch(batch));
+    });
+    let consumer = IdempotentConsumer::new(Arc::new(store.unique_index()), keys, handler)
+        .with_config(config(batch));
     let mut source = broker.subscribe();
     let run = consumer.run_until_idle(&mut source);
     timed_run(&store, &effects, n, "unique-index", run).await
