@@ -9,6 +9,8 @@
 //!
 //! - Kafka flow 1, RabbitMQ queues, RabbitMQ streams, RocketMQ over a SQL store: a ledger
 //!   row in the transaction that completes the dedup record (`begin_for` … `commit`);
+//! - Kafka flow 1 with a batch handler (`postgres_batch`): a polled batch's ledger rows and
+//!   their keys in one transaction (`SqlStore::batch_handler` over `SqlStore::unique_index`);
 //! - the same over Redis or the layered store: a ledger list entry written by the script that
 //!   completes the record (`RedisStore::complete_with`);
 //! - Kafka flow 3 (`KafkaToDatabase`): a ledger row, the dedup record and the partition's next
@@ -111,6 +113,9 @@ enum Broker {
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Store {
     Postgres,
+    /// PostgreSQL with a batch handler: a polled batch's ledger rows and its keys (the
+    /// unique index, `SqlStore::unique_index`) in one transaction.
+    PostgresBatch,
     MySql,
     Redis,
     /// The layered store (local cache) over Redis.
@@ -127,8 +132,9 @@ const BROKERS: [Broker; 6] = [
     Broker::RabbitStream,
     Broker::RocketMq,
 ];
-const STORES: [Store; 5] = [
+const STORES: [Store; 6] = [
     Store::Postgres,
+    Store::PostgresBatch,
     Store::MySql,
     Store::Redis,
     Store::Layered,
@@ -180,6 +186,7 @@ impl Store {
     fn name(self) -> &'static str {
         match self {
             Self::Postgres => "postgres",
+            Self::PostgresBatch => "postgres_batch",
             Self::MySql => "mysql",
             Self::Redis => "redis",
             Self::Layered => "layered",
@@ -188,7 +195,7 @@ impl Store {
     }
     fn env(self) -> &'static str {
         match self {
-            Self::Postgres => "IDEMQ_TEST_POSTGRES_URL",
+            Self::Postgres | Self::PostgresBatch => "IDEMQ_TEST_POSTGRES_URL",
             Self::MySql => "IDEMQ_TEST_MYSQL_URL",
             Self::Redis | Self::Layered => "IDEMQ_TEST_REDIS_URL",
             Self::Changelog => "IDEMQ_TEST_KAFKA_BROKERS",
@@ -198,7 +205,7 @@ impl Store {
     /// (flow 2's state lives in the broker: its restart is the broker's).
     fn restart_env(self) -> Option<&'static str> {
         match self {
-            Self::Postgres => Some("IDEMQ_TEST_POSTGRES_RESTART_CMD"),
+            Self::Postgres | Self::PostgresBatch => Some("IDEMQ_TEST_POSTGRES_RESTART_CMD"),
             Self::MySql => Some("IDEMQ_TEST_MYSQL_RESTART_CMD"),
             Self::Redis | Self::Layered => Some("IDEMQ_TEST_REDIS_RESTART_CMD"),
             Self::Changelog => None,
@@ -246,7 +253,7 @@ impl Ledger {
         // No unique constraint: a second effect of a key is a second row.
         let ddl = format!("CREATE TABLE {ledger} (k VARCHAR(64) NOT NULL, pid BIGINT NOT NULL)");
         match store {
-            Store::Postgres => {
+            Store::Postgres | Store::PostgresBatch => {
                 let s = PgStore::connect(url, opts).await.expect("PostgreSQL");
                 sqlx::query(&ddl).execute(s.pool()).await.expect("ledger");
                 Self::Pg(s, ledger.into())
@@ -648,6 +655,66 @@ async fn sql_child<DB: SqlBackend>(
     )
 }
 
+/// A consumer whose batch handler writes a polled batch's ledger rows in one transaction
+/// with their keys (the unique-index strategy of the one engine).
+async fn batch_child<DB: SqlBackend>(
+    plan: &Plan,
+    store: SqlStore<DB>,
+    url: &str,
+    trip: Arc<Tripwire>,
+) -> String {
+    let insert = DB::DIALECT.placeholders(format!(
+        "INSERT INTO {} (k, pid) VALUES (?, ?)",
+        plan.ledger
+    ));
+    let mut source = child_source(plan, url).await;
+    let rows = store.batch_handler(move |tx, msgs| {
+        let insert = insert.clone();
+        Box::pin(async move {
+            for m in msgs {
+                ledger_row::<DB>(tx, &insert, m).await?;
+            }
+            Ok(())
+        })
+    });
+    let handler = idemq::handler::batched(TrippedBatch {
+        inner: rows.0,
+        trip,
+    });
+    let keys = KeyStrategy::dedup_header(&plan.group).expect("group");
+    let consumer = IdempotentConsumer::new(Arc::new(store.unique_index()), keys, handler)
+        .with_config(consumer_config());
+    format!(
+        "{:?}",
+        consumer.run(&mut *source, std::future::pending()).await
+    )
+}
+
+/// A batch handler between the two abort points (checked once per message, as
+/// [`tripped`] is for one).
+struct TrippedBatch<B> {
+    inner: B,
+    trip: Arc<Tripwire>,
+}
+
+#[idemq::async_trait]
+impl<B: idemq::BatchHandler> idemq::BatchHandler for TrippedBatch<B> {
+    async fn handle_batch(&self, msgs: Vec<ClaimedMessage>) -> Result<(), HandlerError> {
+        for _ in &msgs {
+            self.trip.check("before-effect");
+        }
+        let n = msgs.len();
+        self.inner.handle_batch(msgs).await?;
+        for _ in 0..n {
+            self.trip.check("before-ack");
+        }
+        Ok(())
+    }
+    fn claims_in_transaction(&self) -> bool {
+        self.inner.claims_in_transaction()
+    }
+}
+
 /// A flow-1 consumer over Redis, or the layered store over Redis: the ledger entries are
 /// written by the script that completes the record.
 async fn redis_child(plan: &Plan, url: &str, broker_url: &str, trip: Arc<Tripwire>) -> String {
@@ -771,6 +838,10 @@ async fn consumer_child(arg: &str) {
         Store::Postgres => {
             let store = PgStore::connect(&store_url, opts()).await.expect("store");
             sql_child(&plan, store, &broker_url, trip).await
+        }
+        Store::PostgresBatch => {
+            let store = PgStore::connect(&store_url, opts()).await.expect("store");
+            batch_child(&plan, store, &broker_url, trip).await
         }
         Store::MySql => {
             let store = MySqlStore::connect(&store_url, opts())
@@ -1311,6 +1382,7 @@ macro_rules! pairs {
 
 pairs! {
     chaos_kafka_postgres: Kafka, Postgres, false;
+    chaos_kafka_postgres_batch: Kafka, PostgresBatch, false;
     chaos_kafka_mysql: Kafka, MySql, true;
     chaos_kafka_redis: Kafka, Redis, false;
     chaos_kafka_layered: Kafka, Layered, false;
