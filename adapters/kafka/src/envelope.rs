@@ -44,6 +44,20 @@ pub fn to_envelope(msg: &BorrowedMessage<'_>, cluster: Option<&str>) -> Envelope
     envelope_of(&read_record(msg), cluster)
 }
 
+/// [`to_envelope`], and whether the record's headers could not be read (the envelope then
+/// carries [`UNREADABLE_HEADERS`]): the consumer-group source's polling thread learns it
+/// here, so the consumer's side never searches each envelope's headers for it.
+///
+/// Small records' values are copied into `chunks`, shared by the records that follow.
+pub(crate) fn convert(
+    msg: &BorrowedMessage<'_>,
+    cluster: Option<&str>,
+    chunks: &mut ValueChunks,
+) -> (Envelope, bool) {
+    let r = read_record(msg);
+    (envelope_in(&r, cluster, chunks), r.headers.is_err())
+}
+
 /// The name under which a header called `raw` is carried: `raw` itself when it is UTF-8,
 /// else with each byte that is not part of a UTF-8 character written as `\xNN`.
 ///
@@ -179,17 +193,25 @@ pub(crate) unsafe fn read_headers<'a>(
 
 /// The envelope of a record's parts (see [`to_envelope`]). Total: every input makes one.
 pub(crate) fn envelope_of(r: &RawRecord<'_>, cluster: Option<&str>) -> Envelope {
-    let epoch = (r.leader_epoch >= 0).then(|| r.leader_epoch.to_string());
+    envelope_in(r, cluster, &mut ValueChunks::per_record())
+}
+
+/// [`envelope_of`], a small record's values copied into `chunks`.
+fn envelope_in(r: &RawRecord<'_>, cluster: Option<&str>, chunks: &mut ValueChunks) -> Envelope {
+    let mut digits = [0u8; 10];
+    let epoch = u32::try_from(r.leader_epoch)
+        .ok()
+        .map(|e| decimal(e, &mut digits));
     let (wire, unreadable): (&[RawHeader<'_>], Option<&String>) = match &r.headers {
         Ok(h) => (h, None),
         Err(why) => (&[], Some(why)),
     };
     let header_bytes: usize = wire.iter().filter_map(|h| h.value).map(<[u8]>::len).sum();
-    let mut copy = ValueCopier::for_record(
+    let mut copy = chunks.copier(
         r.key.map_or(0, <[u8]>::len)
             + r.payload.map_or(0, <[u8]>::len)
             + header_bytes
-            + epoch.as_ref().map_or(0, String::len),
+            + epoch.map_or(0, <[u8]>::len),
     );
 
     let key = r.key.map(|k| copy.value(k));
@@ -213,8 +235,8 @@ pub(crate) fn envelope_of(r: &RawRecord<'_>, cluster: Option<&str>) -> Envelope 
     if let Some(why) = unreadable {
         headers.insert(UNREADABLE_HEADERS, why.clone());
     }
-    if let Some(epoch) = &epoch {
-        headers.insert(props::LEADER_EPOCH, copy.value(epoch.as_bytes()));
+    if let Some(epoch) = epoch {
+        headers.insert(props::LEADER_EPOCH, copy.value(epoch));
     }
     Envelope {
         broker: BrokerKind::Kafka,
@@ -235,30 +257,87 @@ pub(crate) fn envelope_of(r: &RawRecord<'_>, cluster: Option<&str>) -> Envelope 
     }
 }
 
-/// Records up to this size (key, payload and header values together) share one buffer.
-/// Above it each value gets its own: a handler that keeps only the key of a large record
-/// must not keep its payload alive.
-const SHARED_BUFFER_MAX: usize = 4096;
-
-/// Owned copies of one record's values. A small record's values are copied into one buffer
-/// and handed out as parts of it: one allocation (and one free, on whichever thread drops
-/// the last of them) per record instead of one per value. Records are made on the polling
-/// thread and dropped on the consumer's; with glibc's allocator every cross-thread free
-/// takes the allocating thread's arena lock, and those lock waits were the largest part of
-/// the engine's time over this source.
-struct ValueCopier {
-    /// The record's buffer, sized for all its values up front (so it never reallocates and
-    /// every part shares it); `None` above [`SHARED_BUFFER_MAX`].
-    shared: Option<BytesMut>,
+/// `n` in decimal, written into `buf` (a `u32` has at most 10 digits): the leader epoch of
+/// every record, without a `String` made and dropped per record.
+fn decimal(mut n: u32, buf: &mut [u8; 10]) -> &[u8] {
+    let mut at = buf.len();
+    loop {
+        at -= 1;
+        buf[at] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[at..];
+        }
+    }
 }
 
-impl ValueCopier {
-    fn for_record(total: usize) -> Self {
+/// Records up to this size (key, payload and header values together) copy their values into
+/// a shared buffer. Above it each value gets its own: a handler that keeps only the key of a
+/// large record must not keep its payload alive.
+const SHARED_BUFFER_MAX: usize = 4096;
+
+/// The size of the buffers the consumer-group source's polling thread copies small records
+/// into, one after another: a handler (or a held record) that keeps a value keeps at most
+/// this much memory alive.
+const CHUNK: usize = 8192;
+
+/// Owned copies of records' values. A small record's values are copied into a shared buffer
+/// and handed out as parts of it: one allocation (and one free, on whichever thread drops
+/// the last of them) per buffer instead of one per value. Records are made on the polling
+/// thread and dropped on the consumer's; with glibc's allocator a cross-thread free takes
+/// the allocating thread's arena lock, and those frees were the largest part of the
+/// engine's time over this source. The polling thread fills one [`CHUNK`] with the records
+/// of a burst (about 60 records of 100 bytes per buffer: two allocations, the buffer and
+/// its reference count, where each record had made two of its own); a single conversion
+/// ([`to_envelope`]) sizes its buffer to the record.
+pub(crate) struct ValueChunks {
+    /// What is left of the current buffer.
+    chunk: BytesMut,
+    /// The size of a new buffer; 0: exactly the record's.
+    size: usize,
+}
+
+impl ValueChunks {
+    /// Buffers of [`CHUNK`] bytes, shared by consecutive records.
+    pub(crate) fn shared() -> Self {
         Self {
-            shared: (total <= SHARED_BUFFER_MAX).then(|| BytesMut::with_capacity(total)),
+            chunk: BytesMut::new(),
+            size: CHUNK,
         }
     }
 
+    /// A buffer of its own for each record, of the record's size.
+    fn per_record() -> Self {
+        Self {
+            chunk: BytesMut::new(),
+            size: 0,
+        }
+    }
+
+    /// The copier of a record whose values take `total` bytes.
+    fn copier(&mut self, total: usize) -> ValueCopier<'_> {
+        if total > SHARED_BUFFER_MAX {
+            return ValueCopier { shared: None };
+        }
+        // Room for every value up front: the buffer never reallocates, so every part of
+        // it shares the one allocation.
+        if self.chunk.capacity() < total {
+            self.chunk = BytesMut::with_capacity(self.size.max(total));
+        }
+        ValueCopier {
+            shared: Some(&mut self.chunk),
+        }
+    }
+}
+
+/// Copies one record's values ([`ValueChunks::copier`]).
+struct ValueCopier<'a> {
+    /// The shared buffer, with room for all the record's values; `None` above
+    /// [`SHARED_BUFFER_MAX`].
+    shared: Option<&'a mut BytesMut>,
+}
+
+impl ValueCopier<'_> {
     fn value(&mut self, v: &[u8]) -> Bytes {
         match &mut self.shared {
             Some(buf) => {
@@ -275,6 +354,14 @@ mod tests {
     use super::*;
     use rand::rngs::StdRng;
     use rand::{Rng, SeedableRng};
+
+    #[test]
+    fn leader_epochs_are_written_in_decimal() {
+        let mut buf = [0u8; 10];
+        for n in [0, 7, 10, 99, 100, 4_096, 1_000_000_007, u32::MAX] {
+            assert_eq!(decimal(n, &mut buf), n.to_string().as_bytes(), "{n}");
+        }
+    }
 
     /// Bytes of the shapes producers send: empty, ASCII, UTF-8 with multi-byte characters,
     /// arbitrary (mostly not UTF-8), with NULs, and now and then large.
@@ -399,6 +486,10 @@ mod tests {
 
     #[test]
     fn every_record_becomes_an_envelope_whatever_its_bytes() {
+        // The polling thread's conversion: records one after another into shared buffers,
+        // each compared, once all are made, with the record converted on its own.
+        let mut chunks = ValueChunks::shared();
+        let mut pairs = Vec::new();
         for seed in 0..5_000u64 {
             let mut rng = StdRng::seed_from_u64(seed);
             let key = rng.gen_bool(0.8).then(|| bytes(&mut rng));
@@ -431,6 +522,7 @@ mod tests {
                 leader_epoch: epoch,
             };
             let env = envelope_of(&raw, Some("c"));
+            pairs.push((seed, envelope_in(&raw, Some("c"), &mut chunks), env.clone()));
 
             assert_eq!(
                 env.payload,
@@ -461,6 +553,12 @@ mod tests {
             for (name, _) in wire {
                 check_name(name, &escape_header_name(name), seed);
             }
+        }
+        for (seed, shared, own) in pairs {
+            assert_eq!(
+                shared, own,
+                "seed {seed}: a record converted into a shared buffer keeps its values"
+            );
         }
     }
 

@@ -1,7 +1,7 @@
 //! The consumer-group [`Source`].
 
 use crate::db_offsets::OffsetStore;
-use crate::envelope::{to_envelope, UNREADABLE_HEADERS};
+use crate::envelope::{convert, ValueChunks, UNREADABLE_HEADERS};
 use crate::publisher::{produce, KafkaPublisher};
 use crate::KafkaSourceError;
 use async_trait::async_trait;
@@ -21,7 +21,7 @@ use rdkafka::types::{RDKafkaErrorCode, RDKafkaRespErr};
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::time::Instant;
@@ -182,11 +182,63 @@ fn check_instance_id(id: &str) -> Result<(), KafkaSourceError> {
     Ok(())
 }
 
-/// One consumed record, owned, with the assignment it was consumed under.
-#[derive(Debug, Clone)]
-struct Record {
-    part: PartitionId,
+/// One assignment of a partition, shared by the source and every delivery made under it.
+///
+/// A delivery settles and answers `is_stale` through its slot alone: an atomic load, and a
+/// push onto the slot's own list, instead of the source's state lock and a hashed partition
+/// lookup in the tracker per message (with the partition's name copied into every delivery).
+/// The polling thread moves the settled offsets into the tracker before each commit and
+/// before a revoke ([`absorb_settled`]).
+struct PartSlot {
+    id: PartitionId,
     epoch: Epoch,
+    /// True while this is the partition's current assignment; cleared, under the state
+    /// lock, when it is revoked or replaced and when the source closes. Settlements of a
+    /// slot no longer current are dropped: the partition's new owner reads the records again.
+    current: AtomicBool,
+    /// Offsets settled since the polling thread last moved them into the tracker.
+    settled: Mutex<Vec<i64>>,
+    /// The source's state, for a nack (held here) and the staleness check of a dead letter.
+    /// Weak: the state holds the slot.
+    shared: Weak<Shared>,
+    dlq: Arc<DeadLetter>,
+}
+
+impl std::fmt::Debug for PartSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PartSlot")
+            .field("id", &self.id)
+            .field("epoch", &self.epoch)
+            .field("current", &self.is_current())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartSlot {
+    fn is_current(&self) -> bool {
+        self.current.load(Ordering::Acquire)
+    }
+
+    /// Ends the assignment (call under the state lock).
+    fn retire(&self) {
+        self.current.store(false, Ordering::Release);
+    }
+}
+
+/// A record in its partition's buffer, not yet handed to the engine: its offset is
+/// already outstanding in the tracker (marked on the polling thread at hand-over).
+#[derive(Debug)]
+struct Buffered {
+    offset: i64,
+    envelope: Envelope,
+    /// Its headers could not be read ([`UNREADABLE_HEADERS`]): dead-lettered by `poll`.
+    unreadable: bool,
+}
+
+/// A nacked record held until it is due again, with the assignment it was consumed under.
+#[derive(Debug)]
+struct Record {
+    slot: Arc<PartSlot>,
     offset: i64,
     envelope: Envelope,
     /// When a held (nacked) record is due again.
@@ -203,7 +255,7 @@ struct Record {
 /// one behind it holds that one back too (`DelayedRedelivery` never lets a lane's later item
 /// be due before an earlier one).
 fn hold_in_offset_order(delayed: &mut DelayedRedelivery<Record, PartitionId>, r: Record) {
-    let lane = r.part.clone();
+    let lane = r.slot.id.clone();
     if !delayed.holds(&lane) {
         let due = r.held_until;
         delayed.push(lane, r, due);
@@ -220,8 +272,8 @@ fn hold_in_offset_order(delayed: &mut DelayedRedelivery<Record, PartitionId>, r:
 
 #[derive(Debug)]
 struct PartState {
-    epoch: Epoch,
-    buffer: VecDeque<Record>,
+    slot: Arc<PartSlot>,
+    buffer: VecDeque<Buffered>,
     paused: bool,
 }
 
@@ -250,6 +302,7 @@ struct Shared {
 struct Ctx {
     shared: Arc<Shared>,
     offsets: Option<Arc<dyn OffsetStore>>,
+    dlq: Arc<DeadLetter>,
 }
 
 impl Ctx {
@@ -336,13 +389,17 @@ impl ConsumerContext for Ctx {
         let mut finals = TopicPartitionList::new();
         {
             let mut st = self.shared.sync.lock();
+            // What the engine settled since the last commit counts in the final one.
+            absorb_settled(&mut st);
             for e in tpl.elements() {
                 let p: PartitionId = (e.topic().to_string(), e.partition());
                 if let Some(w) = st.tracker.revoke(&p) {
                     // Adding a partition to a fresh list cannot fail.
                     let _ = finals.add_partition_offset(&p.0, p.1, Offset::Offset(w));
                 }
-                st.parts.remove(&p);
+                if let Some(ps) = st.parts.remove(&p) {
+                    ps.slot.retire();
+                }
                 st.delayed.drain_lanes(|l| *l == p);
             }
         }
@@ -367,14 +424,22 @@ impl ConsumerContext for Ctx {
                     for e in tpl.elements() {
                         let p: PartitionId = (e.topic().to_string(), e.partition());
                         let epoch = st.tracker.assign(p.clone(), 0);
-                        st.parts.insert(
-                            p,
-                            PartState {
-                                epoch,
-                                buffer: VecDeque::new(),
-                                paused: false,
-                            },
-                        );
+                        let slot = Arc::new(PartSlot {
+                            id: p.clone(),
+                            epoch,
+                            current: AtomicBool::new(true),
+                            settled: Mutex::new(Vec::new()),
+                            shared: Arc::downgrade(&self.shared),
+                            dlq: self.dlq.clone(),
+                        });
+                        let fresh = PartState {
+                            slot,
+                            buffer: VecDeque::new(),
+                            paused: false,
+                        };
+                        if let Some(old) = st.parts.insert(p, fresh) {
+                            old.slot.retire();
+                        }
                     }
                 }
                 // A partition paused under an earlier assignment must not stay paused.
@@ -420,7 +485,6 @@ pub struct KafkaSource {
     shared: Arc<Shared>,
     consumer: Option<Arc<Consumer_>>,
     poller: Option<JoinHandle<()>>,
-    dlq: Arc<DeadLetter>,
     cfg: KafkaSourceConfig,
 }
 
@@ -465,10 +529,15 @@ impl KafkaSource {
             commit_wanted: AtomicBool::new(false),
             assigned: AtomicBool::new(false),
         });
+        let dlq = Arc::new(DeadLetter {
+            producer: KafkaPublisher::producer_for(&cfg.client)?,
+            cfg: cfg.clone(),
+        });
         let consumer: Consumer_ = client
             .create_with_context(Ctx {
                 shared: shared.clone(),
                 offsets: cfg.offset_store.clone(),
+                dlq,
             })
             .map_err(|e| KafkaSourceError::Client(e.to_string()))?;
         let topics: Vec<&str> = cfg.topics.iter().map(String::as_str).collect();
@@ -476,10 +545,6 @@ impl KafkaSource {
             .subscribe(&topics)
             .map_err(|e| KafkaSourceError::Client(e.to_string()))?;
         let consumer = Arc::new(consumer);
-        let dlq = Arc::new(DeadLetter {
-            producer: KafkaPublisher::producer_for(&cfg.client)?,
-            cfg: cfg.clone(),
-        });
         let poller = {
             let consumer = consumer.clone();
             let shared = shared.clone();
@@ -491,7 +556,6 @@ impl KafkaSource {
             shared,
             consumer: Some(consumer),
             poller: Some(poller),
-            dlq,
             cfg,
         })
     }
@@ -511,31 +575,34 @@ impl KafkaSource {
         }
     }
 
-    fn take_batch(&self, st: &mut State, max: usize) -> Vec<Delivery> {
-        let mut out = Vec::new();
+    /// Up to `max` deliveries: held records that are due, then buffered ones; and whether
+    /// any of them could not become a proper envelope (see [`dead_letter_unreadable`]).
+    fn take_batch(&self, st: &mut State, max: usize) -> (Vec<Delivery>, bool) {
+        let mut out = Vec::with_capacity(max.min(1024));
+        let mut unreadable = false;
         for rec in st.delayed.pop_due(Instant::now(), max) {
-            if st.tracker.delivered(&rec.part, rec.epoch, rec.offset) {
-                out.push(self.delivery(rec));
+            if rec.slot.is_current()
+                && st
+                    .tracker
+                    .delivered(&rec.slot.id, rec.slot.epoch, rec.offset)
+            {
+                unreadable |= rec.envelope.headers.get(UNREADABLE_HEADERS).is_some();
+                out.push(delivery(rec.slot, rec.offset, rec.envelope));
             }
         }
         let mut resume = TopicPartitionList::new();
         let low_water = self.cfg.buffer_per_partition;
-        let State {
-            tracker,
-            parts,
-            delayed,
-            ..
-        } = st;
+        let State { parts, delayed, .. } = st;
         let room = max.saturating_sub(out.len());
+        // Buffered records are of their partition's current assignment (a revoke drops the
+        // buffer) and already outstanding in the tracker: nothing to check per record.
         drain_fairly(
             parts,
             room,
             |p| delayed.holds(p),
-            |rec| {
-                if !tracker.delivered(&rec.part, rec.epoch, rec.offset) {
-                    return false;
-                }
-                out.push(self.delivery(rec));
+            |slot, b| {
+                unreadable |= b.unreadable;
+                out.push(delivery(slot.clone(), b.offset, b.envelope));
                 true
             },
         );
@@ -552,20 +619,37 @@ impl KafkaSource {
                 }
             }
         }
-        out
+        (out, unreadable)
     }
+}
 
-    fn delivery(&self, rec: Record) -> Delivery {
-        Delivery::new(
-            rec.envelope,
-            Box::new(HeldSettle(KafkaSettle {
-                shared: self.shared.clone(),
-                dlq: self.dlq.clone(),
-                at: Some((rec.part, rec.epoch, rec.offset)),
-                envelope: None,
-            })),
-        )
+/// The delivery of the record at `offset` under the assignment `slot`.
+fn delivery(slot: Arc<PartSlot>, offset: i64, envelope: Envelope) -> Delivery {
+    Delivery::new(
+        envelope,
+        Box::new(HeldSettle(KafkaSettle {
+            slot,
+            offset: Some(offset),
+            envelope: None,
+        })),
+    )
+}
+
+/// Moves the offsets the engine settled since the last call from the partitions' slots into
+/// the tracker (on the polling thread, before a commit or a revoke chooses its offsets).
+fn absorb_settled(st: &mut State) {
+    let State { tracker, parts, .. } = st;
+    for ps in parts.values() {
+        let settled = std::mem::take(&mut *lock(&ps.slot.settled));
+        for offset in settled {
+            tracker.settled(&ps.slot.id, ps.slot.epoch, offset);
+        }
     }
+}
+
+/// Locks a slot's list (never poisoned: every update under it is one push or one take).
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 fn commit_ready(
@@ -577,6 +661,7 @@ fn commit_ready(
     // Held while the commit is issued, so a revoke cannot slip between choosing the offsets
     // and sending them: a partition no longer owned is never committed.
     let mut st = shared.sync.lock();
+    absorb_settled(&mut st);
     let commits = st.tracker.take_commits();
     if commits.is_empty() {
         return Ok(());
@@ -618,7 +703,7 @@ fn drain_fairly(
     parts: &mut HashMap<PartitionId, PartState>,
     room: usize,
     held: impl Fn(&PartitionId) -> bool,
-    mut accept: impl FnMut(Record) -> bool,
+    mut accept: impl FnMut(&Arc<PartSlot>, Buffered) -> bool,
 ) {
     let mut accepted = 0;
     loop {
@@ -639,7 +724,7 @@ fn drain_fairly(
                 let Some(rec) = ps.buffer.pop_front() else {
                     break;
                 };
-                if accept(rec) {
+                if accept(&ps.slot, rec) {
                     taken += 1;
                     accepted += 1;
                 }
@@ -662,7 +747,8 @@ fn buffers_full(shared: &Shared, cap: usize) -> bool {
 fn poll_thread(consumer: Arc<Consumer_>, shared: Arc<Shared>, cfg: KafkaSourceConfig) {
     let mut last_commit = std::time::Instant::now();
     let cap = cfg.buffer_per_partition.max(1);
-    let mut burst: Vec<(PartitionId, i64, Envelope)> = Vec::with_capacity(BURST);
+    let mut burst: Vec<Polled> = Vec::with_capacity(BURST);
+    let mut chunks = ValueChunks::shared();
     let mut last_poll = std::time::Instant::now();
     while !shared.stop.load(Ordering::Acquire) {
         // Back-pressure without pausing: while the buffers are full, leave the records in
@@ -679,9 +765,13 @@ fn poll_thread(consumer: Arc<Consumer_>, shared: Arc<Shared>, cfg: KafkaSourceCo
         while burst.len() < BURST {
             match consumer.poll(wait) {
                 Some(Ok(msg)) => {
-                    let envelope = to_envelope(&msg, cfg.cluster.as_deref());
-                    let part: PartitionId = (envelope.source.name.clone(), msg.partition());
-                    burst.push((part, msg.offset(), envelope));
+                    let (envelope, unreadable) = convert(&msg, cfg.cluster.as_deref(), &mut chunks);
+                    burst.push(Polled {
+                        partition: msg.partition(),
+                        offset: msg.offset(),
+                        envelope,
+                        unreadable,
+                    });
                     wait = Duration::ZERO;
                 }
                 Some(Err(e)) => {
@@ -782,24 +872,37 @@ fn commit_when_due(
     }
 }
 
-/// Moves a burst of records into their partitions' buffers (records of a partition no longer
-/// assigned are dropped: its new owner reads them), pausing partitions whose buffer holds
-/// twice `cap` (the last resort, see `buffer_per_partition`), and wakes the source once.
-fn hand_over(
-    consumer: &Consumer_,
-    shared: &Shared,
-    burst: &mut Vec<(PartitionId, i64, Envelope)>,
-    cap: usize,
-) {
-    let now = Instant::now();
+/// A record taken from librdkafka, its topic in its envelope.
+struct Polled {
+    partition: i32,
+    offset: i64,
+    envelope: Envelope,
+    unreadable: bool,
+}
+
+/// Moves a burst of records into their partitions' buffers, marking each outstanding in the
+/// tracker (records of a partition no longer assigned are dropped: its new owner reads
+/// them), pausing partitions whose buffer holds twice `cap` (the last resort, see
+/// `buffer_per_partition`), and wakes the source once.
+fn hand_over(consumer: &Consumer_, shared: &Shared, burst: &mut Vec<Polled>, cap: usize) {
     let mut st = shared.sync.lock();
-    for (part, offset, envelope) in burst.drain(..) {
-        let Some(ps) = st.parts.get_mut(&part) else {
+    let State { tracker, parts, .. } = &mut *st;
+    // The partition of the previous record: a burst holds runs of one partition's records,
+    // so the lookup key is made only where the partition changes, not per record.
+    let mut part: PartitionId = (String::new(), -1);
+    for r in burst.drain(..) {
+        if part.1 != r.partition || part.0 != r.envelope.source.name {
+            part = (r.envelope.source.name.clone(), r.partition);
+        }
+        let part = &part;
+        let Some(ps) = parts.get_mut(part) else {
             tracing::debug!(topic = %part.0, partition = part.1, "record of an unassigned partition dropped");
             continue;
         };
+        if !tracker.delivered(part, ps.slot.epoch, r.offset) {
+            continue;
+        }
         let full = ps.buffer.len() + 1 >= cap.saturating_mul(2) && !ps.paused;
-        let epoch = ps.epoch;
         if full {
             ps.paused = true;
             metrics::counter!(crate::metrics::PARTITIONS_PAUSED).increment(1);
@@ -809,12 +912,10 @@ fn hand_over(
                 tracing::warn!(error = %e, "pausing a full partition failed");
             }
         }
-        ps.buffer.push_back(Record {
-            part,
-            epoch,
-            offset,
-            envelope,
-            held_until: now,
+        ps.buffer.push_back(Buffered {
+            offset: r.offset,
+            envelope: r.envelope,
+            unreadable: r.unreadable,
         });
     }
     drop(st);
@@ -834,11 +935,14 @@ impl Source for KafkaSource {
                 if let Some(f) = &st.fatal {
                     return Err(SourceError::Broker(f.clone()));
                 }
-                let batch = self.take_batch(&mut st, max);
+                let (batch, unreadable) = self.take_batch(&mut st, max);
                 if batch.is_empty() {
                     st.delayed.next_due()
                 } else {
                     drop(st);
+                    if !unreadable {
+                        return Ok(Some(batch));
+                    }
                     let batch = dead_letter_unreadable(batch);
                     if !batch.is_empty() {
                         return Ok(Some(batch));
@@ -889,6 +993,9 @@ impl Source for KafkaSource {
         .map_err(|e| SourceError::Broker(format!("closing the consumer panicked: {e}")))?;
         let mut st = self.shared.sync.lock();
         st.closed = true;
+        for ps in st.parts.values() {
+            ps.slot.retire();
+        }
         st.parts.clear();
         drop(st);
         self.shared.sync.wake_one();
@@ -936,7 +1043,15 @@ impl Source for KafkaSource {
 impl Drop for KafkaSource {
     fn drop(&mut self) {
         self.shared.stop.store(true, Ordering::Release);
-        self.shared.sync.lock().closed = true;
+        {
+            let mut st = self.shared.sync.lock();
+            st.closed = true;
+            // Kept in the state: the revoke when the consumer closes still commits what
+            // was settled before now.
+            for ps in st.parts.values() {
+                ps.slot.retire();
+            }
+        }
         let poller = self.poller.take();
         let consumer = self.consumer.take();
         if poller.is_some() || consumer.is_some() {
@@ -953,35 +1068,30 @@ impl Drop for KafkaSource {
     }
 }
 
-/// The settlement handle of one Kafka delivery: where the record sits, and its envelope
+/// The settlement handle of one Kafka delivery: its assignment and offset, and its envelope
 /// once the engine hands it back for a nack or a dead letter (no copy is kept meanwhile).
 struct KafkaSettle {
-    shared: Arc<Shared>,
-    dlq: Arc<DeadLetter>,
-    /// Partition, assignment epoch and offset, until the delivery is settled.
-    at: Option<(PartitionId, Epoch, i64)>,
+    slot: Arc<PartSlot>,
+    /// The record's offset, until the delivery is settled.
+    offset: Option<i64>,
     envelope: Option<Envelope>,
-}
-
-impl KafkaSettle {
-    fn current_of(&self, st: &State, part: &PartitionId, epoch: Epoch) -> bool {
-        !st.closed && st.tracker.is_current(part, epoch)
-    }
 }
 
 #[async_trait]
 impl LocallyHeld for KafkaSettle {
     fn settled(&mut self) {
-        if let Some((part, epoch, offset)) = self.at.take() {
-            let mut st = self.shared.sync.lock();
-            st.tracker.settled(&part, epoch, offset);
+        if let Some(offset) = self.offset.take() {
+            if self.slot.is_current() {
+                lock(&self.slot.settled).push(offset);
+            }
         }
     }
 
     fn hold(&mut self, delay: Duration) {
-        let Some((part, epoch, offset)) = self.at.take() else {
+        let Some(offset) = self.offset.take() else {
             return;
         };
+        let part = &self.slot.id;
         let Some(mut envelope) = self.envelope.take() else {
             // Only a caller that nacks through `Settle` directly, bypassing `Delivery`, gets
             // here: the offset stays outstanding (nothing past it is committed), and the
@@ -989,20 +1099,23 @@ impl LocallyHeld for KafkaSettle {
             tracing::warn!(topic = %part.0, partition = part.1, offset, "nack without the envelope; the record stays uncommitted");
             return;
         };
-        let mut st = self.shared.sync.lock();
-        if self.current_of(&st, &part, epoch) {
+        let Some(shared) = self.slot.shared.upgrade() else {
+            return;
+        };
+        let mut st = shared.sync.lock();
+        // Checked under the state lock, where an assignment ends.
+        if self.slot.is_current() {
             envelope.delivery_count = Some(envelope.delivery_count.unwrap_or(1) + 1);
             envelope.redelivered = true;
             let r = Record {
-                part,
-                epoch,
+                slot: self.slot.clone(),
                 offset,
                 envelope,
                 held_until: Instant::now() + delay,
             };
             hold_in_offset_order(&mut st.delayed, r);
             drop(st);
-            self.shared.sync.wake_one();
+            shared.sync.wake_one();
         }
     }
 
@@ -1011,15 +1124,12 @@ impl LocallyHeld for KafkaSettle {
     }
 
     async fn dead_letter(&mut self, reason: &str) -> Result<(), SourceError> {
-        let current = match &self.at {
-            Some((part, epoch, _)) => self.current_of(&self.shared.sync.lock(), part, *epoch),
-            None => false,
-        };
         // Stale: another consumer owns the partition now and will see the record.
-        let (true, Some(env)) = (current, &self.envelope) else {
+        let (true, Some(env)) = (!self.is_stale(), &self.envelope) else {
             return Ok(());
         };
-        let topic = self.dlq.cfg.dead_letter_topic_for(&env.source.name);
+        let dlq = &self.slot.dlq;
+        let topic = dlq.cfg.dead_letter_topic_for(&env.source.name);
         let mut headers = Headers::new();
         for (n, v) in env.headers.iter() {
             if !n.starts_with(props::PREFIX) {
@@ -1034,13 +1144,13 @@ impl LocallyHeld for KafkaSettle {
             headers.insert(DLQ_OFFSET, o.to_string());
         }
         produce(
-            &self.dlq.producer,
+            &dlq.producer,
             &topic,
             env.key.as_deref(),
             None,
             &headers,
             &env.payload,
-            self.dlq.cfg.dead_letter_timeout,
+            dlq.cfg.dead_letter_timeout,
         )
         .await
         .map_err(|e| SourceError::Broker(format!("dead-letter produce to {topic} failed: {e}")))?;
@@ -1049,32 +1159,45 @@ impl LocallyHeld for KafkaSettle {
     }
 
     fn is_stale(&self) -> bool {
-        let st = self.shared.sync.lock();
-        match &self.at {
-            Some((part, epoch, _)) => !self.current_of(&st, part, *epoch),
-            None => true,
-        }
+        self.offset.is_none() || !self.slot.is_current()
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use idemq_core::envelope::Position;
     use idemq_core::BrokerKind;
+
+    /// A slot of a source that is not there (its state is gone): enough for buffers and
+    /// settlements (librdkafka creates the dead-letter producer without connecting).
+    fn slot(id: PartitionId, epoch: Epoch, shared: Weak<Shared>) -> Arc<PartSlot> {
+        let cfg = KafkaSourceConfig::new("127.0.0.1:1", "slots", &["t"]);
+        let dlq = Arc::new(DeadLetter {
+            producer: KafkaPublisher::producer_for(&cfg.client).expect("producer"),
+            cfg,
+        });
+        Arc::new(PartSlot {
+            id,
+            epoch,
+            current: AtomicBool::new(true),
+            settled: Mutex::new(Vec::new()),
+            shared,
+            dlq,
+        })
+    }
 
     fn part(n: i32, records: std::ops::Range<i64>) -> (PartitionId, PartState) {
         let id: PartitionId = ("t".to_string(), n);
         let buffer = records
-            .map(|offset| Record {
-                part: id.clone(),
-                epoch: Epoch(1),
+            .map(|offset| Buffered {
                 offset,
                 envelope: Envelope::new(BrokerKind::Kafka, "t", ""),
-                held_until: Instant::now(),
+                unreadable: false,
             })
             .collect();
         let state = PartState {
-            epoch: Epoch(1),
+            slot: slot(id.clone(), Epoch(1), Weak::new()),
             buffer,
             paused: false,
         };
@@ -1085,13 +1208,13 @@ mod tests {
         parts: &mut HashMap<PartitionId, PartState>,
         room: usize,
         held: impl Fn(&PartitionId) -> bool,
-        accept: impl Fn(&Record) -> bool,
+        accept: impl Fn(i32, i64) -> bool,
     ) -> Vec<(i32, i64)> {
         let mut out = Vec::new();
-        drain_fairly(parts, room, held, |r| {
-            let kept = accept(&r);
+        drain_fairly(parts, room, held, |slot, b| {
+            let kept = accept(slot.id.1, b.offset);
             if kept {
-                out.push((r.part.1, r.offset));
+                out.push((slot.id.1, b.offset));
             }
             kept
         });
@@ -1110,7 +1233,7 @@ mod tests {
         let mut parts: HashMap<_, _> = [part(0, 0..100), part(1, 0..100), part(2, 0..100)]
             .into_iter()
             .collect();
-        let out = taken(&mut parts, 30, |_| false, |_| true);
+        let out = taken(&mut parts, 30, |_| false, |_, _| true);
         assert_eq!(out.len(), 30);
         for p in 0..3 {
             assert_eq!(
@@ -1120,7 +1243,7 @@ mod tests {
             );
         }
         // The next batch goes on where each partition stopped.
-        let out = taken(&mut parts, 3, |_| false, |_| true);
+        let out = taken(&mut parts, 3, |_| false, |_, _| true);
         for p in 0..3 {
             assert_eq!(per_partition(&out, p), vec![10], "partition {p}");
         }
@@ -1129,7 +1252,7 @@ mod tests {
     #[test]
     fn a_short_partition_leaves_its_share_to_the_others() {
         let mut parts: HashMap<_, _> = [part(0, 0..2), part(1, 0..100)].into_iter().collect();
-        let out = taken(&mut parts, 20, |_| false, |_| true);
+        let out = taken(&mut parts, 20, |_| false, |_, _| true);
         assert_eq!(per_partition(&out, 0), vec![0, 1]);
         assert_eq!(per_partition(&out, 1), (0..18).collect::<Vec<_>>());
     }
@@ -1141,7 +1264,7 @@ mod tests {
             .collect();
         let held = |p: &PartitionId| p.1 == 2;
         // Odd offsets of partition 0 belong to a stale assignment: dropped, not counted.
-        let stale = |r: &Record| !(r.part.1 == 0 && r.offset % 2 == 1);
+        let stale = |p: i32, offset: i64| !(p == 0 && offset % 2 == 1);
         let out = taken(&mut parts, 8, held, stale);
         assert_eq!(out.len(), 8);
         assert_eq!(per_partition(&out, 0), vec![0, 2, 4, 6]);
@@ -1149,8 +1272,108 @@ mod tests {
         assert!(per_partition(&out, 2).is_empty());
         assert_eq!(parts[&("t".to_string(), 2)].buffer.len(), 10);
         // Nothing left to take: the loop ends short of the room.
-        let out = taken(&mut parts, 100, held, |_| true);
+        let out = taken(&mut parts, 100, held, |_, _| true);
         assert_eq!(out.len(), 3 + 6);
+    }
+
+    /// A source's state with partition 0 of `t` assigned and offsets 0..10 handed out.
+    fn assigned_state() -> (Arc<Shared>, Arc<PartSlot>, Vec<Delivery>) {
+        let shared = Arc::new(Shared {
+            sync: SharedState::new(State::default()),
+            stop: AtomicBool::new(false),
+            commit_wanted: AtomicBool::new(false),
+            assigned: AtomicBool::new(true),
+        });
+        let id: PartitionId = ("t".to_string(), 0);
+        let mut st = shared.sync.lock();
+        let epoch = st.tracker.assign(id.clone(), 0);
+        let slot = slot(id.clone(), epoch, Arc::downgrade(&shared));
+        let buffer = (0..10)
+            .map(|offset| {
+                assert!(st.tracker.delivered(&id, epoch, offset));
+                let mut envelope = Envelope::new(BrokerKind::Kafka, "t", "");
+                envelope.source.position = Some(Position::Offset(offset));
+                Buffered {
+                    offset,
+                    envelope,
+                    unreadable: false,
+                }
+            })
+            .collect();
+        st.parts.insert(
+            id,
+            PartState {
+                slot: slot.clone(),
+                buffer,
+                paused: false,
+            },
+        );
+        let mut out = Vec::new();
+        drain_fairly(
+            &mut st.parts,
+            10,
+            |_| false,
+            |slot, b| {
+                out.push(delivery(slot.clone(), b.offset, b.envelope));
+                true
+            },
+        );
+        drop(st);
+        (shared, slot, out)
+    }
+
+    #[tokio::test]
+    async fn acks_reach_the_tracker_through_the_slot_up_to_the_first_unsettled_offset() {
+        let (shared, _slot, deliveries) = assigned_state();
+        let mut running = Vec::new();
+        for d in deliveries {
+            assert!(!d.is_stale(), "a fresh delivery is stale");
+            // Offset 4 is still running: nothing past it may be committed.
+            if d.envelope.source.position == Some(Position::Offset(4)) {
+                running.push(d);
+            } else {
+                d.ack().await.expect("ack");
+            }
+        }
+        {
+            let mut st = shared.sync.lock();
+            assert_eq!(st.tracker.take_commits(), vec![], "not absorbed yet");
+            absorb_settled(&mut st);
+            assert_eq!(st.tracker.take_commits(), vec![(("t".to_string(), 0), 4)]);
+        }
+        for d in running {
+            d.ack().await.expect("ack");
+        }
+        let mut st = shared.sync.lock();
+        absorb_settled(&mut st);
+        assert_eq!(st.tracker.take_commits(), vec![(("t".to_string(), 0), 10)]);
+    }
+
+    #[tokio::test]
+    async fn a_revoked_assignment_is_stale_and_its_late_acks_are_dropped() {
+        let (shared, slot, mut deliveries) = assigned_state();
+        let late = deliveries.remove(0);
+        for d in deliveries {
+            d.ack().await.expect("ack");
+        }
+        {
+            let mut st = shared.sync.lock();
+            absorb_settled(&mut st);
+            if let Some(ps) = st.parts.remove(&slot.id) {
+                ps.slot.retire();
+            }
+        }
+        assert!(
+            late.is_stale(),
+            "a delivery of a revoked partition is stale"
+        );
+        late.ack().await.expect("a late ack is harmless");
+        assert!(
+            lock(&slot.settled).is_empty(),
+            "a retired slot keeps no settlement"
+        );
+        // A nack of a stale delivery holds nothing either.
+        assert!(shared.sync.lock().delayed.next_due().is_none());
     }
 }
 
