@@ -198,6 +198,9 @@ struct PartSlot {
     current: AtomicBool,
     /// Offsets settled since the polling thread last moved them into the tracker.
     settled: Mutex<Vec<i64>>,
+    /// The list `absorb_settled` swaps in for `settled` and works through: the two keep
+    /// their capacity, so no settlement allocates once they have grown.
+    absorbing: Mutex<Vec<i64>>,
     /// The source's state, for a nack (held here) and the staleness check of a dead letter.
     /// Weak: the state holds the slot.
     shared: Weak<Shared>,
@@ -429,6 +432,7 @@ impl ConsumerContext for Ctx {
                             epoch,
                             current: AtomicBool::new(true),
                             settled: Mutex::new(Vec::new()),
+                            absorbing: Mutex::new(Vec::new()),
                             shared: Arc::downgrade(&self.shared),
                             dlq: self.dlq.clone(),
                         });
@@ -640,9 +644,11 @@ fn delivery(slot: Arc<PartSlot>, offset: i64, envelope: Envelope) -> Delivery {
 fn absorb_settled(st: &mut State) {
     let State { tracker, parts, .. } = st;
     for ps in parts.values() {
-        let settled = std::mem::take(&mut *lock(&ps.slot.settled));
-        for offset in settled {
-            tracker.settled(&ps.slot.id, ps.slot.epoch, offset);
+        let slot = &ps.slot;
+        let mut absorbing = lock(&slot.absorbing);
+        std::mem::swap(&mut *absorbing, &mut *lock(&slot.settled));
+        for offset in absorbing.drain(..) {
+            tracker.settled(&slot.id, slot.epoch, offset);
         }
     }
 }
@@ -1182,6 +1188,7 @@ mod tests {
             epoch,
             current: AtomicBool::new(true),
             settled: Mutex::new(Vec::new()),
+            absorbing: Mutex::new(Vec::new()),
             shared,
             dlq,
         })
