@@ -94,10 +94,12 @@ async fn one_call_per_polled_batch_and_every_message_completed_once() {
         .run_until_idle(&mut broker.subscribe())
         .await
         .expect("run");
-    let l = ledger.lock().expect("ledger");
-    assert_eq!(l.calls, vec![20, 20], "one call per polled batch");
-    assert_eq!(l.applied.len(), 40);
-    assert!(l.applied.values().all(|n| *n == 1));
+    {
+        let l = ledger.lock().expect("ledger");
+        assert_eq!(l.calls, vec![20, 20], "one call per polled batch");
+        assert_eq!(l.applied.len(), 40);
+        assert!(l.applied.values().all(|n| *n == 1));
+    }
     let stats = consumer.stats();
     assert_eq!((stats.processed, stats.batch_splits), (40, 0), "{stats:?}");
     for i in 0..40 {

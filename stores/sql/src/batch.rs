@@ -21,8 +21,11 @@
 //! **Hot rows.** Batches that update the same rows (many payments, few accounts) would lock
 //! them in different orders and deadlock, which the database detects only after its
 //! deadlock timeout (a second on PostgreSQL) and answers by aborting one of them. So a
-//! handler runs one transaction at a time: a consumer's pipelined batches overlap their
-//! polling, claims and acks, never their transactions. Deadlocks and serialization failures
+//! [`SqlStore::batch_handler`] runs one transaction at a time: a consumer's pipelined
+//! batches overlap their polling, claims and acks, never their transactions. A
+//! [`SqlStore::keyed_batch_handler`] only inserts rows of the batch's own keys: it gets the
+//! messages sorted by key, so overlapping batches lock in one order, and its transactions
+//! overlap. Deadlocks and serialization failures
 //! against other processes are retried with back-off (logged at warn, counted in
 //! `idemq_transaction_retries_total`) before the batch is failed.
 
@@ -53,6 +56,10 @@ pub type TxFuture<'a> = Pin<Box<dyn Future<Output = Result<(), HandlerError>> + 
 pub type KeyedTxFuture<'a> =
     Pin<Box<dyn Future<Output = Result<Vec<String>, HandlerError>> + Send + 'a>>;
 
+/// The future [`WriteEffects::write`] returns: `Some(keys written)` for keyed effects.
+pub type WriteFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<Option<HashSet<String>>, HandlerError>> + Send + 'a>>;
+
 /// How a [`TxBatchHandler`] writes effects: a closure of [`SqlStore::batch_handler`] or of
 /// [`SqlStore::keyed_batch_handler`].
 pub trait WriteEffects<DB: SqlBackend>: Send + Sync + 'static {
@@ -62,7 +69,7 @@ pub trait WriteEffects<DB: SqlBackend>: Send + Sync + 'static {
         &'a self,
         tx: &'a mut DB::Connection,
         msgs: &'a [ClaimedMessage],
-    ) -> Pin<Box<dyn Future<Output = Result<Option<HashSet<String>>, HandlerError>> + Send + 'a>>;
+    ) -> WriteFuture<'a>;
 
     /// Whether the effect rows carry the keys (no keys-table insert needed).
     fn keyed(&self) -> bool;
@@ -83,8 +90,7 @@ where
         &'a self,
         tx: &'a mut DB::Connection,
         msgs: &'a [ClaimedMessage],
-    ) -> Pin<Box<dyn Future<Output = Result<Option<HashSet<String>>, HandlerError>> + Send + 'a>>
-    {
+    ) -> WriteFuture<'a> {
         let fut = (self.0)(tx, msgs);
         Box::pin(async move { fut.await.map(|()| None) })
     }
@@ -108,8 +114,7 @@ where
         &'a self,
         tx: &'a mut DB::Connection,
         msgs: &'a [ClaimedMessage],
-    ) -> Pin<Box<dyn Future<Output = Result<Option<HashSet<String>>, HandlerError>> + Send + 'a>>
-    {
+    ) -> WriteFuture<'a> {
         let fut = (self.0)(tx, msgs);
         Box::pin(async move { fut.await.map(|keys| Some(keys.into_iter().collect())) })
     }
@@ -220,7 +225,9 @@ impl<DB: SqlBackend> SqlStore<DB> {
     /// hand-written consumer does, with the engine's retries, dead-letters and
     /// never-ack-before-commit around it. With leases (this store as the consumer's store)
     /// every message's lease is completed in the transaction as by
-    /// [`SqlStore::batch_handler`].
+    /// [`SqlStore::batch_handler`]. The closure gets the messages sorted by key, and its
+    /// transactions are not made to take turns: two batches insert (and lock) their keys in
+    /// one order, so a consumer's pipelined batches commit side by side.
     pub fn keyed_batch_handler<F>(&self, f: F) -> Batched<TxBatchHandler<DB, KeyedRows<F>>>
     where
         F: for<'a> Fn(&'a mut DB::Connection, &'a [ClaimedMessage]) -> KeyedTxFuture<'a>
@@ -349,8 +356,17 @@ impl<DB: SqlBackend, W: WriteEffects<DB>> TxBatchHandler<DB, W> {
 
 #[async_trait]
 impl<DB: SqlBackend, W: WriteEffects<DB>> BatchHandler for TxBatchHandler<DB, W> {
-    async fn handle_batch(&self, msgs: Vec<ClaimedMessage>) -> Result<(), HandlerError> {
-        let _turn = self.turn.lock().await;
+    async fn handle_batch(&self, mut msgs: Vec<ClaimedMessage>) -> Result<(), HandlerError> {
+        // Keyed effect rows are inserts of the batch's own keys: sorted, two batches lock
+        // them in one order and cannot deadlock, so their transactions overlap (as the
+        // pipeline intends). Other effects may update shared rows: they take turns.
+        let _turn = match self.write.keyed() {
+            true => {
+                msgs.sort_unstable_by(|a, b| a.key.cmp(&b.key));
+                None
+            }
+            false => Some(self.turn.lock().await),
+        };
         let mut backoff = Duration::from_millis(20);
         let mut tries = 0;
         loop {
