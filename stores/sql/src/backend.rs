@@ -433,8 +433,29 @@ mod postgres_impl {
 
     impl sealed::Sealed for Postgres {}
 
-    /// PostgreSQL binds arrays too: batch statements pass one array per column
-    /// (`UNNEST($1::text[], …)`), so a batch of any size is one short, cached statement.
+    /// Whether `sql` must run as an unnamed statement, parsed and planned for its arguments
+    /// on every call, rather than as a cached prepared statement: a statement that binds an
+    /// array and is not an `INSERT`, i.e. one that looks rows up by a batch of keys
+    /// (`UPDATE … FROM UNNEST(…)`, `WHERE id = ANY(…)`), unless it already has every run
+    /// planned for its arguments ([`crate::queries::PG_CUSTOM_PLAN`], which says why a
+    /// cached generic plan is wrong for such a statement, and which costs less: no parsing).
+    /// An `INSERT` from arrays (the claim, tombstones, unique keys) has no lookup to plan:
+    /// it stays cached.
+    fn plan_per_call(sql: &str, args: &[Val]) -> bool {
+        args.iter()
+            .any(|a| matches!(a, Val::I64Array(_) | Val::TextArray(_) | Val::BytesArray(_)))
+            && !sql.trim_start().starts_with("INSERT")
+            && !sql.contains(crate::queries::PG_CUSTOM_PLAN_TAIL)
+    }
+
+    /// The statement `sql` with `args` bound. PostgreSQL binds arrays too: batch statements
+    /// pass one array per column (`UNNEST($1::text[], …)`), so a batch of any size is one
+    /// short statement (cached unless [`plan_per_call`] says otherwise).
+    fn query<'a>(sql: &'a str, args: Vec<Val>) -> generic::Query<'a, Postgres> {
+        let q = sqlx::query::<Postgres>(sql).persistent(!plan_per_call(sql, &args));
+        bind(q, args)
+    }
+
     fn bind(mut q: generic::Query<'_, Postgres>, args: Vec<Val>) -> generic::Query<'_, Postgres> {
         for a in args {
             q = match a {
@@ -459,10 +480,7 @@ mod postgres_impl {
             args: Vec<Val>,
             kinds: &'a [Kind],
         ) -> BoxFut<'a, Result<Vec<Row>, sqlx::Error>> {
-            Box::pin(async move {
-                let q = bind(sqlx::query::<Postgres>(sql), args);
-                generic::fetch::<Postgres>(conn, q, kinds).await
-            })
+            Box::pin(async move { generic::fetch::<Postgres>(conn, query(sql, args), kinds).await })
         }
 
         fn execute<'a>(
@@ -471,8 +489,9 @@ mod postgres_impl {
             args: Vec<Val>,
         ) -> BoxFut<'a, Result<u64, sqlx::Error>> {
             Box::pin(async move {
-                let q = bind(sqlx::query::<Postgres>(sql), args);
-                Ok(generic::execute::<Postgres>(conn, q).await?.rows_affected())
+                Ok(generic::execute::<Postgres>(conn, query(sql, args))
+                    .await?
+                    .rows_affected())
             })
         }
 
