@@ -606,11 +606,12 @@ pub(crate) async fn local_layer(sizes: &Sizes) -> anyhow::Result<Value> {
     use std::hint::black_box;
     let mut points = Vec::new();
     for &n in &sizes.local_keys {
+        // Read before the layer is built: its table is allocated then, whatever it holds.
+        let before = rss_bytes();
         let layer = LayeredStore::builder(Arc::new(NullStore))
             .cache(n as u64 + 1000, Duration::from_secs(3600))
             .build()?;
         let mut seq = KeySeq::new("l")?;
-        let before = rss_bytes();
         fill(&layer, &mut seq, n).await?;
         let after = rss_bytes();
         // The check loop's keys, built after the memory reading (the layer holds its own).
@@ -642,7 +643,7 @@ pub(crate) async fn local_layer(sizes: &Sizes) -> anyhow::Result<Value> {
         drop(layer);
     }
     Ok(json!({
-        "what": "LayeredStore::is_cached_duplicate on one thread over a primary that keeps nothing; bytes = resident set growth while filling / keys",
+        "what": "LayeredStore::is_cached_duplicate on one thread over a primary that keeps nothing, cache sized for the keys + 1000; bytes = resident set growth from before the layer was built to after filling / keys",
         "points": points,
     }))
 }

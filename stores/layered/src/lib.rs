@@ -20,6 +20,7 @@
 #![warn(missing_docs)]
 
 mod cache;
+mod claims;
 pub mod filter;
 pub mod layered;
 pub mod watchdog;

@@ -395,24 +395,48 @@ async fn a_gate_without_a_filter_is_a_config_error() {
     assert!(matches!(err, StoreError::Config(_)), "{err:?}");
 }
 
-/// Cached duplicates answer a payload conflict like the store would.
+/// A payload conflict is never answered `Duplicate` by the cache: the cache answers the
+/// same payload locally, and a different one goes to the store, which reports the
+/// conflict (or the cache does, from the whole record it keeps for a stored result).
 #[tokio::test]
-async fn the_cache_reports_payload_conflicts() {
+async fn a_payload_conflict_is_never_answered_duplicate_by_the_cache() {
     let s = LayeredStore::new(Arc::new(MemoryStore::new()));
-    let k = key(&group(), "p");
+    let g = group();
     let a = PayloadHash::of(b"a");
-    let ClaimOutcome::Acquired(l) = s.claim(&req(&k).with_payload_hash(a)).await.unwrap() else {
-        panic!()
-    };
-    s.complete(&k, l.token, None, RETAIN).await.unwrap();
-    assert!(matches!(
-        s.check_local(&k, Some(&PayloadHash::of(b"b"))),
-        Some(ClaimOutcome::PayloadConflict(_))
-    ));
-    assert!(matches!(
-        s.check_local(&k, Some(&a)),
-        Some(ClaimOutcome::Duplicate(_))
-    ));
+    let b = PayloadHash::of(b"b");
+    for with_result in [false, true] {
+        let k = key(&g, &format!("p-{with_result}"));
+        let ClaimOutcome::Acquired(l) = s.claim(&req(&k).with_payload_hash(a)).await.unwrap()
+        else {
+            panic!()
+        };
+        let result = with_result.then(|| bytes::Bytes::from_static(b"ok"));
+        s.complete(&k, l.token, result, RETAIN).await.unwrap();
+        assert!(s.is_cached_duplicate(&k));
+        match s.check_local(&k, Some(&a)) {
+            Some(ClaimOutcome::Duplicate(r)) => assert_eq!(r.payload_hash, Some(a)),
+            o => panic!("same payload, answered locally: {o:?}"),
+        }
+        let local = s.check_local(&k, Some(&b));
+        if with_result {
+            assert!(
+                matches!(local, Some(ClaimOutcome::PayloadConflict(ref r)) if r.payload_hash == Some(a)),
+                "{local:?}"
+            );
+        } else {
+            assert!(local.is_none(), "left to the store: {local:?}");
+        }
+        let before = s.stats().primary_claims;
+        match s.claim(&req(&k).with_payload_hash(b)).await.unwrap() {
+            ClaimOutcome::PayloadConflict(r) => assert_eq!(r.payload_hash, Some(a)),
+            o => panic!("a different payload: {o:?}"),
+        }
+        assert_eq!(
+            s.stats().primary_claims - before,
+            u64::from(!with_result),
+            "asked the store only for the compact entry"
+        );
+    }
 }
 
 /// The watchdog keeps a short lease alive past its end, and reports a takeover. On tokio's
