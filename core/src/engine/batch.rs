@@ -412,6 +412,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         let mut lane_slot: HashMap<Lane, usize> = HashMap::new();
         let mut acquired: Vec<Option<Acquired>> = Vec::new();
         acquired.resize_with(outcomes.len(), || None);
+        let mode = self.store.claim_mode();
         for (index, (item, outcome)) in items.into_iter().zip(outcomes).enumerate() {
             let lane = item.lane.clone();
             let held_for = lane.as_ref().and_then(|l| held.get(l)).copied();
@@ -461,7 +462,6 @@ impl<H: Handler> IdempotentConsumer<H> {
                             Envelope::new(item.delivery.envelope.broker, "", Bytes::new());
                         let envelope =
                             Arc::new(std::mem::replace(&mut item.delivery.envelope, placeholder));
-                        let mode = self.store.claim_mode();
                         let attempt = match mode {
                             // No record counts attempts across deliveries: the broker's
                             // count, when it keeps one, is the better floor.
@@ -646,23 +646,13 @@ impl<H: Handler> IdempotentConsumer<H> {
         let msgs: Vec<ClaimedMessage> = jobs().map(|j| j.msg.clone()).collect();
         let watches: Vec<LeaseWatch> = msgs.iter().map(|m| m.lease.clone()).collect();
         let span = tracing::info_span!("idemq.handle_batch", size = msgs.len());
-        let work = AssertUnwindSafe(batch.handle_batch(msgs)).catch_unwind();
-        let bounded = async {
-            let panicked = |p: Box<dyn std::any::Any + Send>| {
-                HandlerFailure::Panicked(super::panic_message(p.as_ref()))
-            };
-            match self.cfg.handler_timeout {
-                Some(t) => match tokio::time::timeout(t, work).await {
-                    Ok(r) => r.map_err(panicked),
-                    Err(_) => Err(HandlerFailure::TimedOut(t)),
-                },
-                None => work.await.map_err(panicked),
-            }
-        };
-        let res = tokio::select! {
-            r = bounded.instrument(span) => r,
-            _ = LeaseWatch::any_lost(&watches) => Err(HandlerFailure::LeaseLost),
-        };
+        let res = run_bounded(
+            batch.handle_batch(msgs),
+            self.cfg.handler_timeout,
+            LeaseWatch::any_lost(&watches),
+        )
+        .instrument(span)
+        .await;
         let cut_off = match res {
             Ok(Ok(())) => {
                 for j in jobs() {
@@ -1151,7 +1141,17 @@ async fn run_handler<H: Handler>(
     limit: Option<Duration>,
 ) -> Result<HandlerResult, HandlerFailure> {
     let lease: LeaseWatch = msg.lease.clone();
-    let work = AssertUnwindSafe(handler.handle(msg)).catch_unwind();
+    run_bounded(handler.handle(msg), limit, lease.lost()).await
+}
+
+/// Runs a handler call (one message or a batch) caught if it panics, cut off after
+/// `limit`, and cancelled when `lost` resolves (a lease of the call was lost).
+async fn run_bounded<T>(
+    call: impl Future<Output = T>,
+    limit: Option<Duration>,
+    lost: impl Future<Output = ()>,
+) -> Result<T, HandlerFailure> {
+    let work = AssertUnwindSafe(call).catch_unwind();
     let panicked = |p: Box<dyn std::any::Any + Send>| {
         HandlerFailure::Panicked(super::panic_message(p.as_ref()))
     };
@@ -1166,7 +1166,7 @@ async fn run_handler<H: Handler>(
     };
     tokio::select! {
         r = bounded => r,
-        _ = lease.lost() => Err(HandlerFailure::LeaseLost),
+        _ = lost => Err(HandlerFailure::LeaseLost),
     }
 }
 

@@ -1101,11 +1101,7 @@ impl RedisStore {
             )),
             3 => {
                 let which = parts.get(1).map(Self::int).transpose()?.unwrap_or(0);
-                let why = match parts.get(2) {
-                    Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
-                    Some(Value::SimpleString(s)) => s.clone(),
-                    other => format!("{other:?}"),
-                };
+                let why = Self::reply_text(parts.get(2));
                 Err(HandlerError::Permanent(
                     format!(
                         "effect command {which} of `{}` failed: {why} (the commands before it \
@@ -1210,11 +1206,7 @@ impl RedisStore {
             }
             3 => {
                 let which = at(1)?;
-                let why = match parts.get(2) {
-                    Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
-                    Some(Value::SimpleString(s)) => s.clone(),
-                    other => format!("{other:?}"),
-                };
+                let why = Self::reply_text(parts.get(2));
                 Err(HandlerError::Permanent(
                     format!(
                         "effect command {which} of a batch of {} failed: {why} (the commands \
@@ -1595,6 +1587,15 @@ impl RedisStore {
                 key,
                 format!("unexpected script reply {other:?}"),
             )),
+        }
+    }
+
+    /// A script's error text (a failed effect command's reply), for the error it becomes.
+    fn reply_text(v: Option<&Value>) -> String {
+        match v {
+            Some(Value::BulkString(b)) => String::from_utf8_lossy(b).into_owned(),
+            Some(Value::SimpleString(s)) => s.clone(),
+            other => format!("{other:?}"),
         }
     }
 

@@ -10,38 +10,18 @@ use idemq_core::broker::{Faults, MemoryBroker};
 use idemq_core::handler::batch;
 use idemq_core::{
     BrokerKind, ClaimOutcome, ClaimRequest, ClaimedMessage, DedupStore, Envelope, HandlerError,
-    IdempotentConsumer, KeyStrategy, LeaseLost, LeaseWatch,
+    IdempotentConsumer, KeyStrategy, LeaseLost,
 };
 use idemq_redis::redis::{self, AsyncCommands};
 use idemq_redis::RedisStore;
 use std::sync::Arc;
 use std::time::Duration;
 
-async fn claimed(store: &RedisStore, name: &str) -> ClaimedMessage {
-    let key = support::fresh_key(name);
-    let lease = match store
-        .claim(&ClaimRequest::new(key.clone(), Duration::from_secs(30)))
-        .await
-        .expect("claim")
-    {
-        ClaimOutcome::Acquired(l) => l,
-        other => panic!("claim: {other:?}"),
-    };
-    let (_loss, watch) = LeaseWatch::pair();
-    ClaimedMessage::new(
-        Arc::new(Envelope::new(BrokerKind::Memory, "t", "{}")),
-        key,
-        lease.token,
-        lease.attempt,
-        false,
-        watch,
-    )
-}
+use support::rpush;
 
-fn rpush(list: &str, v: &str) -> redis::Cmd {
-    let mut c = redis::cmd("RPUSH");
-    c.arg(list).arg(v);
-    c
+/// A claimed message on a fresh key, with a 30 s lease.
+async fn claimed(store: &RedisStore, name: &str) -> ClaimedMessage {
+    support::claimed(store, name, Duration::from_secs(30)).await
 }
 
 #[tokio::test]

@@ -8,39 +8,13 @@ mod support;
 use idemq_core::broker::{Faults, MemoryBroker};
 use idemq_core::{
     BrokerKind, ClaimOutcome, ClaimRequest, ClaimedMessage, DedupStore, Envelope, HandlerError,
-    IdempotentConsumer, KeyStrategy, LeaseLost, LeaseWatch,
+    IdempotentConsumer, KeyStrategy, LeaseLost,
 };
 use idemq_redis::redis::{self, AsyncCommands};
-use idemq_redis::RedisStore;
 use std::sync::Arc;
 use std::time::Duration;
 
-async fn claimed(store: &RedisStore, name: &str, lease: Duration) -> ClaimedMessage {
-    let key = support::fresh_key(name);
-    let lease_of = match store
-        .claim(&ClaimRequest::new(key.clone(), lease))
-        .await
-        .expect("claim")
-    {
-        ClaimOutcome::Acquired(l) => l,
-        other => panic!("claim: {other:?}"),
-    };
-    let (_loss, watch) = LeaseWatch::pair();
-    ClaimedMessage::new(
-        Arc::new(Envelope::new(BrokerKind::Memory, "t", "{}")),
-        key,
-        lease_of.token,
-        lease_of.attempt,
-        false,
-        watch,
-    )
-}
-
-fn rpush(list: &str, v: &str) -> redis::Cmd {
-    let mut c = redis::cmd("RPUSH");
-    c.arg(list).arg(v);
-    c
-}
+use support::{claimed, rpush};
 
 #[tokio::test]
 async fn the_effect_and_the_completion_commit_together_and_once() {

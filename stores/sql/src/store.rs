@@ -454,7 +454,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
         Ok(rows.first().and_then(|r| r.opt_i64(0).ok().flatten()))
     }
 
-    async fn acquire(&self) -> Result<sqlx::pool::PoolConnection<DB>, StoreError> {
+    pub(crate) async fn acquire(&self) -> Result<sqlx::pool::PoolConnection<DB>, StoreError> {
         self.pool
             .acquire()
             .await

@@ -202,12 +202,7 @@ impl<DB: SqlBackend> DedupStore for UniqueIndexStore<DB> {
     /// The key as a completed record when the keys table holds it.
     async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
         let sql = self.key_sql("SELECT created_ms FROM {t} WHERE dedup_key = ?");
-        let mut conn = self
-            .store
-            .pool()
-            .acquire()
-            .await
-            .map_err(|e| map_sqlx_error::<DB>("get", e))?;
+        let mut conn = self.store.acquire().await?;
         let rows = DB::fetch(
             &mut conn,
             &sql,
@@ -253,12 +248,7 @@ impl<DB: SqlBackend> DedupStore for UniqueIndexStore<DB> {
 
     async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
         let sql = self.key_sql("DELETE FROM {t} WHERE dedup_key = ?");
-        let mut conn = self
-            .store
-            .pool()
-            .acquire()
-            .await
-            .map_err(|e| map_sqlx_error::<DB>("forget", e))?;
+        let mut conn = self.store.acquire().await?;
         let n = DB::execute(&mut conn, &sql, vec![Val::Key(key.as_str().to_owned())])
             .await
             .map_err(|e| map_sqlx_error::<DB>("forget", e))?;

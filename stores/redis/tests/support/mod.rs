@@ -172,3 +172,41 @@ pub fn completions_of(
 pub fn cluster_seeds(url: &str) -> Vec<String> {
     idemq_redis::cluster_seed_urls(url).expect("a valid cluster URL")
 }
+
+/// A claimed message for `name` (a fresh key claimed on `store` with `lease`), as the engine
+/// hands a handler: for tests of in-script completions.
+pub async fn claimed(
+    store: &RedisStore,
+    name: &str,
+    lease: std::time::Duration,
+) -> idemq_core::ClaimedMessage {
+    let key = fresh_key(name);
+    let lease_of = match store
+        .claim(&ClaimRequest::new(key.clone(), lease))
+        .await
+        .expect("claim")
+    {
+        ClaimOutcome::Acquired(l) => l,
+        other => panic!("claim: {other:?}"),
+    };
+    let (_loss, watch) = idemq_core::LeaseWatch::pair();
+    idemq_core::ClaimedMessage::new(
+        Arc::new(idemq_core::Envelope::new(
+            idemq_core::BrokerKind::Memory,
+            "t",
+            "{}",
+        )),
+        key,
+        lease_of.token,
+        lease_of.attempt,
+        false,
+        watch,
+    )
+}
+
+/// `RPUSH list v`: an effect command whose every application shows.
+pub fn rpush(list: &str, v: &str) -> redis::Cmd {
+    let mut c = redis::cmd("RPUSH");
+    c.arg(list).arg(v);
+    c
+}
