@@ -503,7 +503,11 @@ impl<H: Handler> IdempotentConsumer<H> {
                     // The duplicate's own trace context: a producer resend carries the
                     // original's, so the trace shows the resend next to the first run.
                     let span = tracing::info_span!("idemq.duplicate", key = %item.key, traceparent = tracing::field::Empty, first_worker = record.worker.as_deref().unwrap_or("-"), attempts = record.attempts);
-                    if let Some(tp) = item.delivery.envelope.traceparent() {
+                    // Reading the header costs a scan per message: only for a span that records.
+                    if let Some(tp) = (!span.is_disabled())
+                        .then(|| item.delivery.envelope.traceparent())
+                        .flatten()
+                    {
                         span.record("traceparent", tp);
                     }
                     async {
@@ -608,7 +612,10 @@ impl<H: Handler> IdempotentConsumer<H> {
                     }
                     let attempt = msg.attempt;
                     let span = tracing::info_span!("idemq.handle", broker = %msg.envelope.broker, source = %msg.envelope.source.name, key = %msg.key, attempt, traceparent = tracing::field::Empty);
-                    if let Some(tp) = msg.envelope.traceparent() {
+                    if let Some(tp) = (!span.is_disabled())
+                        .then(|| msg.envelope.traceparent())
+                        .flatten()
+                    {
                         span.record("traceparent", tp);
                     }
                     let res = run_handler(handler, msg, limit).instrument(span).await;
