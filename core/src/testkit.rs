@@ -820,7 +820,7 @@ pub mod process;
 pub mod servers;
 pub mod switchable;
 
-/// The clock-skew scenario (issue 11, item 3), shared by the SQL and Redis stores' tests.
+/// The clock-skew scenario, shared by the SQL and Redis stores' tests.
 pub mod clock_skew {
     use crate::store::set_test_clock_skew_ms;
     use crate::{

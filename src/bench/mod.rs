@@ -167,7 +167,7 @@ async fn engine_stats(
     Ok((t.elapsed(), c.stats()))
 }
 
-/// Issue 16's first-hour run: 400 payments with ~15% producer duplicates (455 messages)
+/// A newcomer's first-hour run: 400 payments with ~15% producer duplicates (455 messages)
 /// over two consumers of one store, handlers of 2 ms. A duplicate that meets the other
 /// consumer's in-flight claim used to wait out `in_flight_delay_max` (5 s).
 async fn duplicates_meeting_local_claims() -> anyhow::Result<(Duration, u64)> {

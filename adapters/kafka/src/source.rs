@@ -56,8 +56,7 @@ pub struct KafkaSourceConfig {
     /// rebalances and `max.poll.interval.ms` are still served; a partition whose buffer
     /// reaches twice this is paused (resumed at half), the last resort, because a paused
     /// partition loses what librdkafka prefetched and is fetched again on resume (pausing at
-    /// this size alone halved the engine's throughput: 73k vs 143k records/s, 100 000 small
-    /// records on 4 partitions).
+    /// this size alone halved the engine's throughput).
     pub buffer_per_partition: usize,
     /// How often settled offsets are committed besides after each batch (the polling thread
     /// commits on its next turn after a batch is done).

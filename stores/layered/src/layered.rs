@@ -913,7 +913,7 @@ mod tests {
     use idemq_core::{ConsumerGroup, MemoryStore};
     use std::sync::mpsc;
 
-    /// Issue 11, item 8: a `forget` that runs between the cache's "was the key forgotten
+    /// A `forget` that runs between the cache's "was the key forgotten
     /// meanwhile?" check and its insert must not leave the forgotten key cached (it would
     /// answer `Duplicate` for the cache TTL). The hook runs the forget on another thread
     /// at exactly that point and gives it time to finish; the key must not be cached

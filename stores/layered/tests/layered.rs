@@ -696,7 +696,7 @@ async fn a_claim_that_read_the_record_before_a_forget_does_not_cache_it() {
     );
 }
 
-/// Issue 11, item 8: a `forget` the fallback store fails is no longer dropped: the caller
+/// A `forget` the fallback store fails is no longer dropped: the caller
 /// gets the error (the key may still answer `Duplicate` from the fallback during the next
 /// outage), after the primary forgot it and the cache dropped it. The fallback is a real
 /// SQLite store whose table is gone, so its `DELETE` fails in the database.

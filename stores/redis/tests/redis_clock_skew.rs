@@ -1,6 +1,6 @@
 //! Leases are decided on the Redis server's clock (`TIME` inside the scripts): a client whose
 //! clock is an hour ahead or behind neither takes over a live lease nor sees a dead one as
-//! live (issue 11, item 3). One test per binary: the client skew is process-wide.
+//! live. One test per binary: the client skew is process-wide.
 
 mod support;
 

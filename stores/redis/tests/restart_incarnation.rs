@@ -1,4 +1,4 @@
-//! Issue 11, item 8: Redis losing data, or restarting where a lost write cannot be ruled
+//! Redis losing data, or restarting where a lost write cannot be ruled
 //! out, must be noticed.
 //!
 //! - The store's incarnation marker: a dataset that lost the store's keys (a restart

@@ -1,5 +1,5 @@
 //! Leases are decided on the database's clock: a client whose clock is an hour ahead or
-//! behind neither takes over a live lease nor sees a dead one as live (issue 11, item 3).
+//! behind neither takes over a live lease nor sees a dead one as live.
 //! One test per binary: the client skew is process-wide (`set_test_clock_skew_ms`), so the
 //! backends run one after the other.
 

@@ -1,4 +1,4 @@
-//! Issue 11, item 2: the engine's heartbeat (`extend_batch`) must not wait for a connection
+//! The engine's heartbeat (`extend_batch`) must not wait for a connection
 //! behind handler transactions. Every connection of the store's main pool is held by an
 //! open transaction (handlers doing their business work); the heartbeat still renews the
 //! leases, on the store's own heartbeat pool (`SqlStoreOptions::heartbeat_connections`).

@@ -1,4 +1,4 @@
-//! Issue 11, item 5: a business transaction at snapshot isolation (PostgreSQL REPEATABLE READ
+//! A business transaction at snapshot isolation (PostgreSQL REPEATABLE READ
 //! and SERIALIZABLE, MariaDB with `innodb_snapshot_isolation=ON`) that outlives a heartbeat
 //! must still complete in-transaction. The heartbeat's `extend` rewrites the dedup row after
 //! the transaction's snapshot; an in-transaction `UPDATE` of that row failed with 40001 /
