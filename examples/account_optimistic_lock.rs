@@ -41,7 +41,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Changes 1..=3, with change 2 redelivered after 3 and change 1 replayed at the end.
     for (seq, delta) in [(1, -100), (2, -50), (3, 200), (2, -50), (1, -100)] {
         broker.publish(Envelope::new(
-            BrokerKind::Memory,
+            BrokerKind::MEMORY,
             "account-changes",
             format!(r#"{{"account":7,"seq":{seq},"delta":{delta}}}"#),
         ));

@@ -27,7 +27,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     for id in ["o-1", "o-2", "o-1", "o-3", "o-2"] {
         broker.publish(
             Envelope::new(
-                BrokerKind::Memory,
+                BrokerKind::MEMORY,
                 "orders",
                 format!(r#"{{"order_id":"{id}"}}"#),
             )

@@ -45,7 +45,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     });
     for (id, qty) in [("r-1", 2), ("r-2", 2), ("r-3", 2)] {
         broker.publish(Envelope::new(
-            BrokerKind::Memory,
+            BrokerKind::MEMORY,
             "reservations",
             format!(r#"{{"reservation_id":"{id}","sku":"lamp","qty":{qty}}}"#),
         ));

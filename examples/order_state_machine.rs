@@ -35,7 +35,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // Order 1 is paid and the provider calls back three times; order 3 was cancelled first.
     for order in [1, 1, 2, 1, 3] {
         broker.publish(Envelope::new(
-            BrokerKind::Memory,
+            BrokerKind::MEMORY,
             "payment-callbacks",
             format!("{order}"),
         ));

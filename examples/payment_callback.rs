@@ -23,7 +23,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let keys = KeyStrategy::json_pointer("payments-svc", "/payment_id")?;
 
     let callback = Envelope::new(
-        BrokerKind::Memory,
+        BrokerKind::MEMORY,
         "payment-callbacks",
         r#"{"payment_id":"pay-42","amount":1999}"#,
     );

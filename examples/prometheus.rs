@@ -26,7 +26,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 fn publish(broker: &MemoryBroker, from: usize, n: usize) {
     for i in from..from + n {
         broker.publish(
-            Envelope::new(BrokerKind::Memory, "orders", format!("order {i}"))
+            Envelope::new(BrokerKind::MEMORY, "orders", format!("order {i}"))
                 .with_header("order-id", format!("o-{i}")),
         );
     }

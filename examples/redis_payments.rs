@@ -45,11 +45,11 @@ pub async fn run(url: &str, payments: usize) -> Result<Report, Box<dyn std::erro
     for i in 0..payments {
         let body = format!(r#"{{"payment_id":"pay-{i}","amount":{}}}"#, 100 + i);
         broker.publish(Envelope::new(
-            BrokerKind::Memory,
+            BrokerKind::MEMORY,
             "payment-callbacks",
             body.clone(),
         ));
-        broker.publish(Envelope::new(BrokerKind::Memory, "payment-callbacks", body));
+        broker.publish(Envelope::new(BrokerKind::MEMORY, "payment-callbacks", body));
     }
 
     // --- idemq: the store, the key, a typed handler, the consumer (8 lines) ---

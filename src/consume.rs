@@ -226,10 +226,14 @@ fn line(m: &ClaimedMessage) -> String {
         "key": m.key.business_key(),
         "source": env.source.name,
         "partition": env.source.partition,
-        "position": env.source.position.as_ref().map(|p| match p {
-            idemq::Position::Offset(o) | idemq::Position::QueueOffset(o) => *o,
+        "position": env.source.position.as_ref().and_then(|p| match p {
+            idemq::Position::Offset(o) | idemq::Position::QueueOffset(o) => Some(*o),
             // A delivery tag numbers deliveries on one channel, not messages.
-            idemq::Position::DeliveryTag(t) => i64::try_from(*t).unwrap_or(i64::MAX),
+            idemq::Position::DeliveryTag(t) | idemq::Position::Sequence(t) => {
+                Some(i64::try_from(*t).unwrap_or(i64::MAX))
+            }
+            // A shape this CLI does not know yet: no number rather than a wrong one.
+            _ => None,
         }),
         "attempt": m.attempt,
         // An earlier run may have printed this message and died before recording it done.
@@ -684,7 +688,7 @@ mod tests {
 
     #[test]
     fn a_line_says_whether_an_earlier_run_may_have_printed_it() {
-        let env = Envelope::new(idemq::BrokerKind::Kafka, "payments", "{\"id\":1}");
+        let env = Envelope::new(idemq::BrokerKind::MEMORY, "payments", "{\"id\":1}");
         let key = idemq::DedupKey::from_stored("g:pay-1");
         let (_, lease) = idemq::LeaseWatch::pair();
         for takeover in [false, true] {

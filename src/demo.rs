@@ -237,7 +237,7 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<ExitCode> {
         let payload = format!(r#"{{"payment_id":"pay-{i:06}","seq":{i},"amount":10}}"#);
         for _ in 0..copies {
             broker.publish(Envelope::new(
-                BrokerKind::Memory,
+                BrokerKind::MEMORY,
                 "payments",
                 payload.clone(),
             ));

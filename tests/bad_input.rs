@@ -58,7 +58,7 @@ fn consumer(
 }
 
 fn msg(payload: impl Into<idemq::Bytes>) -> Envelope {
-    Envelope::new(BrokerKind::Memory, "payments", payload)
+    Envelope::new(BrokerKind::MEMORY, "payments", payload)
 }
 
 /// The dead letter whose payload is `payload`, and its reason.

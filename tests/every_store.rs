@@ -26,7 +26,7 @@ async fn storm(url: &str) {
     });
     let n = 500;
     for i in 0..n {
-        let env = Envelope::new(BrokerKind::Memory, "orders", format!("order {i}"))
+        let env = Envelope::new(BrokerKind::MEMORY, "orders", format!("order {i}"))
             .with_header("x-idempotency-key", format!("order-{i}"));
         broker.publish(env.clone());
         if i % 4 == 0 {

@@ -49,7 +49,7 @@ fn fill(n: usize) -> MemoryBroker {
     let broker = MemoryBroker::new();
     for i in 0..n {
         broker.publish(
-            Envelope::new(BrokerKind::Memory, "bench", format!("payload {i}"))
+            Envelope::new(BrokerKind::MEMORY, "bench", format!("payload {i}"))
                 .with_header("k", format!("m-{i}")),
         );
     }

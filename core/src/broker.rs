@@ -193,7 +193,7 @@ impl MemoryBroker {
     /// which is returned).
     pub fn publish(&self, mut envelope: Envelope) -> i64 {
         let mut st = self.shared.lock();
-        envelope.broker = BrokerKind::Memory;
+        envelope.broker = BrokerKind::MEMORY;
         let offset = st.next_offset;
         envelope.source.position = Some(Position::Offset(offset));
         st.next_offset += 1;
@@ -253,7 +253,7 @@ impl Publisher for MemoryBroker {
             ));
         }
         let mut env = Envelope::new(
-            BrokerKind::Memory,
+            BrokerKind::MEMORY,
             msg.destination.clone(),
             msg.payload.clone(),
         );

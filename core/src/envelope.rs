@@ -3,49 +3,115 @@
 //! Adapters convert their native message into an [`Envelope`] without losing anything a
 //! handler or a key strategy may need; handlers see only the envelope.
 
+use crate::key::DedupSlot;
 use bytes::Bytes;
 use std::fmt;
 
-/// Which kind of broker delivered a message.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum BrokerKind {
-    /// Apache Kafka (and Kafka-compatible brokers).
-    Kafka,
-    /// RabbitMQ / AMQP 0-9-1.
-    RabbitMq,
-    /// Apache RocketMQ.
-    RocketMq,
-    /// The in-process broker of [`crate::broker`], for the embedded default and tests.
-    Memory,
+/// Which broker delivered a message: a label its adapter provides, with the places its
+/// producers put a dedup key.
+///
+/// The core names no broker but its own in-process one ([`BrokerKind::MEMORY`]): each
+/// adapter defines a constant (`idemq_kafka::KAFKA`, `idemq_rabbitmq::RABBITMQ`, ...) and
+/// stamps it on every [`Envelope`] it builds. The name is the `broker` label of the
+/// engine's metrics and the `broker` field of its tracing spans, so keep it short,
+/// lowercase and stable (`"kafka"`, `"nats"`); nothing checks that at run time.
+///
+/// Two kinds are equal (and hash alike) when their names are: the name is the identity, the
+/// slots are what the adapter says about it. Give one broker one constant.
+///
+/// ```
+/// use idemq_core::{BrokerKind, DedupSlot, Envelope, KeyStrategy, DEDUP_HEADER};
+/// // What an adapter for NATS JetStream would export.
+/// pub const NATS: BrokerKind =
+///     BrokerKind::new("nats", &[DedupSlot::Header(DEDUP_HEADER), DedupSlot::Header("Nats-Msg-Id")]);
+///
+/// let env = Envelope::new(NATS, "ORDERS", "{}").with_header("Nats-Msg-Id", "order-42");
+/// let keys = KeyStrategy::dedup_header("billing").unwrap();
+/// assert_eq!(keys.derive(&env).unwrap().as_str(), "billing:order-42");
+/// assert_eq!(env.broker.to_string(), "nats");
+/// ```
+#[derive(Clone, Copy)]
+pub struct BrokerKind {
+    name: &'static str,
+    dedup_slots: &'static [DedupSlot],
 }
 
 impl BrokerKind {
-    /// A short lowercase name, used in metric labels and tracing fields.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            BrokerKind::Kafka => "kafka",
-            BrokerKind::RabbitMq => "rabbitmq",
-            BrokerKind::RocketMq => "rocketmq",
-            BrokerKind::Memory => "memory",
-        }
+    /// The in-process broker of [`crate::broker`], for the embedded default and tests: the
+    /// dedup key is idemq's header, else the message id its publisher sets.
+    pub const MEMORY: BrokerKind = BrokerKind::new(
+        "memory",
+        &[
+            DedupSlot::Header(crate::publish::DEDUP_HEADER),
+            DedupSlot::MessageId,
+        ],
+    );
+
+    /// A broker named `name` (the `broker` label of metrics and tracing fields: short and
+    /// lowercase) whose producers put a dedup key in `dedup_slots`, read in that order by
+    /// [`KeySource::DedupHeader`](crate::KeySource::DedupHeader). List
+    /// [`DEDUP_HEADER`](crate::DEDUP_HEADER) first when the adapter's publisher writes it.
+    pub const fn new(name: &'static str, dedup_slots: &'static [DedupSlot]) -> Self {
+        Self { name, dedup_slots }
+    }
+
+    /// The broker's name, used in metric labels and tracing fields.
+    pub const fn as_str(self) -> &'static str {
+        self.name
+    }
+
+    /// Where its producers put a dedup key, in the order they are read.
+    pub const fn dedup_slots(self) -> &'static [DedupSlot] {
+        self.dedup_slots
+    }
+}
+
+/// By name, like equality: an envelope's debug output shows `BrokerKind("kafka")`, not the
+/// slot list (see [`BrokerKind::dedup_slots`]).
+impl fmt::Debug for BrokerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("BrokerKind").field(&self.name).finish()
+    }
+}
+
+impl PartialEq for BrokerKind {
+    fn eq(&self, other: &Self) -> bool {
+        self.name == other.name
+    }
+}
+
+impl Eq for BrokerKind {}
+
+impl std::hash::Hash for BrokerKind {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.name.hash(state);
     }
 }
 
 impl fmt::Display for BrokerKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+        f.write_str(self.name)
     }
 }
 
-/// Where a delivery sits in its broker: the position the broker acknowledges.
+/// Where a delivery sits in its broker: the position the broker acknowledges or commits.
+///
+/// Variants describe a shape, not a broker; an adapter picks the one that fits (and new
+/// shapes may be added, hence `#[non_exhaustive]`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Position {
-    /// Kafka offset within a partition.
+    /// An offset in a partitioned log, committed per partition (a Kafka offset, a
+    /// RabbitMQ stream offset, the memory broker's offset).
     Offset(i64),
-    /// AMQP delivery tag within a channel.
+    /// A tag that identifies the delivery on its connection or channel, meaningless after
+    /// it closes (an AMQP delivery tag).
     DeliveryTag(u64),
-    /// RocketMQ queue offset within a message queue.
+    /// An offset within one queue of a topic, the queue named by
+    /// [`SourceRef::partition`] (a RocketMQ queue offset).
     QueueOffset(i64),
+    /// A sequence number in a stream or consumer (a NATS JetStream stream sequence).
+    Sequence(u64),
 }
 
 /// The topic or queue a delivery came from.
@@ -54,11 +120,12 @@ pub struct SourceRef {
     /// The broker or cluster that holds it (a RocketMQ queue id is unique only per broker;
     /// two Kafka clusters may both have a topic `orders`). `None` when there is only one.
     pub cluster: Option<String>,
-    /// Kafka topic, RabbitMQ queue, RocketMQ topic.
+    /// The topic, queue or stream (e.g. a Kafka topic, a RabbitMQ queue).
     pub name: String,
-    /// Kafka partition or RocketMQ queue id; `None` for RabbitMQ.
+    /// The partition or queue within it (e.g. a Kafka partition, a RocketMQ queue id);
+    /// `None` where the broker has no such division (a RabbitMQ queue).
     pub partition: Option<i32>,
-    /// Offset or delivery tag, when the broker has one.
+    /// Where the delivery sits, when the broker says.
     pub position: Option<Position>,
 }
 
@@ -143,7 +210,7 @@ impl Headers {
 ///
 /// ```
 /// use idemq_core::{Envelope, BrokerKind};
-/// let env = Envelope::new(BrokerKind::Memory, "orders", r#"{"order_id":42}"#)
+/// let env = Envelope::new(BrokerKind::MEMORY, "orders", r#"{"order_id":42}"#)
 ///     .with_key("order-42")
 ///     .with_header("x-idempotency-key", "pay-42");
 /// assert_eq!(env.headers.get_str("x-idempotency-key"), Some("pay-42"));
@@ -234,9 +301,9 @@ impl Envelope {
     /// ```
     /// use idemq_core::{BrokerKind, Envelope};
     /// let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
-    /// let e = Envelope::new(BrokerKind::Memory, "orders", "{}").with_header("traceparent", tp);
+    /// let e = Envelope::new(BrokerKind::MEMORY, "orders", "{}").with_header("traceparent", tp);
     /// assert_eq!(e.traceparent(), Some(tp));
-    /// let bad = Envelope::new(BrokerKind::Memory, "orders", "{}").with_header("traceparent", "x");
+    /// let bad = Envelope::new(BrokerKind::MEMORY, "orders", "{}").with_header("traceparent", "x");
     /// assert_eq!(bad.traceparent(), None);
     /// ```
     pub fn traceparent(&self) -> Option<&str> {

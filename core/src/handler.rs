@@ -238,7 +238,7 @@ impl ClaimedMessage {
     /// # use std::sync::Arc;
     /// #[derive(serde::Deserialize)]
     /// struct Payment { amount: i64 }
-    /// let env = Arc::new(Envelope::new(BrokerKind::Memory, "payments", r#"{"amount":5}"#));
+    /// let env = Arc::new(Envelope::new(BrokerKind::MEMORY, "payments", r#"{"amount":5}"#));
     /// let key = DedupKey::from_stored("payments:p-1");
     /// let msg = ClaimedMessage::new(env, key, FencingToken(1), 1, false, LeaseWatch::pair().1);
     /// assert_eq!(msg.json::<Payment>().unwrap().amount, 5);

@@ -216,13 +216,12 @@ pub enum KeySource {
     Fingerprint(Vec<Field>),
     /// The broker's own message id. Opt-in: producer retries get new ids on some brokers.
     BrokerMessageId,
-    /// The key an idemq [`Publisher`](crate::publish::Publisher) wrote: the
-    /// [`DEDUP_HEADER`](crate::publish::DEDUP_HEADER) header, else the broker's native slots
-    /// that adapters also fill, in this order: on RabbitMQ the message-deduplication plugin's
-    /// [`AMQP_PLUGIN_DEDUP_HEADER`] (what producers outside idemq set for the plugin), then
-    /// AMQP `message_id`; on RocketMQ the first of `KEYS`; on the memory broker the message
-    /// id. Kafka has only the header, its record key being an entity key. A message with
-    /// none of them is dead-lettered with a reason naming every slot looked in.
+    /// The key an idemq [`Publisher`](crate::publish::Publisher) wrote, or a producer
+    /// outside idemq put where its broker keeps one: the [`DedupSlot`]s of the envelope's
+    /// [`BrokerKind`](crate::BrokerKind), in order, as its adapter declares them (typically
+    /// the [`DEDUP_HEADER`](crate::publish::DEDUP_HEADER) header first, then the broker's
+    /// native places; see each adapter's constant). A message with none of them is
+    /// dead-lettered with a reason naming every slot looked in.
     DedupHeader,
     /// A closure.
     Custom(KeyFn),
@@ -247,10 +246,10 @@ impl fmt::Debug for KeySource {
 /// ```
 /// use idemq_core::{Envelope, BrokerKind, KeyStrategy, KeyError};
 /// let keys = KeyStrategy::json_pointer("payments", "/payment_id").unwrap();
-/// let env = Envelope::new(BrokerKind::Memory, "callbacks", r#"{"payment_id":"p-1"}"#);
+/// let env = Envelope::new(BrokerKind::MEMORY, "callbacks", r#"{"payment_id":"p-1"}"#);
 /// assert_eq!(keys.derive(&env).unwrap().as_str(), "payments:p-1");
 ///
-/// let bad = Envelope::new(BrokerKind::Memory, "callbacks", "not json");
+/// let bad = Envelope::new(BrokerKind::MEMORY, "callbacks", "not json");
 /// assert!(matches!(keys.derive(&bad), Err(KeyError::MalformedPayload(..))));
 /// ```
 #[derive(Debug, Clone)]
@@ -383,75 +382,86 @@ impl KeyStrategy {
     }
 }
 
-/// The header of the rabbitmq-message-deduplication plugin (exchange type
-/// `x-message-deduplication`): producers written for the plugin put the dedup key there, and
-/// idemq's RabbitMQ publisher writes it too. [`KeySource::DedupHeader`] reads it on RabbitMQ.
-pub const AMQP_PLUGIN_DEDUP_HEADER: &str = "x-deduplication-header";
-
-/// Where [`KeySource::DedupHeader`] looks on one broker, in order.
-#[derive(Clone, Copy)]
-enum DedupSlot {
+/// One place where a broker's producers put a dedup key: an adapter lists its slots, in
+/// order, in its [`BrokerKind`](crate::BrokerKind), and [`KeySource::DedupHeader`] takes the
+/// first that holds a value. An empty value is an error naming its slot (a producer bug,
+/// not a reason to look further); a value that is not UTF-8 is an error too.
+///
+/// ```
+/// use idemq_core::{BrokerKind, DedupSlot, Envelope, KeyStrategy, DEDUP_HEADER};
+/// // A broker whose clients put several space-separated keys in the message key, the
+/// // dedup key first.
+/// fn first_word(env: &Envelope) -> Option<&[u8]> {
+///     let key = env.key.as_deref()?;
+///     Some(key.split(|b| *b == b' ').find(|w| !w.is_empty()).unwrap_or_default())
+/// }
+/// const SPACED: BrokerKind = BrokerKind::new(
+///     "spaced",
+///     &[
+///         DedupSlot::Header(DEDUP_HEADER),
+///         DedupSlot::Custom { describe: "the first word of the message key", read: first_word },
+///     ],
+/// );
+/// let keys = KeyStrategy::dedup_header("billing").unwrap();
+/// let env = Envelope::new(SPACED, "orders", "{}").with_key("pay-7 order-42");
+/// assert_eq!(keys.derive(&env).unwrap().as_str(), "billing:pay-7");
+/// let none = keys.derive(&Envelope::new(SPACED, "orders", "{}")).unwrap_err().to_string();
+/// assert!(none.contains("the first word of the message key"), "{none}");
+/// ```
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub enum DedupSlot {
+    /// A header (or property the adapter copies into [`Envelope::headers`]) of this name.
     Header(&'static str),
+    /// The broker's message id, [`Envelope::message_id`], where the broker lets the
+    /// producer choose it (AMQP `message_id`, for example).
     MessageId,
-    FirstRocketKey,
+    /// A place only the adapter knows how to read: `read` returns the raw value, `None` when
+    /// the message has none; `describe` names it in errors (e.g. "RocketMQ `KEYS`").
+    Custom {
+        /// What the slot is called in the broker's own terms.
+        describe: &'static str,
+        /// Reads the slot's value from the envelope the adapter built.
+        read: fn(&Envelope) -> Option<&[u8]>,
+    },
 }
 
 impl DedupSlot {
-    fn describe(self) -> String {
+    /// How errors name the slot; `broker` qualifies the message id.
+    fn describe(self, broker: crate::BrokerKind) -> String {
         match self {
             DedupSlot::Header(h) => format!("header `{h}`"),
-            DedupSlot::MessageId => "AMQP `message_id`".to_string(),
-            DedupSlot::FirstRocketKey => "RocketMQ `KEYS`".to_string(),
+            DedupSlot::MessageId => format!("the {broker} message id (`message_id`)"),
+            DedupSlot::Custom { describe, .. } => describe.to_string(),
         }
     }
 
     fn read(self, env: &Envelope) -> Result<Option<&str>, KeyError> {
-        Ok(match self {
-            DedupSlot::Header(h) => env
-                .headers
-                .get(h)
-                .map(|v| utf8(v, || self.describe()))
-                .transpose()?,
-            DedupSlot::MessageId => env.message_id.as_deref(),
-            // KEYS holds space-separated keys; adapters put the dedup key first.
-            DedupSlot::FirstRocketKey => env
-                .key
-                .as_ref()
-                .map(|k| utf8(k, || self.describe()))
-                .transpose()?
-                .map(|k| k.split(' ').find(|s| !s.is_empty()).unwrap_or("")),
+        let raw: Option<&[u8]> = match self {
+            DedupSlot::Header(h) => env.headers.get(h).map(|v| v.as_ref()),
+            DedupSlot::MessageId => return Ok(env.message_id.as_deref()),
+            DedupSlot::Custom { read, .. } => read(env),
+        };
+        raw.map(|v| {
+            std::str::from_utf8(v).map_err(|_| KeyError::NotUtf8(self.describe(env.broker)))
         })
-    }
-}
-
-fn dedup_slots(broker: crate::envelope::BrokerKind) -> &'static [DedupSlot] {
-    use crate::envelope::BrokerKind;
-    use DedupSlot::*;
-    const OURS: DedupSlot = Header(crate::publish::DEDUP_HEADER);
-    match broker {
-        // The plugin's header before `message_id`: a header set for deduplication is the
-        // producer's deliberate key, while some client libraries stamp every message,
-        // resends included, with a fresh random `message_id`.
-        BrokerKind::RabbitMq => &[OURS, Header(AMQP_PLUGIN_DEDUP_HEADER), MessageId],
-        BrokerKind::Memory => &[OURS, MessageId],
-        BrokerKind::RocketMq => &[OURS, FirstRocketKey],
-        BrokerKind::Kafka => &[OURS],
+        .transpose()
     }
 }
 
 /// The first slot that holds a value; an empty value is an error naming its slot (a
 /// producer bug, not a reason to look further).
 fn dedup_header_key(env: &Envelope) -> Result<Cow<'_, str>, KeyError> {
-    let slots = dedup_slots(env.broker);
+    let slots = env.broker.dedup_slots();
     for slot in slots {
         if let Some(v) = slot.read(env)? {
             if v.is_empty() {
-                return Err(KeyError::Empty(slot.describe()));
+                return Err(KeyError::Empty(slot.describe(env.broker)));
             }
             return Ok(Cow::Borrowed(v));
         }
     }
-    let looked_in: Vec<String> = slots.iter().map(|s| s.describe()).collect();
+    let looked_in: Vec<String> = slots.iter().map(|s| s.describe(env.broker)).collect();
     Err(KeyError::MissingDedupKey(looked_in.join(", ")))
 }
 
@@ -603,7 +613,7 @@ mod tests {
     use crate::envelope::BrokerKind;
 
     fn env(payload: &str) -> Envelope {
-        Envelope::new(BrokerKind::Memory, "t", payload.to_string())
+        Envelope::new(BrokerKind::MEMORY, "t", payload.to_string())
     }
 
     #[test]
@@ -756,53 +766,97 @@ mod tests {
         assert_eq!(c.derive(&env("abc")).unwrap().as_str(), "g:len-3");
     }
 
+    /// A broker whose producers may use a plugin's header or the message id, like
+    /// RabbitMQ's (the adapters' own constants are tested in their crates).
+    const PLUGGED: BrokerKind = BrokerKind::new(
+        "plugged",
+        &[
+            DedupSlot::Header(crate::publish::DEDUP_HEADER),
+            DedupSlot::Header("x-plugin-key"),
+            DedupSlot::MessageId,
+        ],
+    );
+
+    fn first_word(env: &Envelope) -> Option<&[u8]> {
+        let key = env.key.as_deref()?;
+        Some(
+            key.split(|b| *b == b' ')
+                .find(|w| !w.is_empty())
+                .unwrap_or_default(),
+        )
+    }
+
+    /// A broker whose dedup key needs the adapter's own parsing.
+    const WORDY: BrokerKind = BrokerKind::new(
+        "wordy",
+        &[
+            DedupSlot::Header(crate::publish::DEDUP_HEADER),
+            DedupSlot::Custom {
+                describe: "Wordy `KEYS`",
+                read: first_word,
+            },
+        ],
+    );
+
     #[test]
-    fn dedup_header_reads_the_dedup_plugins_header_on_rabbitmq() {
-        // What pika or any client following rabbitmq-message-deduplication sends: the key in
-        // `x-deduplication-header` only, no `idemq-dedup-key`, no `message_id`.
+    fn dedup_header_reads_the_slots_the_broker_kind_declares_in_order() {
         let k = KeyStrategy::dedup_header("g").unwrap();
-        let plugin = Envelope::new(BrokerKind::RabbitMq, "payments", "{}")
-            .with_header("x-deduplication-header", "pay-7");
+        let plugin = Envelope::new(PLUGGED, "payments", "{}").with_header("x-plugin-key", "pay-7");
         assert_eq!(k.derive(&plugin).unwrap().as_str(), "g:pay-7");
-        // A client library that stamps every message with a random `message_id` must not
-        // turn a resend with the same plugin header into a new key.
+        // An earlier slot wins over a later one.
         let stamped = plugin.clone().with_message_id("4f0c-random");
         assert_eq!(k.derive(&stamped).unwrap().as_str(), "g:pay-7");
-        // idemq's own header still comes first; `message_id` alone is still read.
         let ours = stamped
             .clone()
             .with_header(crate::publish::DEDUP_HEADER, "pay-8");
         assert_eq!(k.derive(&ours).unwrap().as_str(), "g:pay-8");
-        let id_only =
-            Envelope::new(BrokerKind::RabbitMq, "payments", "{}").with_message_id("pay-9");
+        let id_only = Envelope::new(PLUGGED, "payments", "{}").with_message_id("pay-9");
         assert_eq!(k.derive(&id_only).unwrap().as_str(), "g:pay-9");
+        // A custom slot is read by the adapter's function.
+        let words = Envelope::new(WORDY, "payments", "{}").with_key("  pay-10 order-1");
+        assert_eq!(k.derive(&words).unwrap().as_str(), "g:pay-10");
+        // A slot the kind does not declare is not read.
+        let undeclared = Envelope::new(WORDY, "payments", "{}").with_message_id("pay-11");
+        assert!(matches!(
+            k.derive(&undeclared),
+            Err(KeyError::MissingDedupKey(_))
+        ));
+        // The memory broker reads idemq's header, then the message id.
+        let memory = Envelope::new(BrokerKind::MEMORY, "payments", "{}").with_message_id("pay-12");
+        assert_eq!(k.derive(&memory).unwrap().as_str(), "g:pay-12");
     }
 
     #[test]
     fn a_missing_dedup_key_names_every_slot_looked_in() {
         let k = KeyStrategy::dedup_header("g").unwrap();
         let bare = |b| Envelope::new(b, "payments", "{}");
-        let reason = k
-            .derive(&bare(BrokerKind::RabbitMq))
-            .unwrap_err()
-            .to_string();
-        for slot in ["idemq-dedup-key", "x-deduplication-header", "message_id"] {
+        let reason = k.derive(&bare(PLUGGED)).unwrap_err().to_string();
+        for slot in [
+            "idemq-dedup-key",
+            "x-plugin-key",
+            "plugged message id (`message_id`)",
+        ] {
             assert!(reason.contains(slot), "{slot} not named: {reason}");
         }
-        let reason = k
-            .derive(&bare(BrokerKind::RocketMq))
-            .unwrap_err()
-            .to_string();
+        let reason = k.derive(&bare(WORDY)).unwrap_err().to_string();
         assert!(
-            reason.contains("idemq-dedup-key") && reason.contains("KEYS"),
+            reason.contains("idemq-dedup-key") && reason.contains("Wordy `KEYS`"),
             "{reason}"
         );
-        let reason = k.derive(&bare(BrokerKind::Kafka)).unwrap_err().to_string();
-        assert!(reason.contains("idemq-dedup-key"), "{reason}");
-        // An empty value is named by the slot it came from.
-        let empty = bare(BrokerKind::RabbitMq).with_header("x-deduplication-header", "");
+        // An empty value is named by the slot it came from, a custom one included.
+        let empty = bare(PLUGGED).with_header("x-plugin-key", "");
         let reason = k.derive(&empty).unwrap_err().to_string();
-        assert!(reason.contains("x-deduplication-header"), "{reason}");
+        assert!(reason.contains("x-plugin-key"), "{reason}");
+        let blank = bare(WORDY).with_key("   ");
+        assert_eq!(
+            k.derive(&blank),
+            Err(KeyError::Empty("Wordy `KEYS`".into()))
+        );
+        let binary = bare(WORDY).with_key(vec![0xff, 0xfe]);
+        assert_eq!(
+            k.derive(&binary),
+            Err(KeyError::NotUtf8("Wordy `KEYS`".into()))
+        );
     }
 
     #[test]

@@ -42,7 +42,9 @@ pub use handler::{
     BatchHandler, BoxError, ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseLost,
     LeaseWatch,
 };
-pub use key::{ConsumerGroup, DedupKey, Field, KeyError, KeySource, KeyStrategy, OversizeKey};
+pub use key::{
+    ConsumerGroup, DedupKey, DedupSlot, Field, KeyError, KeySource, KeyStrategy, OversizeKey,
+};
 pub use memory::MemoryStore;
 pub use publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher, DEDUP_HEADER};
 pub use source::{Capabilities, Delivery, Settle, Source, SourceError};

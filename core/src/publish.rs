@@ -15,11 +15,10 @@
 //! | [`PublishError::Config`] | no | after fixing the configuration |
 //!
 //! Every adapter writes [`OutgoingMessage::dedup_key`] into the well-known header
-//! [`DEDUP_HEADER`] *and* into the broker's native slot (AMQP `message_id` plus the
-//! deduplication plugin's `x-deduplication-header`, RocketMQ `KEYS`), so a message relayed
-//! from one broker to another keeps its key, and
+//! [`DEDUP_HEADER`] *and* into the broker's native slot (for example AMQP `message_id`, or
+//! RocketMQ `KEYS`), so a message relayed from one broker to another keeps its key, and
 //! [`KeySource::DedupHeader`](crate::key::KeySource::DedupHeader) reads it back on any
-//! broker.
+//! broker from the [`DedupSlot`](crate::key::DedupSlot)s its adapter declares.
 
 use crate::envelope::{Headers, Position};
 use async_trait::async_trait;

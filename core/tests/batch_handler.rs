@@ -13,7 +13,7 @@ use std::time::Duration;
 
 fn payment(id: &str, account: u32) -> Envelope {
     Envelope::new(
-        BrokerKind::Memory,
+        BrokerKind::MEMORY,
         "payments",
         format!(r#"{{"payment_id":"{id}","account":{account},"amount":10}}"#),
     )

@@ -1,8 +1,9 @@
 //! Engine scenarios over the in-memory broker and store.
 
+use idemq_core::adapter::{SettleRecorder, Settlement};
 use idemq_core::broker::{Faults, MemoryBroker};
 use idemq_core::{
-    BrokerKind, ClaimedMessage, ConsumerConfig, DedupStore, Envelope, HandlerError,
+    BrokerKind, ClaimedMessage, ConsumerConfig, DedupSlot, DedupStore, Envelope, HandlerError,
     IdempotentConsumer, KeyStrategy, MemoryStore,
 };
 use std::collections::HashMap;
@@ -13,7 +14,7 @@ type Effects = Arc<Mutex<HashMap<String, u32>>>;
 
 fn payment(id: &str) -> Envelope {
     Envelope::new(
-        BrokerKind::Memory,
+        BrokerKind::MEMORY,
         "payments",
         format!(r#"{{"payment_id":"{id}","amount":10}}"#),
     )
@@ -118,12 +119,12 @@ async fn producer_duplicates_and_lost_acks_change_the_world_once_across_two_cons
 async fn a_message_without_a_key_is_dead_lettered_with_the_reason_and_not_processed() {
     let broker = MemoryBroker::new();
     broker.publish(Envelope::new(
-        BrokerKind::Memory,
+        BrokerKind::MEMORY,
         "payments",
         "{\"amount\":1}",
     ));
     broker.publish(Envelope::new(
-        BrokerKind::Memory,
+        BrokerKind::MEMORY,
         "payments",
         "not json at all",
     ));
@@ -416,7 +417,7 @@ async fn the_same_key_with_another_payload_is_rejected_as_a_conflict() {
     let mut src = broker.subscribe();
     c.run_until_idle(&mut src).await.expect("run");
     broker.publish(Envelope::new(
-        BrokerKind::Memory,
+        BrokerKind::MEMORY,
         "payments",
         r#"{"payment_id":"p1","amount":999}"#,
     ));
@@ -796,7 +797,7 @@ impl idemq_core::Handler for BadHooks {
 }
 
 fn header_keyed(key: &str, payload: &str) -> Envelope {
-    Envelope::new(BrokerKind::Memory, "orders", payload.to_string())
+    Envelope::new(BrokerKind::MEMORY, "orders", payload.to_string())
         .with_header("k", key.to_string())
 }
 
@@ -808,7 +809,7 @@ fn header_keys() -> KeyStrategy {
 async fn a_panicking_key_function_dead_letters_its_message_and_the_consumer_goes_on() {
     let broker = MemoryBroker::new();
     for p in ["boom", "p1", "p2"] {
-        broker.publish(Envelope::new(BrokerKind::Memory, "orders", p));
+        broker.publish(Envelope::new(BrokerKind::MEMORY, "orders", p));
     }
     let keys = KeyStrategy::custom("orders", |e: &Envelope| {
         if e.payload.as_ref() == b"boom" {
@@ -1153,4 +1154,147 @@ async fn a_completed_key_gets_no_further_heartbeat_and_no_false_lease_loss() {
         .cloned()
         .collect();
     assert!(lost.is_empty(), "false lease losses reported: {lost:?}");
+}
+
+/// Tallies `idemq_messages_total` by its `outcome` and `broker` labels (the only series the
+/// open-broker scenario reads).
+#[derive(Default)]
+struct MessagesRecorder(Arc<Mutex<HashMap<(String, String), u64>>>);
+
+struct MessagesTally {
+    cell: (String, String),
+    tally: Arc<Mutex<HashMap<(String, String), u64>>>,
+}
+
+impl metrics::CounterFn for MessagesTally {
+    fn increment(&self, value: u64) {
+        *self
+            .tally
+            .lock()
+            .expect("tally")
+            .entry(self.cell.clone())
+            .or_default() += value;
+    }
+    fn absolute(&self, _value: u64) {}
+}
+
+impl metrics::Recorder for MessagesRecorder {
+    fn describe_counter(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_gauge(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn describe_histogram(
+        &self,
+        _: metrics::KeyName,
+        _: Option<metrics::Unit>,
+        _: metrics::SharedString,
+    ) {
+    }
+    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+        if key.name() != idemq_core::metrics::MESSAGES {
+            return metrics::Counter::noop();
+        }
+        let label = |name: &str| {
+            key.labels()
+                .find(|l| l.key() == name)
+                .map(|l| l.value().to_string())
+                .unwrap_or_default()
+        };
+        metrics::Counter::from_arc(Arc::new(MessagesTally {
+            cell: (label("broker"), label("outcome")),
+            tally: self.0.clone(),
+        }))
+    }
+    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
+        metrics::Gauge::noop()
+    }
+    fn register_histogram(
+        &self,
+        _: &metrics::Key,
+        _: &metrics::Metadata<'_>,
+    ) -> metrics::Histogram {
+        metrics::Histogram::noop()
+    }
+}
+
+/// A broker the core has never heard of: its adapter names it and says where its producers
+/// put a dedup key (JetStream's `Nats-Msg-Id`), and the engine needs nothing more.
+const NATS: BrokerKind = BrokerKind::new("nats", &[DedupSlot::Header("Nats-Msg-Id")]);
+
+fn nats_batch(
+    ids: &[Option<&str>],
+) -> (
+    Vec<idemq_core::Delivery>,
+    Vec<tokio::sync::oneshot::Receiver<Settlement>>,
+) {
+    ids.iter()
+        .map(|id| {
+            let mut env = Envelope::new(NATS, "ORDERS", "{}");
+            if let Some(id) = id {
+                env = env.with_header("Nats-Msg-Id", id.to_string());
+            }
+            let (settle, outcome) = SettleRecorder::new();
+            (idemq_core::Delivery::new(env, Box::new(settle)), outcome)
+        })
+        .unzip()
+}
+
+#[tokio::test]
+async fn a_broker_unknown_to_the_core_is_keyed_by_its_own_slot_and_counted_under_its_own_label() {
+    let recorder = MessagesRecorder::default();
+    // A current-thread test: the engine's metrics are recorded on this thread.
+    let _local = metrics::set_default_local_recorder(&recorder);
+    let effects: Effects = Arc::default();
+    let c = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        KeyStrategy::dedup_header("orders").expect("strategy"),
+        recording(effects.clone()),
+    )
+    .with_config(fast());
+
+    let (batch, first) = nats_batch(&[Some("o-1"), Some("o-2"), None]);
+    c.process_batch(batch).await;
+    // JetStream redelivers o-1 (its ack was lost).
+    let (batch, second) = nats_batch(&[Some("o-1")]);
+    c.process_batch(batch).await;
+
+    let mut settled = Vec::new();
+    for rx in first.into_iter().chain(second) {
+        settled.push(rx.await.expect("settled"));
+    }
+    assert_eq!(settled[..2], [Settlement::Ack, Settlement::Ack]);
+    match &settled[2] {
+        Settlement::Reject(reason) => assert!(
+            reason.contains("Nats-Msg-Id"),
+            "the reason names the adapter's slot: {reason}"
+        ),
+        other => panic!("a keyless message must be dead-lettered, not {other:?}"),
+    }
+    assert_eq!(settled[3], Settlement::Ack);
+    let applied = counts(&effects);
+    assert_eq!(
+        applied,
+        HashMap::from([("orders:o-1".to_string(), 1), ("orders:o-2".to_string(), 1)])
+    );
+
+    let tally = recorder.0.lock().expect("tally").clone();
+    let want = HashMap::from([
+        (("nats".to_string(), "processed".to_string()), 2),
+        (("nats".to_string(), "duplicate".to_string()), 1),
+        (("nats".to_string(), "rejected".to_string()), 1),
+    ]);
+    assert_eq!(
+        tally, want,
+        "every outcome counted under the broker's own label"
+    );
 }

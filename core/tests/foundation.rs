@@ -51,7 +51,7 @@ async fn versions_apply_in_order(mode: DeliveryOrder) {
         for v in 0..VERSIONS {
             for e in block * 10..block * 10 + 10 {
                 broker.publish(
-                    Envelope::new(BrokerKind::Memory, "stock", format!("{v}"))
+                    Envelope::new(BrokerKind::MEMORY, "stock", format!("{v}"))
                         .with_partition((e % 8) as i32)
                         .with_ordering_key(format!("entity-{e}"))
                         .with_header("x-idempotency-key", format!("entity-{e}-v{v}")),
@@ -132,12 +132,12 @@ async fn per_partition_order_holds_for_1000_keys_x_10_versions_with_failures() {
 async fn a_message_that_always_fails_is_dead_lettered_after_max_attempts_and_the_rest_flow() {
     let broker = MemoryBroker::new();
     broker.publish(
-        Envelope::new(BrokerKind::Memory, "orders", "poison")
+        Envelope::new(BrokerKind::MEMORY, "orders", "poison")
             .with_header("x-idempotency-key", "poison"),
     );
     for i in 0..50 {
         broker.publish(
-            Envelope::new(BrokerKind::Memory, "orders", "ok")
+            Envelope::new(BrokerKind::MEMORY, "orders", "ok")
                 .with_header("x-idempotency-key", format!("ok-{i}")),
         );
     }
@@ -219,7 +219,7 @@ async fn run_with_poison_completion(poison_alone: bool) -> (HashMap<String, u32>
     let broker = MemoryBroker::new();
     for k in ["a", "b", "poison", "c", "d"] {
         broker.publish(
-            Envelope::new(BrokerKind::Memory, "orders", k).with_header("x-idempotency-key", k),
+            Envelope::new(BrokerKind::MEMORY, "orders", k).with_header("x-idempotency-key", k),
         );
     }
     let runs: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
@@ -305,7 +305,7 @@ async fn slow_handler_under_heartbeat_fault(
 ) -> (u32, u32) {
     let broker = MemoryBroker::new();
     broker.publish(
-        Envelope::new(BrokerKind::Memory, "orders", "slow")
+        Envelope::new(BrokerKind::MEMORY, "orders", "slow")
             .with_header("x-idempotency-key", "slow"),
     );
     let effects = Arc::new(AtomicU32::new(0));
@@ -365,7 +365,7 @@ async fn completions_are_split_by_bytes_as_well_as_count() {
     let broker = MemoryBroker::new();
     for i in 0..64 {
         broker.publish(
-            Envelope::new(BrokerKind::Memory, "orders", format!("o-{i}"))
+            Envelope::new(BrokerKind::MEMORY, "orders", format!("o-{i}"))
                 .with_header("x-idempotency-key", format!("o-{i}")),
         );
     }
@@ -431,7 +431,7 @@ async fn after_a_timeout_the_redelivery_says_takeover_and_after_a_clean_failure_
     let broker = MemoryBroker::new();
     for k in ["timed-out", "failed-cleanly"] {
         broker.publish(
-            Envelope::new(BrokerKind::Memory, "orders", k).with_header("x-idempotency-key", k),
+            Envelope::new(BrokerKind::MEMORY, "orders", k).with_header("x-idempotency-key", k),
         );
     }
     let seen: Arc<Mutex<Vec<(String, u32, bool)>>> = Arc::default();
@@ -491,7 +491,7 @@ async fn the_engine_times_leases_on_its_own_clock_not_the_stores() {
     let broker = MemoryBroker::new();
     for i in 0..20 {
         broker.publish(
-            Envelope::new(BrokerKind::Memory, "orders", "x")
+            Envelope::new(BrokerKind::MEMORY, "orders", "x")
                 .with_header("x-idempotency-key", format!("skew-{i}")),
         );
     }
@@ -538,7 +538,7 @@ async fn a_finished_handler_is_completed_without_waiting_for_the_rest_of_its_bat
     let broker = MemoryBroker::new();
     for k in ["fast", "slow"] {
         broker.publish(
-            Envelope::new(BrokerKind::Memory, "orders", k).with_header("x-idempotency-key", k),
+            Envelope::new(BrokerKind::MEMORY, "orders", k).with_header("x-idempotency-key", k),
         );
     }
     let store = Arc::new(MemoryStore::new());
@@ -716,7 +716,7 @@ impl idemq_core::Source for WaitingSource {
 fn waiting_source(messages: usize) -> (MemoryBroker, WaitingSource, Arc<AtomicU32>) {
     let broker = MemoryBroker::new();
     for i in 0..messages {
-        broker.publish(Envelope::new(BrokerKind::Memory, "t", format!("m{i}")));
+        broker.publish(Envelope::new(BrokerKind::MEMORY, "t", format!("m{i}")));
     }
     let commits = Arc::new(AtomicU32::new(0));
     let source = WaitingSource {

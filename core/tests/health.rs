@@ -112,7 +112,7 @@ fn config() -> ConsumerConfig {
 }
 
 fn payment(i: u32) -> Envelope {
-    Envelope::new(BrokerKind::Memory, "payments", format!("{{\"n\":{i}}}"))
+    Envelope::new(BrokerKind::MEMORY, "payments", format!("{{\"n\":{i}}}"))
         .with_header("x-idempotency-key", format!("pay-{i}"))
 }
 

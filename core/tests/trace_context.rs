@@ -77,14 +77,14 @@ async fn the_handler_and_duplicate_spans_carry_the_messages_trace_context() {
     let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
     let broker = MemoryBroker::new();
     let message = || {
-        Envelope::new(BrokerKind::Memory, "payments", "{}")
+        Envelope::new(BrokerKind::MEMORY, "payments", "{}")
             .with_header("k", "pay-1")
             .with_header(TRACEPARENT_HEADER, tp)
     };
     broker.publish(message());
     // A malformed context is not recorded (nor passed on as if it were one).
     broker.publish(
-        Envelope::new(BrokerKind::Memory, "payments", "{}")
+        Envelope::new(BrokerKind::MEMORY, "payments", "{}")
             .with_header("k", "pay-2")
             .with_header(TRACEPARENT_HEADER, "00-not-a-trace-01"),
     );

@@ -14,7 +14,7 @@ struct Payment {
 
 fn payment(i: usize) -> Envelope {
     Envelope::new(
-        BrokerKind::Memory,
+        BrokerKind::MEMORY,
         "payments",
         format!(r#"{{"payment_id":"pay-{i}","amount":{}}}"#, 100 + i),
     )
@@ -28,7 +28,7 @@ async fn typed_payloads_reach_the_handler_and_malformed_ones_are_dead_lettered()
         if i == 7 {
             // A key the strategy can read, but not a Payment (amount is text).
             broker.publish(Envelope::new(
-                BrokerKind::Memory,
+                BrokerKind::MEMORY,
                 "payments",
                 r#"{"payment_id":"pay-bad","amount":"lots"}"#,
             ));

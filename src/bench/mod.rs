@@ -115,7 +115,7 @@ fn fill(n: usize) -> MemoryBroker {
     let broker = MemoryBroker::new();
     for i in 0..n {
         broker.publish(
-            Envelope::new(BrokerKind::Memory, "bench", format!("payload {i}"))
+            Envelope::new(BrokerKind::MEMORY, "bench", format!("payload {i}"))
                 .with_header("k", format!("m-{i}")),
         );
     }
@@ -178,7 +178,7 @@ async fn duplicates_meeting_local_claims() -> anyhow::Result<(Duration, u64)> {
     });
     for i in 0..400 {
         broker.publish(
-            Envelope::new(BrokerKind::Memory, "payments", format!("payment {i}"))
+            Envelope::new(BrokerKind::MEMORY, "payments", format!("payment {i}"))
                 .with_header("k", format!("p-{i}")),
         );
     }

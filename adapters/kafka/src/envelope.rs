@@ -19,7 +19,7 @@
 
 use bytes::{Bytes, BytesMut};
 use idemq_core::envelope::{props, Headers, Position, SourceRef};
-use idemq_core::{BrokerKind, Envelope};
+use idemq_core::Envelope;
 use rdkafka::bindings as rdsys;
 use rdkafka::message::BorrowedMessage;
 use rdkafka::types::RDKafkaErrorCode;
@@ -239,7 +239,7 @@ fn envelope_in(r: &RawRecord<'_>, cluster: Option<&str>, chunks: &mut ValueChunk
         headers.insert(props::LEADER_EPOCH, copy.value(epoch));
     }
     Envelope {
-        broker: BrokerKind::Kafka,
+        broker: crate::KAFKA,
         source: SourceRef {
             cluster: cluster.map(str::to_string),
             name: r.topic.to_string(),

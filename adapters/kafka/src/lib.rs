@@ -92,6 +92,15 @@ pub use config::{
 };
 pub use db_offsets::{OffsetStore, OffsetStoreError};
 pub use envelope::{escape_header_name, to_envelope, NULL_HEADER_TYPE, UNREADABLE_HEADERS};
+
+/// Kafka's [`BrokerKind`](idemq_core::BrokerKind), stamped on every envelope this adapter
+/// builds: the `broker` label `kafka`. Its only dedup slot is idemq's
+/// [`DEDUP_HEADER`](idemq_core::DEDUP_HEADER): a record key is an entity key (every event
+/// of order 42 shares it, for partitioning), never a per-message dedup key.
+pub const KAFKA: idemq_core::BrokerKind = idemq_core::BrokerKind::new(
+    "kafka",
+    &[idemq_core::DedupSlot::Header(idemq_core::DEDUP_HEADER)],
+);
 pub use publisher::{partition_of, publish_error, KafkaPublisher};
 pub use source::{
     KafkaSource, KafkaSourceConfig, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC,

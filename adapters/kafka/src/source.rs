@@ -1172,7 +1172,6 @@ impl LocallyHeld for KafkaSettle {
 mod tests {
     use super::*;
     use idemq_core::envelope::Position;
-    use idemq_core::BrokerKind;
 
     /// A slot of a source that is not there (its state is gone): enough for buffers and
     /// settlements (librdkafka creates the dead-letter producer without connecting).
@@ -1198,7 +1197,7 @@ mod tests {
         let buffer = records
             .map(|offset| Buffered {
                 offset,
-                envelope: Envelope::new(BrokerKind::Kafka, "t", ""),
+                envelope: Envelope::new(crate::KAFKA, "t", ""),
                 unreadable: false,
             })
             .collect();
@@ -1297,7 +1296,7 @@ mod tests {
         let buffer = (0..10)
             .map(|offset| {
                 assert!(st.tracker.delivered(&id, epoch, offset));
-                let mut envelope = Envelope::new(BrokerKind::Kafka, "t", "");
+                let mut envelope = Envelope::new(crate::KAFKA, "t", "");
                 envelope.source.position = Some(Position::Offset(offset));
                 Buffered {
                     offset,
@@ -1389,7 +1388,6 @@ mod poll_safety_tests {
     //! envelopes, without a broker (librdkafka creates clients without connecting).
     use super::*;
     use idemq_core::adapter::{SettleRecorder, Settlement};
-    use idemq_core::BrokerKind;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_panic_on_the_polling_thread_makes_poll_fail() {
@@ -1428,7 +1426,7 @@ mod poll_safety_tests {
         let mut batch = Vec::new();
         for i in 0..6 {
             let (settle, outcome) = SettleRecorder::new();
-            let mut env = Envelope::new(BrokerKind::Kafka, "t", format!("r{i}"));
+            let mut env = Envelope::new(crate::KAFKA, "t", format!("r{i}"));
             if i % 3 == 1 {
                 env.headers
                     .insert(UNREADABLE_HEADERS, format!("broken {i}"));

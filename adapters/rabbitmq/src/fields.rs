@@ -186,28 +186,38 @@ mod tests {
 
     #[test]
     fn the_dedup_header_strategy_reads_the_plugin_header_a_producer_set() {
-        // The slot the key strategy reads on RabbitMQ is the header this crate's publisher
-        // writes for the plugin.
-        assert_eq!(
-            crate::PLUGIN_DEDUP_HEADER,
-            idemq_core::key::AMQP_PLUGIN_DEDUP_HEADER
-        );
+        // What pika or any client following rabbitmq-message-deduplication sends: the key in
+        // the plugin's header only, no `idemq-dedup-key`, no `message_id`.
         let mut t = FieldTable::default();
         t.insert(
             crate::PLUGIN_DEDUP_HEADER.into(),
             AMQPValue::LongString("pay-7".into()),
         );
-        let mut env = idemq_core::Envelope::new(idemq_core::BrokerKind::RabbitMq, "payments", "{}");
+        let mut env = idemq_core::Envelope::new(crate::RABBITMQ, "payments", "{}");
         table_to_headers(&t, &mut env.headers);
         let keys = idemq_core::KeyStrategy::dedup_header("billing").unwrap();
         assert_eq!(keys.derive(&env).unwrap().as_str(), "billing:pay-7");
-        // Without it, the dead-letter reason names each slot looked in.
+        // A client library that stamps every message with a random `message_id` must not
+        // turn a resend with the same plugin header into a new key.
+        let stamped = env.clone().with_message_id("4f0c-random");
+        assert_eq!(keys.derive(&stamped).unwrap().as_str(), "billing:pay-7");
+        // idemq's own header still comes first; `message_id` alone is still read.
+        let ours = stamped.with_header(idemq_core::DEDUP_HEADER, "pay-8");
+        assert_eq!(keys.derive(&ours).unwrap().as_str(), "billing:pay-8");
+        let id_only =
+            idemq_core::Envelope::new(crate::RABBITMQ, "payments", "{}").with_message_id("pay-9");
+        assert_eq!(keys.derive(&id_only).unwrap().as_str(), "billing:pay-9");
+        // An empty plugin header is an error naming it, not a reason to read `message_id`.
+        let empty = id_only.clone().with_header(crate::PLUGIN_DEDUP_HEADER, "");
+        let reason = keys.derive(&empty).unwrap_err().to_string();
+        assert!(reason.contains(crate::PLUGIN_DEDUP_HEADER), "{reason}");
+        // Without any, the dead-letter reason names each slot looked in.
         env.headers = Headers::new();
         let reason = keys.derive(&env).unwrap_err().to_string();
         for slot in [
             idemq_core::DEDUP_HEADER,
             crate::PLUGIN_DEDUP_HEADER,
-            "message_id",
+            "rabbitmq message id (`message_id`)",
         ] {
             assert!(reason.contains(slot), "{slot}: {reason}");
         }

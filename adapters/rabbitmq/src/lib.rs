@@ -79,6 +79,23 @@ pub use topology::{
     DEDUP_PLUGIN, DEFAULT_RETRY_TIERS_MS, RETRY_EXCHANGE,
 };
 
+/// RabbitMQ's [`BrokerKind`](idemq_core::BrokerKind), stamped on every envelope this
+/// crate builds (queues and, with feature `streams`, streams): the `broker` label
+/// `rabbitmq`. [`KeySource::DedupHeader`](idemq_core::KeySource::DedupHeader) reads, in
+/// order, idemq's [`DEDUP_HEADER`](idemq_core::DEDUP_HEADER), the dedup plugin's
+/// [`PLUGIN_DEDUP_HEADER`] (what producers written for the plugin set), then AMQP
+/// `message_id`. The plugin's header comes before `message_id`: a header set for
+/// deduplication is the producer's deliberate key, while some client libraries stamp every
+/// message, resends included, with a fresh random `message_id`.
+pub const RABBITMQ: idemq_core::BrokerKind = idemq_core::BrokerKind::new(
+    "rabbitmq",
+    &[
+        idemq_core::DedupSlot::Header(idemq_core::DEDUP_HEADER),
+        idemq_core::DedupSlot::Header(PLUGIN_DEDUP_HEADER),
+        idemq_core::DedupSlot::MessageId,
+    ],
+);
+
 /// Re-export of the lapin version this crate is built on.
 pub use lapin;
 

@@ -13,7 +13,10 @@ use lapin::{BasicProperties, Channel, Connection};
 use std::time::Duration;
 use tokio::sync::Mutex;
 
-/// The header the rabbitmq-message-deduplication plugin reads the dedup key from.
+/// The header the rabbitmq-message-deduplication plugin (exchange type
+/// `x-message-deduplication`) reads the dedup key from: producers written for the plugin put
+/// the key there, this crate's publisher writes it too, and [`RABBITMQ`](crate::RABBITMQ)
+/// lists it as a dedup slot.
 pub const PLUGIN_DEDUP_HEADER: &str = "x-deduplication-header";
 
 /// Publishes to RabbitMQ with publisher confirms; see [`Publisher`] for what each error

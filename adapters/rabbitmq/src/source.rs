@@ -11,7 +11,7 @@ use futures::{FutureExt, StreamExt};
 use idemq_core::adapter::{channel_source, ChannelSender, ChannelSource, DelayedRedelivery};
 use idemq_core::envelope::{props, Position};
 use idemq_core::source::{Capabilities, Delivery, Settle, Source, SourceError};
-use idemq_core::{BrokerKind, Envelope};
+use idemq_core::Envelope;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
     BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
@@ -477,7 +477,7 @@ fn envelope_of(
     payload: Bytes,
 ) -> (Envelope, u64) {
     let p = &d.properties;
-    let mut env = Envelope::new(BrokerKind::RabbitMq, queue, payload);
+    let mut env = Envelope::new(crate::RABBITMQ, queue, payload);
     env.source.cluster = cluster.cloned();
     env.source.position = Some(Position::DeliveryTag(d.delivery_tag));
     env.redelivered = d.redelivered;

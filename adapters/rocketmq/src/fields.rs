@@ -7,7 +7,7 @@
 
 use bytes::Bytes;
 use cheetah_string::CheetahString;
-use idemq_core::envelope::{props, BrokerKind, Envelope, Position, SourceRef};
+use idemq_core::envelope::{props, Envelope, Position, SourceRef};
 use idemq_core::publish::{OutgoingMessage, PublishError, DEDUP_HEADER};
 use rocketmq_model::common::message::message_ext::MessageExt;
 use rocketmq_model::common::message::message_single::Message;
@@ -39,7 +39,7 @@ fn is_system_property(name: &str) -> bool {
 /// The envelope of a received message, lossless for what idemq reads.
 pub fn to_envelope(m: &MessageExt) -> Envelope {
     let mut env = Envelope::new(
-        BrokerKind::RocketMq,
+        crate::ROCKETMQ,
         m.topic().to_string(),
         Bytes::copy_from_slice(m.body_slice()),
     );
@@ -82,6 +82,18 @@ pub fn to_envelope(m: &MessageExt) -> Envelope {
         env.ordering_key = Some(Bytes::copy_from_slice(sk.as_bytes()));
     }
     env
+}
+
+/// The first of the space-separated keys in `KEYS` (the envelope's key), the dedup slot
+/// [`ROCKETMQ`](crate::ROCKETMQ) declares after idemq's property: `None` without `KEYS`,
+/// empty when `KEYS` holds only separators (the core reports that as an empty key).
+pub(crate) fn first_key(env: &Envelope) -> Option<&[u8]> {
+    let keys = env.key.as_deref()?;
+    Some(
+        keys.split(|b| *b == b' ')
+            .find(|k| !k.is_empty())
+            .unwrap_or_default(),
+    )
 }
 
 /// A property value RocketMQ can carry: UTF-8 without its two separator characters.
@@ -235,6 +247,44 @@ mod conversion_tests {
         m.born_timestamp = rng.gen();
         m.msg_id = text(rng, 40).into();
         (m, body, properties)
+    }
+
+    /// A message as a producer outside idemq sends it: the given `KEYS`, no idemq property.
+    fn keyed(keys: Option<&str>) -> MessageExt {
+        let mut properties = HashMap::new();
+        if let Some(k) = keys {
+            properties.insert(CheetahString::from(MessageConst::PROPERTY_KEYS), k.into());
+        }
+        let mut m = MessageExt::default();
+        m.message.set_topic("payments".into());
+        m.message.set_properties(properties);
+        m
+    }
+
+    #[test]
+    fn the_dedup_header_strategy_reads_the_first_of_keys() {
+        let keys = idemq_core::KeyStrategy::dedup_header("billing").expect("strategy");
+        let env = to_envelope(&keyed(Some("pay-7 order-42")));
+        assert_eq!(env.broker, crate::ROCKETMQ);
+        assert_eq!(keys.derive(&env).expect("key").as_str(), "billing:pay-7");
+        // idemq's property comes first.
+        let ours = env.clone().with_header(DEDUP_HEADER, "pay-8");
+        assert_eq!(keys.derive(&ours).expect("key").as_str(), "billing:pay-8");
+        // Without either, the reason names both slots; `KEYS` of separators only is empty.
+        let reason = keys
+            .derive(&to_envelope(&keyed(None)))
+            .expect_err("no key")
+            .to_string();
+        assert!(
+            reason.contains(DEDUP_HEADER) && reason.contains("RocketMQ `KEYS`"),
+            "{reason}"
+        );
+        let mut blank = to_envelope(&keyed(None));
+        blank.key = Some(Bytes::from_static(b"   "));
+        assert_eq!(
+            keys.derive(&blank),
+            Err(idemq_core::KeyError::Empty("RocketMQ `KEYS`".into()))
+        );
     }
 
     #[test]

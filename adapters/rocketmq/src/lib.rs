@@ -72,6 +72,23 @@ pub use rocketmq_model;
 pub use source::{ConsumeMode, RocketSource, SourceConfig, MIN_RECONSUME_DELAY};
 pub use transaction::{LocalOutcome, StoreCheckBack, TransactionalPublisher, LOCAL_TIMEOUT};
 
+/// RocketMQ's [`BrokerKind`](idemq_core::BrokerKind), stamped on every envelope this
+/// adapter builds: the `broker` label `rocketmq`.
+/// [`KeySource::DedupHeader`](idemq_core::KeySource::DedupHeader) reads idemq's
+/// [`DEDUP_HEADER`](idemq_core::DEDUP_HEADER) property, then the first of the
+/// space-separated `KEYS` ([`Envelope::key`](idemq_core::Envelope::key)), where this
+/// adapter's publisher and most producers put the dedup key.
+pub const ROCKETMQ: idemq_core::BrokerKind = idemq_core::BrokerKind::new(
+    "rocketmq",
+    &[
+        idemq_core::DedupSlot::Header(idemq_core::DEDUP_HEADER),
+        idemq_core::DedupSlot::Custom {
+            describe: "RocketMQ `KEYS`",
+            read: fields::first_key,
+        },
+    ],
+);
+
 /// Errors of the adapter's setup calls.
 #[derive(Debug, thiserror::Error)]
 pub enum RocketError {

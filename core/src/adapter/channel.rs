@@ -140,7 +140,7 @@ pub enum Settlement {
 /// use idemq_core::{Delivery, Envelope, BrokerKind};
 /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
 /// let (settle, outcome) = SettleRecorder::new();
-/// let d = Delivery::new(Envelope::new(BrokerKind::Memory, "q", "x"), Box::new(settle));
+/// let d = Delivery::new(Envelope::new(BrokerKind::MEMORY, "q", "x"), Box::new(settle));
 /// d.ack().await.unwrap();
 /// assert_eq!(outcome.await.unwrap(), Settlement::Ack);
 /// # });

@@ -115,21 +115,11 @@ impl<H: Handler> IdempotentConsumer<H> {
 
     /// Reports the batch's outcome counts to `metrics`, one call per label set.
     fn flush_metrics(&self) {
-        const BROKERS: [crate::envelope::BrokerKind; 4] = [
-            crate::envelope::BrokerKind::Kafka,
-            crate::envelope::BrokerKind::RabbitMq,
-            crate::envelope::BrokerKind::RocketMq,
-            crate::envelope::BrokerKind::Memory,
-        ];
-        for broker in BROKERS {
-            let row = &self.counters.unflushed[super::broker_index(broker)];
-            for (i, outcome) in Outcome::ALL.iter().enumerate() {
-                let n = row[i].swap(0, Ordering::Relaxed);
-                if n > 0 {
-                    metrics::counter!(m::MESSAGES, "outcome" => outcome.label, "broker" => broker.as_str(), "group" => self.keys.group().as_str().to_string()).increment(n);
-                }
-            }
-        }
+        let group = self.keys.group().as_str();
+        self.counters.unflushed.drain(|broker, i, n| {
+            let outcome = Outcome::ALL[i].label;
+            metrics::counter!(m::MESSAGES, "outcome" => outcome, "broker" => broker.as_str(), "group" => group.to_string()).increment(n);
+        });
     }
 
     async fn run_stages(&self, batch: Vec<Delivery>) -> bool {
@@ -1036,8 +1026,9 @@ impl<H: Handler> IdempotentConsumer<H> {
 
     fn count(&self, outcome: &Outcome, d: &Delivery, n: u64) {
         (outcome.counter)(&self.counters).fetch_add(n, Ordering::Relaxed);
-        self.counters.unflushed[super::broker_index(d.envelope.broker)][outcome.index]
-            .fetch_add(n, Ordering::Relaxed);
+        self.counters
+            .unflushed
+            .add(d.envelope.broker, outcome.index, n);
     }
 
     /// Settles a message and its in-batch copies the same way.

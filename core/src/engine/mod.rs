@@ -106,20 +106,70 @@ pub(crate) struct Counters {
     pub(crate) health: Health,
     /// Per broker kind and outcome: counted but not yet reported to `metrics` (reported
     /// once per batch, not once per message: a labelled metric costs allocations).
-    pub(crate) unflushed: [[AtomicU64; OUTCOME_KINDS]; 4],
+    pub(crate) unflushed: BrokerTallies,
 }
 
 /// How many outcome labels the engine counts.
 pub(crate) const OUTCOME_KINDS: usize = 10;
 
-/// Index of a broker kind in [`Counters::unflushed`].
-pub(crate) fn broker_index(b: crate::envelope::BrokerKind) -> usize {
-    use crate::envelope::BrokerKind::*;
-    match b {
-        Kafka => 0,
-        RabbitMq => 1,
-        RocketMq => 2,
-        Memory => 3,
+/// Outcome counts of one broker kind, by its label.
+#[derive(Debug)]
+pub(crate) struct BrokerTally {
+    pub(crate) broker: crate::envelope::BrokerKind,
+    pub(crate) outcomes: [AtomicU64; OUTCOME_KINDS],
+}
+
+/// One [`BrokerTally`] per broker kind the engine has seen, keyed by the kind's name (the
+/// core knows no broker list: adapters name their own). A consumer sees one broker, two
+/// when it bridges, so a linear scan under a read lock is the whole lookup; the write lock
+/// is taken once per new kind, and rows are never removed.
+#[derive(Debug, Default)]
+pub(crate) struct BrokerTallies(std::sync::RwLock<Vec<BrokerTally>>);
+
+impl BrokerTallies {
+    /// Adds `n` to `broker`'s count of the outcome at `index`.
+    pub(crate) fn add(&self, broker: crate::envelope::BrokerKind, index: usize, n: u64) {
+        {
+            let rows = self
+                .0
+                .read()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if let Some(row) = rows.iter().find(|r| r.broker == broker) {
+                row.outcomes[index].fetch_add(n, Ordering::Relaxed);
+                return;
+            }
+        }
+        let mut rows = self
+            .0
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Another thread may have added the row between the two locks.
+        if let Some(row) = rows.iter().find(|r| r.broker == broker) {
+            row.outcomes[index].fetch_add(n, Ordering::Relaxed);
+            return;
+        }
+        let row = BrokerTally {
+            broker,
+            outcomes: std::array::from_fn(|_| AtomicU64::new(0)),
+        };
+        row.outcomes[index].fetch_add(n, Ordering::Relaxed);
+        rows.push(row);
+    }
+
+    /// Takes every non-zero count, with its broker and outcome index, leaving zeros.
+    pub(crate) fn drain(&self, mut report: impl FnMut(crate::envelope::BrokerKind, usize, u64)) {
+        let rows = self
+            .0
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for row in rows.iter() {
+            for (i, count) in row.outcomes.iter().enumerate() {
+                let n = count.swap(0, Ordering::Relaxed);
+                if n > 0 {
+                    report(row.broker, i, n);
+                }
+            }
+        }
     }
 }
 
@@ -181,7 +231,7 @@ pub enum ConsumerError {
 ///
 /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
 /// let broker = MemoryBroker::new();
-/// let msg = Envelope::new(BrokerKind::Memory, "orders", "{}").with_header("x-idempotency-key", "o-1");
+/// let msg = Envelope::new(BrokerKind::MEMORY, "orders", "{}").with_header("x-idempotency-key", "o-1");
 /// broker.publish(msg.clone());
 /// broker.publish(msg); // the producer retried
 ///
@@ -337,7 +387,7 @@ impl<H: Handler> IdempotentConsumer<H> {
     /// # tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap().block_on(async {
     /// // The same payment callback arrives through two brokers.
     /// let (a, b) = (MemoryBroker::new(), MemoryBroker::new());
-    /// let callback = Envelope::new(BrokerKind::Memory, "payments", "{}")
+    /// let callback = Envelope::new(BrokerKind::MEMORY, "payments", "{}")
     ///     .with_header("x-idempotency-key", "pay-1");
     /// a.publish(callback.clone());
     /// b.publish(callback);

@@ -123,7 +123,7 @@ async fn storm(url: &str, wait: bool) -> Outcome {
     });
     for i in 0..n {
         broker.publish(Envelope::new(
-            BrokerKind::Memory,
+            BrokerKind::MEMORY,
             "payments",
             format!(r#"{{"payment_id":"p{i}"}}"#),
         ));

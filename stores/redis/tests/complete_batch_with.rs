@@ -113,7 +113,7 @@ async fn through_the_engine_each_payment_is_applied_once() {
     const PAYMENTS: usize = 300;
     for i in 0..PAYMENTS {
         broker.publish(
-            Envelope::new(BrokerKind::Memory, "payments", format!("p-{i}"))
+            Envelope::new(BrokerKind::MEMORY, "payments", format!("p-{i}"))
                 .with_header("payment", format!("p-{i}")),
         );
     }

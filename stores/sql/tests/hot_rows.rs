@@ -101,14 +101,14 @@ fn payments(n: usize, seed: u64) -> (MemoryBroker, Vec<i64>) {
         let amount = 1 + (i as i64 % 9);
         want[account as usize] += amount;
         broker.publish(Envelope::new(
-            BrokerKind::Memory,
+            BrokerKind::MEMORY,
             "payments",
             format!(r#"{{"payment_id":"pay-{i}","account":{account},"amount":{amount}}}"#),
         ));
         if i % 10 == 0 {
             // The callback sent twice.
             broker.publish(Envelope::new(
-                BrokerKind::Memory,
+                BrokerKind::MEMORY,
                 "payments",
                 format!(r#"{{"payment_id":"pay-{i}","account":{account},"amount":{amount}}}"#),
             ));

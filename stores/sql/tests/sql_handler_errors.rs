@@ -20,7 +20,7 @@ fn key(name: &str) -> DedupKey {
 
 fn message(key: DedupKey, token: FencingToken) -> ClaimedMessage {
     let env = Arc::new(Envelope::new(
-        idemq_core::BrokerKind::Memory,
+        idemq_core::BrokerKind::MEMORY,
         "payments",
         "{}",
     ));

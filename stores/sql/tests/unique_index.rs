@@ -22,7 +22,7 @@ const POISON: &str = "pay-poison";
 
 fn payment(id: &str) -> Envelope {
     Envelope::new(
-        BrokerKind::Memory,
+        BrokerKind::MEMORY,
         "payments",
         format!(r#"{{"payment_id":"{id}","amount":100}}"#),
     )
@@ -351,7 +351,7 @@ async fn a_message_without_a_key_is_dead_lettered_and_the_rest_commit() {
     let broker = MemoryBroker::new();
     broker.publish(payment("pay-1"));
     broker.publish(Envelope::new(
-        BrokerKind::Memory,
+        BrokerKind::MEMORY,
         "payments",
         r#"{"amount":5}"#,
     ));

@@ -43,7 +43,7 @@ pub use rabbitmq_stream_client;
 
 use crate::RabbitError;
 use idemq_core::envelope::props;
-use idemq_core::{BrokerKind, Envelope, Headers, OutgoingMessage, Position};
+use idemq_core::{Envelope, Headers, OutgoingMessage, Position};
 use rabbitmq_stream_client::types::{Message, ResponseCode, SimpleValue};
 use rabbitmq_stream_client::{Client, ClientOptions, Environment};
 
@@ -199,7 +199,7 @@ fn value_bytes(v: &SimpleValue) -> Option<Vec<u8>> {
 /// `content-encoding` under the reserved [`props`] names, the offset as position.
 pub fn stream_envelope(stream: &str, offset: u64, m: &Message) -> Envelope {
     let payload = bytes::Bytes::copy_from_slice(m.data().unwrap_or_default());
-    let mut env = Envelope::new(BrokerKind::RabbitMq, stream, payload);
+    let mut env = Envelope::new(crate::RABBITMQ, stream, payload);
     env.source.position = Some(Position::Offset(i64::try_from(offset).unwrap_or(i64::MAX)));
     if let Some(p) = m.properties() {
         if let Some(mid) = p.message_id.as_ref().map(message_id_string) {

@@ -192,7 +192,7 @@ pub async fn claimed(
     let (_loss, watch) = idemq_core::LeaseWatch::pair();
     idemq_core::ClaimedMessage::new(
         Arc::new(idemq_core::Envelope::new(
-            idemq_core::BrokerKind::Memory,
+            idemq_core::BrokerKind::MEMORY,
             "t",
             "{}",
         )),
