@@ -186,6 +186,23 @@ fn ratio_at_top(r: Option<&Value>, ours: &str) -> Option<(f64, f64)> {
     Some((f(&p[ours]["rate"])?, f(&p["raw"]["rate"])?))
 }
 
+/// The lowest ratio of `ours` to raw over the sweep's batches of at least `min_batch` keys,
+/// with its batch size.
+fn ratio_lowest(r: Option<&Value>, ours: &str, min_batch: u64) -> Option<(f64, f64, u64)> {
+    r?["points"]
+        .as_array()?
+        .iter()
+        .filter(|p| p["batch"].as_u64().is_some_and(|b| b >= min_batch))
+        .filter_map(|p| {
+            Some((
+                f(&p[ours]["rate"])?,
+                f(&p["raw"]["rate"])?,
+                p["batch"].as_u64()?,
+            ))
+        })
+        .min_by(|a, b| (a.0 / a.1).total_cmp(&(b.0 / b.1)))
+}
+
 fn growth_pair(r: Option<&Value>) -> Option<(f64, f64, u64)> {
     let pts = r?["points"].as_array()?;
     let empty = pts.iter().find(|p| p["retained"] == 0)?;
@@ -304,6 +321,17 @@ fn ratios(d: &Doc<'_>, md: &mut String) {
         ratio_at_top(pg, "claim_complete"),
         "",
         Target::AtLeast(0.50),
+        &why("store-postgres"),
+    );
+    let lowest = ratio_lowest(pg, "claim_complete", 10);
+    t.row(
+        &format!(
+            "PostgreSQL: claim + complete / raw multi-row INSERT, lowest over batches 10 to 1000{}",
+            lowest.map(|l| format!(" (batch {})", l.2)).unwrap_or_default()
+        ),
+        lowest.map(|l| (l.0, l.1)),
+        "",
+        Target::AtLeast(0.25),
         &why("store-postgres"),
     );
     t.row(
