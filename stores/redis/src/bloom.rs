@@ -1,6 +1,7 @@
 //! [`RedisBloomFilter`]: a shared never-seen-only pre-filter on the RedisBloom module.
 
-use crate::store::{map_redis_error, validate_prefix};
+use crate::builder::validate_prefix;
+use crate::errors::map_redis_error;
 use async_trait::async_trait;
 use idemq_core::{DedupKey, FencingToken, StoreError};
 use idemq_layered::{Novelty, PreFilter};

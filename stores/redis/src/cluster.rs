@@ -1,7 +1,7 @@
 //! Redis Cluster support: the `redis+cluster://` URL, the connection, the master nodes and
 //! the slots they serve.
 
-use crate::store::map_redis_error;
+use crate::errors::map_redis_error;
 use idemq_core::StoreError;
 use redis::aio::{ConnectionLike, MultiplexedConnection};
 use redis::cluster::ClusterClientBuilder;

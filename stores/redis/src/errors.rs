@@ -3,10 +3,48 @@
 //! handlers (a Redis error classified as retryable or permanent for `?`).
 
 use crate::sniff::{endpoint, identify, Endpoint, Server};
-use crate::store::map_redis_error;
 use idemq_core::{HandlerError, StoreError};
 use redis::RedisError;
 use std::time::Duration;
+
+/// Maps a Redis client error: connection, IO, timeout and transient server states are
+/// [`StoreError::Unavailable`] (back off, retry, never ack); the rest is
+/// [`StoreError::Backend`].
+pub fn map_redis_error(e: &RedisError) -> StoreError {
+    use redis::ErrorKind as K;
+    let transient = e.is_io_error()
+        || e.is_timeout()
+        || e.is_connection_dropped()
+        || e.is_connection_refusal()
+        || matches!(
+            e.kind(),
+            K::BusyLoadingError
+                | K::TryAgain
+                | K::ClusterDown
+                | K::MasterDown
+                | K::ReadOnly
+                | K::ClusterConnectionNotFound
+                // A slot moving (resharding) or a failover in progress: the client has
+                // followed the redirections it could; later the map is settled.
+                | K::Moved
+                | K::Ask
+        )
+        // MISCONF: persistence failing, writes refused until it recovers; NOREPLICAS:
+        // min-replicas-to-write not met.
+        || matches!(
+            e.code(),
+            Some("OOM" | "LOADING" | "BUSY" | "MISCONF" | "NOREPLICAS")
+        );
+    if transient {
+        StoreError::Unavailable(format!("redis: {e}"))
+    } else {
+        StoreError::Backend(format!("redis: {e}"))
+    }
+}
+
+pub(crate) fn store_err(e: RedisError) -> StoreError {
+    map_redis_error(&e)
+}
 
 /// The URL schemes the `redis` crate opens.
 pub const REDIS_SCHEMES: &[&str] = &["redis", "rediss", "redis+unix", "unix"];

@@ -27,26 +27,41 @@
 //! With the `bloom` feature (default), [`RedisBloomFilter`] is a shared never-seen-only
 //! [`PreFilter`](idemq_layered::PreFilter) for `idemq-layered`, backed by the RedisBloom
 //! module when the server has it loaded (detected with `MODULE LIST`, never assumed).
+//!
+//! Module order (each uses only those before it): `sniff`, `codec`, `lua` → `errors` →
+//! `cluster` → `conn` → `incarnation` → `store` (the [`RedisStore`] struct, accessors, the
+//! `DedupStore` impl) → `pipeline` → `scan`, `claim`, `complete` → `builder` → `bloom`.
+//! `pipeline` … `builder` add `impl RedisStore` blocks; the `DedupStore` impl calls the
+//! methods of `claim`, `complete` and `scan` without importing them.
 #![warn(missing_docs)]
 
 #[cfg(feature = "bloom")]
 mod bloom;
+mod builder;
+mod claim;
 mod cluster;
 pub mod codec;
+mod complete;
+mod conn;
 mod errors;
+mod incarnation;
 mod lua;
+mod pipeline;
+mod scan;
 mod sniff;
 mod store;
 
 #[cfg(feature = "bloom")]
 pub use bloom::{redisbloom_loaded, RedisBloomFilter};
-pub use cluster::{cluster_seed_urls, key_slot, CLUSTER_SCHEME};
-pub use errors::{handler_error, is_retryable_redis_error, RedisResultExt, REDIS_SCHEMES};
-pub use store::{
-    map_redis_error, validate_prefix, RedisStore, RedisStoreBuilder, RedisStoreOptions,
-    DEFAULT_COMPLETED_GRACE, DEFAULT_IN_PROGRESS_GRACE, DEFAULT_MAX_KEYS_PER_SCRIPT,
-    DEFAULT_PREFIX, MAX_PREFIX_LEN,
+pub use builder::{
+    validate_prefix, RedisStoreBuilder, RedisStoreOptions, DEFAULT_COMPLETED_GRACE,
+    DEFAULT_IN_PROGRESS_GRACE, DEFAULT_MAX_KEYS_PER_SCRIPT, DEFAULT_PREFIX, MAX_PREFIX_LEN,
 };
+pub use cluster::{cluster_seed_urls, key_slot, CLUSTER_SCHEME};
+pub use errors::{
+    handler_error, is_retryable_redis_error, map_redis_error, RedisResultExt, REDIS_SCHEMES,
+};
+pub use store::RedisStore;
 
 /// The `redis` crate this store is built on (for [`redis::aio::ConnectionManager`]).
 pub use redis;
