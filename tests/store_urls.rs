@@ -50,9 +50,11 @@ where
 }
 
 const REFUSED_LIMIT: Duration = Duration::from_secs(2);
-/// Wrong-server cases where the driver waits for a greeting use a 1 s connect timeout, then
-/// ask the port who answers (about a second more).
+/// Wrong-server cases: the driver may wait for a greeting that never comes, so the store
+/// asks the port who answers beside it (within about a second). Their connect timeout is
+/// [`LONG_CONNECT_TIMEOUT`], so an error before the limit shows that it did not wait it out.
 const WRONG_SERVER_LIMIT: Duration = Duration::from_secs(5);
+const LONG_CONNECT_TIMEOUT: Duration = Duration::from_secs(30);
 
 #[cfg(feature = "postgres")]
 mod postgres {
@@ -62,6 +64,13 @@ mod postgres {
     fn opts() -> SqlStoreOptions {
         SqlStoreOptions {
             connect_timeout: Duration::from_secs(1),
+            ..Default::default()
+        }
+    }
+
+    fn waits_long() -> SqlStoreOptions {
+        SqlStoreOptions {
+            connect_timeout: LONG_CONNECT_TIMEOUT,
             ..Default::default()
         }
     }
@@ -126,7 +135,7 @@ mod postgres {
         let hp = host_port(&my);
         let msg = fails_within(
             WRONG_SERVER_LIMIT,
-            PgStore::connect(&format!("postgres://postgres@{hp}/idemq"), opts()),
+            PgStore::connect(&format!("postgres://postgres@{hp}/idemq"), waits_long()),
         )
         .await;
         assert!(
@@ -144,7 +153,7 @@ mod postgres {
         let hp = host_port(&r);
         let msg = fails_within(
             WRONG_SERVER_LIMIT,
-            PgStore::connect(&format!("postgres://postgres@{hp}/idemq"), opts()),
+            PgStore::connect(&format!("postgres://postgres@{hp}/idemq"), waits_long()),
         )
         .await;
         assert!(msg.contains("answers as Redis, not PostgreSQL"), "{msg}");
@@ -159,6 +168,13 @@ mod mysql {
     fn opts() -> SqlStoreOptions {
         SqlStoreOptions {
             connect_timeout: Duration::from_secs(1),
+            ..Default::default()
+        }
+    }
+
+    fn waits_long() -> SqlStoreOptions {
+        SqlStoreOptions {
+            connect_timeout: LONG_CONNECT_TIMEOUT,
             ..Default::default()
         }
     }
@@ -199,7 +215,7 @@ mod mysql {
         let hp = host_port(&pg);
         let msg = fails_within(
             WRONG_SERVER_LIMIT,
-            MySqlStore::connect(&format!("mysql://idemq:idemq@{hp}/idemq"), opts()),
+            MySqlStore::connect(&format!("mysql://idemq:idemq@{hp}/idemq"), waits_long()),
         )
         .await;
         assert!(

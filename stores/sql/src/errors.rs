@@ -49,15 +49,31 @@ pub(crate) async fn probe<DB: SqlBackend>(
     timeout: Duration,
 ) -> Result<(), StoreError> {
     use sqlx::Connection;
-    match tokio::time::timeout(timeout, DB::Connection::connect_with(opts)).await {
-        Ok(Ok(conn)) => {
-            let _ = conn.close().await;
-            Ok(())
-        }
-        Ok(Err(e)) => Err(startup_error::<DB>(e, ep, expected).await),
-        Err(_) => Err(silent_server(ep, expected, timeout).await),
+    let connect = tokio::time::timeout(timeout, DB::Connection::connect_with(opts));
+    // A server of another kind may hold the handshake until the timeout (Redis waits for
+    // the end of a line that never comes): if it has not completed after a moment, ask
+    // beside it who answers there, and fail at once if it is another server.
+    let sniff = async {
+        tokio::time::sleep(SNIFF_AFTER.min(timeout)).await;
+        wrong_server(ep, expected).await
+    };
+    tokio::select! {
+        r = connect => match r {
+            Ok(Ok(conn)) => {
+                let _ = conn.close().await;
+                Ok(())
+            }
+            Ok(Err(e)) => Err(startup_error::<DB>(e, ep, expected).await),
+            Err(_) => Err(silent_server(ep, expected, timeout).await),
+        },
+        Some(wrong) = sniff => Err(wrong),
     }
 }
+
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+/// How long a first connection may take before [`probe`] asks who answers beside it
+/// (a handshake with the right server on a local network takes milliseconds).
+const SNIFF_AFTER: Duration = Duration::from_millis(300);
 
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 fn at(ep: Option<&Endpoint>) -> String {
