@@ -27,6 +27,13 @@
 //!
 //! Table and column names are [`Ident`]s, validated before they reach SQL text.
 //!
+//! Module order (each uses only modules before it): `sniff`, `ident`, `backend` → `errors`,
+//! `queries`, `migrate`, `exec`, `options`, `entity`, `offsets` → `store` (the [`SqlStore`]
+//! struct, accessors, the `DedupStore` impl) → `complete`, `claim`, `lease`, `scan`, `keys`,
+//! `connect`, `claimed`, `unique` → `outbox`, `batch`. The modules from `complete` to `connect`
+//! add `impl SqlStore` blocks; the `DedupStore` impl calls their methods without importing
+//! them.
+//!
 //! ```no_run
 //! # async fn demo() -> Result<(), idemq_core::StoreError> {
 //! use idemq_core::{ClaimOutcome, ClaimRequest, ConsumerGroup, DedupKey, DedupStore};
@@ -55,14 +62,22 @@
 
 mod backend;
 pub mod batch;
+mod claim;
 mod claimed;
+mod complete;
+mod connect;
 mod entity;
 mod errors;
+mod exec;
 mod ident;
+mod keys;
+mod lease;
 pub mod migrate;
 mod offsets;
+mod options;
 mod outbox;
 mod queries;
+mod scan;
 // Who answers on a port: only the network backends probe at startup.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod sniff;
@@ -74,19 +89,22 @@ pub use backend::{map_sqlx_error, Dialect, SqlBackend};
 #[doc(hidden)]
 pub use backend::{ErrorClass, Kind, Row, Val};
 pub use batch::{KeyedTxFuture, TxBatchHandler, TxFuture};
+pub use claim::MAX_WORKER_BYTES;
 pub use claimed::{LeaseLost, MessageTx, PooledTx};
 pub use entity::{EntityId, StateMachine, Transition, VersionOutcome, VersionedEntity};
 pub use errors::{handler_error, is_retryable_sqlx_error, SqlResultExt};
 pub use ident::{is_valid_ident, ColumnName, Ident, TableName, DEFAULT_TABLE, MAX_IDENT_LEN};
+pub use keys::KeyInsert;
 pub use offsets::{
     offsets_migrations, SourceOffsets, StoredOffset, DEFAULT_OFFSETS_TABLE, MAX_OFFSETS_NAME_BYTES,
 };
+pub use options::{SqlStoreOptions, SqliteSynchronous};
 pub use outbox::{
     Enqueued, Outbox, OutboxCounts, OutboxEntry, OutboxError, OutboxOptions, OutboxRelay,
     OutboxStatus, RelayOptions, RelayReport, DEFAULT_OUTBOX_TABLE, MAX_OUTBOX_DEDUP_KEY_BYTES,
     MAX_OUTBOX_TABLE_LEN,
 };
-pub use store::{KeyInsert, SqlStore, SqlStoreOptions, SqliteSynchronous, MAX_WORKER_BYTES};
+pub use store::SqlStore;
 
 /// The SQLite store (feature `sqlite`).
 #[cfg(feature = "sqlite")]

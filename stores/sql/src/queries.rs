@@ -2,7 +2,7 @@
 //! statements built per call (their arity varies). Every statement is written with `?`
 //! placeholders and renumbered for PostgreSQL; arguments are pushed in text order.
 
-use crate::backend::{Dialect, Kind, Row, Val};
+use crate::backend::{Dialect, Kind, Row, Val, PG_CUSTOM_PLAN};
 use crate::ident::TableName;
 use bytes::Bytes;
 use idemq_core::{DedupKey, DedupRecord, FencingToken, PayloadHash, RecordStatus, StoreError};
@@ -108,26 +108,6 @@ fn pg_unnest(cols: &[(&str, &str)]) -> String {
     let names: Vec<&str> = cols.iter().map(|(name, _)| *name).collect();
     format!("UNNEST({}) AS v({})", arrays.join(", "), names.join(", "))
 }
-
-/// The part of [`PG_CUSTOM_PLAN`] no argument is bound in (what identifies it).
-#[cfg(any(feature = "postgres", test))]
-pub(crate) const PG_CUSTOM_PLAN_TAIL: &str =
-    "(SELECT count(*) FROM generate_series(1, 1000000000)) > 0)";
-
-/// PostgreSQL: an always-true condition, its `?` bound to 1 ([`pg_custom_plan_arg`]), that
-/// has every run of its (cached, prepared) statement planned for the arguments and the
-/// table as they are then — a custom plan — instead of the generic plan PostgreSQL
-/// otherwise switches to after five runs and keeps until the table is next analyzed.
-///
-/// Built while the table was small, a generic plan scans it: on a new table that then
-/// grows, `complete_batch(100)` took over a second on 180,000 rows, comparing every row
-/// with every key. PostgreSQL uses the generic plan when it is estimated no dearer than the
-/// custom ones; here only the generic plan, which cannot fold `$n = 1`, keeps the second
-/// operand, estimated at a billion rows (never run: the first operand is true), so it never
-/// is. A custom plan folds the condition away. Cheaper than an unnamed statement (see
-/// `backend::postgres_impl::plan_per_call`), which is parsed again on every call.
-pub(crate) const PG_CUSTOM_PLAN: &str =
-    "(?::bigint = 1 OR (SELECT count(*) FROM generate_series(1, 1000000000)) > 0)";
 
 /// The argument of [`PG_CUSTOM_PLAN`].
 fn pg_custom_plan_arg() -> Val {
@@ -1115,6 +1095,7 @@ fn claim_json(rows: &[ClaimRow<'_>]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::PG_CUSTOM_PLAN_TAIL;
 
     #[test]
     fn the_custom_plan_condition_is_recognised_by_its_tail() {
