@@ -170,7 +170,11 @@ async fn payloads_a_json_pointer_cannot_read_are_dead_lettered() {
     );
     let missing = reason_for(&broker, br#"{"other":1}"#);
     assert!(missing.contains("/payment_id"), "{missing}");
-    reason_for(&broker, br#"{"payment_id":null}"#);
+    let null = reason_for(&broker, br#"{"payment_id":null}"#);
+    assert!(
+        null.contains("null") && null.contains("/payment_id"),
+        "names the null: {null}"
+    );
     let effects = effects.lock().expect("effects").clone();
     assert_eq!(effects.len(), 2, "{effects:?}");
     assert_eq!(broker.pending(), 0);

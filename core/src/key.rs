@@ -72,12 +72,19 @@ pub enum KeyError {
     /// The payload is not JSON, so a JSON pointer cannot be read.
     #[error("payload is not valid JSON ({0}); cannot read the key at JSON pointer `{1}`")]
     MalformedPayload(String, String),
-    /// The JSON pointer matched nothing, or matched null.
+    /// The JSON pointer matched nothing.
     #[error("payload has no value at JSON pointer `{0}`")]
     MissingField(String),
+    /// The JSON pointer matched `null`: the producer sent the field without a value.
+    #[error("payload has null at JSON pointer `{0}`: the producer sent the field without a value")]
+    NullField(String),
     /// A JSON pointer that does not start with `/`.
-    #[error("`{0}` is not a JSON pointer: it must be empty or start with `/` (RFC 6901), e.g. `/order/id`")]
+    #[error("`{0}` is not a JSON pointer: it must start with `/` (RFC 6901), e.g. `/order/id`")]
     InvalidPointer(String),
+    /// The empty JSON pointer, which names the whole payload: every payload would be its
+    /// own key, so a resend that differs in any byte would run again.
+    #[error("the empty JSON pointer names the whole payload, not a field: point at the id the producer sends (e.g. `/payment_id`), or key on several fields with KeyStrategy::fingerprint")]
+    EmptyPointer,
     /// The key is not UTF-8.
     #[error("dedup key from {0} is not valid UTF-8")]
     NotUtf8(String),
@@ -98,6 +105,29 @@ pub enum KeyError {
     /// A user-supplied key function failed.
     #[error("custom key function failed: {0}")]
     Custom(String),
+}
+
+impl KeyError {
+    /// A short name of the error's kind, the `reason` label of
+    /// [`KEY_ERRORS`](crate::metrics::KEY_ERRORS).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            KeyError::MissingHeader(_) => "missing_header",
+            KeyError::MissingDedupKey(_) => "missing_dedup_key",
+            KeyError::MissingMessageKey => "missing_message_key",
+            KeyError::MissingMessageId => "missing_message_id",
+            KeyError::Empty(_) => "empty",
+            KeyError::MalformedPayload(..) => "malformed_payload",
+            KeyError::MissingField(_) => "missing_field",
+            KeyError::NullField(_) => "null_field",
+            KeyError::InvalidPointer(_) | KeyError::EmptyPointer => "invalid_pointer",
+            KeyError::NotUtf8(_) => "not_utf8",
+            KeyError::TooLong { .. } => "too_long",
+            KeyError::InvalidGroup(_) => "invalid_group",
+            KeyError::EmptyFingerprint => "empty_fingerprint",
+            KeyError::Custom(_) => "custom",
+        }
+    }
 }
 
 /// A validated consumer group: the namespace of a set of keys.
@@ -369,7 +399,9 @@ impl KeyStrategy {
         build_key(&self.group, &raw, self.max_key_bytes, self.oversize)
     }
 
-    fn describe_source(&self) -> String {
+    /// Where this strategy reads keys, for messages to an operator (`JSON pointer
+    /// `/payment_id``, `header `x-idempotency-key``).
+    pub fn describe_source(&self) -> String {
         match &self.source {
             KeySource::Header(h) => format!("header `{h}`"),
             KeySource::MessageKey => "the message key".into(),
@@ -531,7 +563,9 @@ fn build_key(
 }
 
 fn check_pointer(p: &str) -> Result<(), KeyError> {
-    if p.is_empty() || p.starts_with('/') {
+    if p.is_empty() {
+        Err(KeyError::EmptyPointer)
+    } else if p.starts_with('/') {
         Ok(())
     } else {
         Err(KeyError::InvalidPointer(p.to_string()))
@@ -549,7 +583,8 @@ fn parse_json(payload: &[u8], pointer: &str) -> Result<serde_json::Value, KeyErr
 
 fn json_field(doc: &serde_json::Value, pointer: &str) -> Result<String, KeyError> {
     match doc.pointer(pointer) {
-        None | Some(serde_json::Value::Null) => Err(KeyError::MissingField(pointer.to_string())),
+        None => Err(KeyError::MissingField(pointer.to_string())),
+        Some(serde_json::Value::Null) => Err(KeyError::NullField(pointer.to_string())),
         Some(serde_json::Value::String(s)) => Ok(s.clone()),
         // serde_json's default map is ordered by key, so this text is canonical.
         Some(other) => Ok(other.to_string()),
@@ -617,6 +652,34 @@ mod tests {
     }
 
     #[test]
+    fn the_empty_pointer_is_refused_with_a_hint_to_a_field_or_a_fingerprint() {
+        let err = KeyStrategy::json_pointer("g", "").unwrap_err();
+        assert_eq!(err, KeyError::EmptyPointer);
+        let text = err.to_string();
+        assert!(
+            text.contains("whole payload") && text.contains("KeyStrategy::fingerprint"),
+            "{text}"
+        );
+        let in_fingerprint =
+            KeyStrategy::fingerprint("g", vec![Field::JsonPointer(String::new())]).unwrap_err();
+        assert_eq!(in_fingerprint, KeyError::EmptyPointer);
+    }
+
+    #[test]
+    fn a_null_field_is_named_null_and_a_missing_one_missing() {
+        let k = KeyStrategy::json_pointer("g", "/payment_id").unwrap();
+        let null = k.derive(&env(r#"{"payment_id":null}"#)).unwrap_err();
+        assert_eq!(null, KeyError::NullField("/payment_id".into()));
+        assert!(null.to_string().contains("null"), "{null}");
+        let missing = k.derive(&env(r#"{"id":7}"#)).unwrap_err();
+        assert_eq!(missing, KeyError::MissingField("/payment_id".into()));
+        assert_eq!(
+            (null.kind(), missing.kind()),
+            ("null_field", "missing_field")
+        );
+    }
+
+    #[test]
     fn a_message_without_the_key_header_is_a_typed_error_naming_the_header() {
         let k = KeyStrategy::header("g", "x-idempotency-key").unwrap();
         let err = k.derive(&env("{}")).unwrap_err();
@@ -660,7 +723,7 @@ mod tests {
         );
         assert_eq!(
             k.derive(&env(r#"{"order":{"id":null}}"#)),
-            Err(KeyError::MissingField("/order/id".into()))
+            Err(KeyError::NullField("/order/id".into()))
         );
     }
 

@@ -14,6 +14,7 @@
 //! | `idemq_hook_failures_total` | counter | `hook` (on_duplicate, on_dead_letter, key_function), `failure` (panic, timeout) |
 //! | `idemq_batch_splits_total` | counter | `group` (batch calls split into per-message runs) |
 //! | `idemq_transaction_retries_total` | counter | `reason` (deadlock, serialization) |
+//! | `idemq_key_errors_total` | counter | `group`, `reason` ([`KeyError::kind`](crate::KeyError::kind)): messages dead-lettered because no dedup key could be derived |
 //! | `idemq_consumer_ready` | gauge | – (consumers of this process whose [`Health`](crate::engine::Health) is ready) |
 
 /// Messages by outcome.
@@ -42,6 +43,9 @@ pub const BATCH_SPLITS: &str = "idemq_batch_splits_total";
 /// Transactions retried after the database reported a deadlock or a serialization failure
 /// (label `reason`: `deadlock` or `serialization`).
 pub const TRANSACTION_RETRIES: &str = "idemq_transaction_retries_total";
+/// Messages dead-lettered because no dedup key could be derived from them (label `reason`:
+/// the [`KeyError`](crate::KeyError)'s kind).
+pub const KEY_ERRORS: &str = "idemq_key_errors_total";
 /// Consumers of this process that are ready (polling, store and broker answering).
 pub const READY: &str = "idemq_consumer_ready";
 

@@ -243,3 +243,91 @@ async fn a_failing_poll_is_broker_unavailable_until_a_poll_succeeds() {
     run.await.expect("join").expect("run");
     assert_eq!(health.report().state, HealthState::Stopped);
 }
+
+/// Counts of `idemq_key_errors_total` by `reason`, from a recorder installed once for this
+/// test binary (the other tests' metrics land there too; only this counter is read).
+fn key_errors(reason: &str) -> u64 {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+    use std::sync::OnceLock;
+    static SNAPSHOTTER: OnceLock<Snapshotter> = OnceLock::new();
+    let snapshotter = SNAPSHOTTER.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder
+            .install()
+            .expect("the only recorder of this test binary");
+        snapshotter
+    });
+    snapshotter
+        .snapshot()
+        .into_vec()
+        .into_iter()
+        .filter(|(key, _, _, _)| {
+            key.key().name() == idemq_core::metrics::KEY_ERRORS
+                && key
+                    .key()
+                    .labels()
+                    .any(|l| l.key() == "reason" && l.value() == reason)
+        })
+        .map(|(_, _, _, value)| match value {
+            DebugValue::Counter(n) => n,
+            _ => 0,
+        })
+        .sum()
+}
+
+#[tokio::test]
+async fn messages_the_key_strategy_cannot_read_turn_the_consumer_degraded_with_a_reason() {
+    key_errors("missing_field");
+    let broker = MemoryBroker::new();
+    let consumer = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        KeyStrategy::json_pointer("billing", "/payment_id").expect("keys"),
+        |_m: ClaimedMessage| async { Ok::<_, HandlerError>(None) },
+    )
+    .with_config(config());
+    let health = consumer.health();
+    let mut source = SwitchedSource {
+        inner: broker.subscribe(),
+        down: Arc::default(),
+    };
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let run = tokio::spawn(async move { consumer.run(&mut source, stopped.notified()).await });
+
+    // The producers send `id`, the strategy reads `payment_id`.
+    for i in 0..idemq_core::engine::KEYLESS_RUN {
+        broker.publish(Envelope::new(
+            BrokerKind::MEMORY,
+            "payments",
+            format!("{{\"id\":{i}}}"),
+        ));
+    }
+    wait_for("degraded", || {
+        health.report().state == HealthState::Degraded
+    })
+    .await;
+    let report = health.report();
+    assert!(!report.is_ready());
+    let reason = report.last_error.expect("a reason");
+    assert!(
+        reason.contains("/payment_id") && reason.contains("dead-lettered"),
+        "{reason}"
+    );
+    assert_eq!(
+        broker.dead_letters().len() as u64,
+        idemq_core::engine::KEYLESS_RUN
+    );
+    assert!(key_errors("missing_field") >= idemq_core::engine::KEYLESS_RUN);
+
+    // One message with the key: ready again.
+    broker.publish(Envelope::new(
+        BrokerKind::MEMORY,
+        "payments",
+        r#"{"payment_id":"p-1"}"#,
+    ));
+    wait_for("ready", || health.is_ready()).await;
+    assert_eq!(health.report().last_error, None);
+    stop.notify_one();
+    run.await.expect("join").expect("run");
+}

@@ -122,6 +122,24 @@ impl<H: Handler> IdempotentConsumer<H> {
         });
     }
 
+    /// Counts a message without a derivable key; at [`KEYLESS_RUN`](super::health::KEYLESS_RUN)
+    /// in a row the consumer turns degraded with a warning saying where the strategy looks.
+    fn keyless(&self, reason: &str, kind: &'static str) {
+        metrics::counter!(m::KEY_ERRORS, "group" => self.keys.group().as_str().to_string(), "reason" => kind).increment(1);
+        let in_row = self.counters.keyless_in_row.fetch_add(1, Ordering::Relaxed) + 1;
+        if in_row == super::health::KEYLESS_RUN {
+            let what = format!(
+                "the last {in_row} messages in a row had no usable dedup key and were \
+                 dead-lettered: group `{}` reads its keys from {}, which these messages do \
+                 not carry (last: {reason}); fix the key strategy or the producers",
+                self.keys.group().as_str(),
+                self.keys.describe_source()
+            );
+            tracing::warn!(group = %self.keys.group().as_str(), "{what}");
+            self.counters.health.keys_failing(what);
+        }
+    }
+
     async fn run_stages(&self, batch: Vec<Delivery>) -> bool {
         let items = self.stage_keys(batch).await;
         if items.is_empty() {
@@ -251,10 +269,16 @@ impl<H: Handler> IdempotentConsumer<H> {
                 self.settle(d, Settlement::Nack(delay)).await;
                 continue;
             }
-            let key = match super::derive_key(&self.keys, &d.envelope) {
-                Ok(k) => k,
-                Err(reason) => {
+            let key = match super::derive_key_or_kind(&self.keys, &d.envelope) {
+                Ok(k) => {
+                    if self.counters.keyless_in_row.swap(0, Ordering::Relaxed) > 0 {
+                        self.counters.health.keys_ok();
+                    }
+                    k
+                }
+                Err((reason, kind)) => {
                     tracing::warn!(source = %d.envelope.source.name, %reason, "rejecting message");
+                    self.keyless(&reason, kind);
                     self.call_hook(
                         "on_dead_letter",
                         self.handler.on_dead_letter(&d.envelope, &reason),

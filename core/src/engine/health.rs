@@ -21,6 +21,10 @@ pub enum HealthState {
     StoreUnavailable,
     /// A source's poll failed (broker unreachable, channel lost); the loop backs off.
     BrokerUnavailable,
+    /// Polling, but the last [`KEYLESS_RUN`] messages or more in a row were dead-lettered
+    /// because no dedup key could be derived from them: the key strategy does not match
+    /// what the producers send. Not ready: nothing is processed until it is fixed.
+    Degraded,
     /// Every poll loop has returned.
     Stopped,
 }
@@ -33,6 +37,7 @@ impl HealthState {
             Self::Ready => "ready",
             Self::StoreUnavailable => "store_unavailable",
             Self::BrokerUnavailable => "broker_unavailable",
+            Self::Degraded => "degraded",
             Self::Stopped => "stopped",
         }
     }
@@ -74,6 +79,10 @@ struct Since {
     last_error: Option<String>,
 }
 
+/// How many messages in a row without a derivable key turn a consumer
+/// [`HealthState::Degraded`].
+pub const KEYLESS_RUN: u64 = 5;
+
 #[derive(Debug)]
 struct Inner {
     /// Poll loops running now.
@@ -81,6 +90,8 @@ struct Inner {
     /// Poll loops whose last poll failed.
     sources_down: AtomicUsize,
     store_down: AtomicBool,
+    /// The last [`KEYLESS_RUN`] messages or more had no derivable key.
+    keyless: AtomicBool,
     outages: AtomicU64,
     shown: Mutex<Since>,
 }
@@ -117,6 +128,7 @@ impl Default for Health {
             loops: AtomicUsize::new(0),
             sources_down: AtomicUsize::new(0),
             store_down: AtomicBool::new(false),
+            keyless: AtomicBool::new(false),
             outages: AtomicU64::new(0),
             shown: Mutex::new(Since {
                 state: HealthState::Starting,
@@ -164,16 +176,19 @@ impl Health {
             HealthState::StoreUnavailable
         } else if i.sources_down.load(Ordering::SeqCst) > 0 {
             HealthState::BrokerUnavailable
+        } else if i.keyless.load(Ordering::SeqCst) {
+            HealthState::Degraded
         } else {
             HealthState::Ready
         };
         let mut shown = self.shown();
-        let unhealthy = matches!(
+        let unavailable = matches!(
             state,
             HealthState::StoreUnavailable | HealthState::BrokerUnavailable
         );
+        let unhealthy = unavailable || state == HealthState::Degraded;
         if shown.state != state {
-            if unhealthy && shown.state == HealthState::Ready {
+            if unavailable && shown.state == HealthState::Ready {
                 i.outages.fetch_add(1, Ordering::Relaxed);
             }
             tracing::info!(from = %shown.state, to = %state, "consumer health changed");
@@ -208,6 +223,20 @@ impl Health {
     pub(crate) fn store_failed(&self, op: &str, error: &dyn std::fmt::Display) {
         self.0.store_down.store(true, Ordering::SeqCst);
         self.refresh(Some(format!("dedup store ({op}): {error}")));
+    }
+
+    /// [`KEYLESS_RUN`] messages in a row had no derivable key; `error` says the last one's
+    /// reason and where the strategy looks.
+    pub(crate) fn keys_failing(&self, error: String) {
+        self.0.keyless.store(true, Ordering::SeqCst);
+        self.refresh(Some(error));
+    }
+
+    /// A key was derived again.
+    pub(crate) fn keys_ok(&self) {
+        if self.0.keyless.swap(false, Ordering::SeqCst) {
+            self.refresh(None);
+        }
     }
 
     /// A poll loop started; the returned guard tracks that loop's source.

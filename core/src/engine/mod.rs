@@ -40,7 +40,7 @@ mod lease;
 
 pub use config::{ConsumerConfig, DeliveryOrder, RetryPolicy};
 use health::LoopHealth;
-pub use health::{Health, HealthReport, HealthState};
+pub use health::{Health, HealthReport, HealthState, KEYLESS_RUN};
 pub use lease::{LeaseKeepAlive, LeaseState, LossCause};
 
 use crate::envelope::Envelope;
@@ -68,9 +68,18 @@ pub(crate) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 /// message), not the consumer's, so it is caught, logged and counted here. Every consumer
 /// that derives keys goes through this one function.
 pub fn derive_key(keys: &KeyStrategy, envelope: &Envelope) -> Result<DedupKey, String> {
+    derive_key_or_kind(keys, envelope).map_err(|(reason, _)| reason)
+}
+
+/// [`derive_key`], with the failure's kind ([`KeyError::kind`](crate::KeyError::kind), or
+/// `key_function_panic`) beside its reason.
+pub(crate) fn derive_key_or_kind(
+    keys: &KeyStrategy,
+    envelope: &Envelope,
+) -> Result<DedupKey, (String, &'static str)> {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| keys.derive(envelope))) {
         Ok(Ok(key)) => Ok(key),
-        Ok(Err(e)) => Err(format!("no usable dedup key: {e}")),
+        Ok(Err(e)) => Err((format!("no usable dedup key: {e}"), e.kind())),
         Err(panic) => {
             let why = panic_message(panic.as_ref());
             tracing::error!(panic = %why, "the key function panicked");
@@ -80,8 +89,9 @@ pub fn derive_key(keys: &KeyStrategy, envelope: &Envelope) -> Result<DedupKey, S
                 "failure" => "panic"
             )
             .increment(1);
-            Err(format!(
-                "no usable dedup key: the key function panicked: {why}"
+            Err((
+                format!("no usable dedup key: the key function panicked: {why}"),
+                "key_function_panic",
             ))
         }
     }
@@ -102,6 +112,8 @@ pub(crate) struct Counters {
     pub(crate) stale: AtomicU64,
     pub(crate) settle_failures: AtomicU64,
     pub(crate) batch_splits: AtomicU64,
+    /// Messages in a row dead-lettered because no key could be derived.
+    pub(crate) keyless_in_row: AtomicU64,
     /// Readiness, shared by clones of the engine.
     pub(crate) health: Health,
     /// Per broker kind and outcome: counted but not yet reported to `metrics` (reported
