@@ -11,8 +11,8 @@
 use clap::Args;
 use idemq::core::source::{Readiness, ReadinessProbe};
 use idemq::{
-    async_trait, Capabilities, ClaimedMessage, ConsumerConfig, ConsumerStats, Delivery, Envelope,
-    HandlerError, IdempotentConsumer, KeyStrategy, Settle, Source, SourceError,
+    async_trait, ClaimedMessage, ConsumerConfig, ConsumerStats, Delivery, Envelope, HandlerError,
+    IdempotentConsumer, KeyStrategy, Settle, Source, SourceError,
 };
 use std::io::Write;
 use std::process::ExitCode;
@@ -388,9 +388,6 @@ impl Source for NotingRejects {
     }
     async fn close(&mut self) -> Result<(), SourceError> {
         self.inner.close().await
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
     }
     fn readiness(&self) -> ReadinessProbe {
         self.inner.readiness()

@@ -17,7 +17,7 @@
 use crate::engine::DeliveryOrder;
 use crate::envelope::{BrokerKind, Envelope, Position};
 use crate::publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher};
-use crate::source::{Capabilities, Delivery, Settle, Source, SourceError};
+use crate::source::{Delivery, Settle, Source, SourceError};
 use async_trait::async_trait;
 use rand::{Rng, SeedableRng};
 use std::collections::{HashMap, VecDeque};
@@ -384,16 +384,6 @@ impl Source for MemorySource {
     async fn close(&mut self) -> Result<(), SourceError> {
         self.requeue_mine();
         Ok(())
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            delayed_redelivery: true,
-            min_redelivery_delay: Duration::ZERO,
-            dead_letter: true,
-            ordered: self.shared.lock().ordering != DeliveryOrder::Unordered,
-            transactional: false,
-        }
     }
 }
 

@@ -28,7 +28,7 @@
 //! **Lifecycle.** [`Source::close`] ends a subscription cleanly (final offset commit, leave the
 //! group, cancel the consumer); the engine calls it when `run` ends. [`Source::after_batch`]
 //! tells the source that every delivery of a batch is settled (Kafka commits offsets or a
-//! transaction there). [`Source::capabilities`] says what the broker does natively.
+//! transaction there).
 //!
 //! **Readiness.** A source can be connected and still have nothing to deliver for reasons
 //! that are not "no messages": a Kafka consumer waits for the group coordinator to assign it
@@ -77,25 +77,6 @@ pub trait Settle: Send + Sync {
     /// from its own memory (Kafka, RabbitMQ streams) keeps it, instead of a copy of every
     /// envelope made when the delivery was handed out; the default drops it.
     fn take_back(&mut self, _envelope: Envelope) {}
-}
-
-/// What a broker does natively, so the engine and the docs know what an adapter emulates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Capabilities {
-    /// `nack(delay)` waits out the delay without the engine's help (RabbitMQ TTL queues;
-    /// RocketMQ holds the message on its listener thread); otherwise the adapter holds the
-    /// message locally (Kafka).
-    pub delayed_redelivery: bool,
-    /// The shortest redelivery delay the source can honour; the engine's delays below it
-    /// are rounded up (zero for every adapter today: RocketMQ holds a nack for exactly its
-    /// delay instead of using the broker's reconsume levels).
-    pub min_redelivery_delay: std::time::Duration,
-    /// `reject` keeps the message, with its reason, somewhere an operator can read it.
-    pub dead_letter: bool,
-    /// Deliveries of one partition/queue arrive in order and a nack keeps that order.
-    pub ordered: bool,
-    /// Settlements can join a broker transaction (Kafka `send_offsets_to_transaction`).
-    pub transactional: bool,
 }
 
 /// Whether a source can deliver what its broker holds for it ([`Source::readiness`]).
@@ -258,11 +239,6 @@ pub trait Source: Send {
         Ok(())
     }
 
-    /// What the broker does natively.
-    fn capabilities(&self) -> Capabilities {
-        Capabilities::default()
-    }
-
     /// A probe of whether the source can deliver yet (see [`Readiness`]). The default says
     /// ready: a source that returns from its constructor connected and subscribed
     /// (RabbitMQ, RocketMQ, the memory broker). A Kafka source is ready once the group
@@ -282,9 +258,6 @@ impl<S: Source + ?Sized> Source for Box<S> {
     }
     async fn close(&mut self) -> Result<(), SourceError> {
         (**self).close().await
-    }
-    fn capabilities(&self) -> Capabilities {
-        (**self).capabilities()
     }
     fn readiness(&self) -> ReadinessProbe {
         (**self).readiness()

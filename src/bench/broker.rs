@@ -30,7 +30,7 @@
 
 use idemq::sql::{PgStore, SqlResultExt, SqlStoreOptions, TableName};
 use idemq::{
-    async_trait, Capabilities, ClaimedMessage, ConsumerConfig, DedupStore, Handler, HandlerError,
+    async_trait, ClaimedMessage, ConsumerConfig, DedupStore, Handler, HandlerError,
     IdempotentConsumer, KeyStrategy, MemoryStore, Source, SourceError,
 };
 use sqlx::PgPool;
@@ -346,10 +346,6 @@ impl Source for ClockedSource<'_, '_> {
     async fn close(&mut self) -> Result<(), SourceError> {
         self.closing_at.get_or_insert_with(Instant::now);
         self.inner.close().await
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
     }
 }
 

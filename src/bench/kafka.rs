@@ -17,7 +17,7 @@ use idemq::kafka::rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use idemq::kafka::{
     commit_transaction, KafkaProducerConfig, KafkaPublisher, KafkaSource, KafkaSourceConfig,
 };
-use idemq::{async_trait, Capabilities, Delivery, OutgoingMessage, Publisher, Source, SourceError};
+use idemq::{async_trait, Delivery, OutgoingMessage, Publisher, Source, SourceError};
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -205,10 +205,6 @@ impl Source for Primed {
 
     async fn close(&mut self) -> Result<(), SourceError> {
         self.inner.close().await
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
     }
 }
 

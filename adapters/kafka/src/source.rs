@@ -7,10 +7,9 @@ use crate::KafkaSourceError;
 use async_trait::async_trait;
 use idemq_core::adapter::{
     DelayedRedelivery, Epoch, HeldSettle, LocallyHeld, OffsetTracker, PartitionId, SharedState,
-    LOCALLY_HELD_CAPABILITIES,
 };
 use idemq_core::envelope::{props, Headers};
-use idemq_core::source::{Capabilities, Delivery, Readiness, ReadinessProbe, Source, SourceError};
+use idemq_core::source::{Delivery, Readiness, ReadinessProbe, Source, SourceError};
 use idemq_core::Envelope;
 use rdkafka::client::ClientContext;
 use rdkafka::consumer::RebalanceProtocol;
@@ -1005,10 +1004,6 @@ impl Source for KafkaSource {
         drop(st);
         self.shared.sync.wake_one();
         result
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        LOCALLY_HELD_CAPABILITIES
     }
 
     /// Ready once the group coordinator has assigned partitions (an empty assignment

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
 use idemq_core::adapter::{channel_source, ChannelSender, ChannelSource, DelayedRedelivery};
 use idemq_core::envelope::{props, Position};
-use idemq_core::source::{Capabilities, Delivery, Settle, Source, SourceError};
+use idemq_core::source::{Delivery, Settle, Source, SourceError};
 use idemq_core::Envelope;
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
@@ -766,16 +766,6 @@ impl Source for RabbitSource {
             let _ = task.await;
         }
         self.inner.close().await
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        Capabilities {
-            delayed_redelivery: !self.shared.cfg.ordered,
-            min_redelivery_delay: Duration::ZERO,
-            dead_letter: true,
-            ordered: self.shared.cfg.ordered,
-            transactional: false,
-        }
     }
 }
 

@@ -9,8 +9,8 @@ mod support;
 
 use idemq_core::testkit::process::{child_role, ChildProcess};
 use idemq_core::{
-    async_trait, Capabilities, ClaimedMessage, ConsumerConfig, Delivery, IdempotentConsumer,
-    KeyStrategy, OutgoingMessage, Publisher, RetryPolicy, Source, SourceError,
+    async_trait, ClaimedMessage, ConsumerConfig, Delivery, IdempotentConsumer, KeyStrategy,
+    OutgoingMessage, Publisher, RetryPolicy, Source, SourceError,
 };
 use idemq_rabbitmq::{QueueType, RabbitSource};
 use idemq_sql::sqlx::{self, PgPool};
@@ -94,9 +94,6 @@ impl Source for Observed {
     }
     async fn close(&mut self) -> Result<(), SourceError> {
         self.inner.close().await
-    }
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
     }
 }
 

@@ -35,7 +35,7 @@ use futures::future::{select, Either};
 use idemq_core::adapter::{
     channel_source, ChannelSender, ChannelSource, SettleRecorder, Settlement,
 };
-use idemq_core::source::{Capabilities, Delivery, Settle, Source, SourceError};
+use idemq_core::source::{Delivery, Settle, Source, SourceError};
 use rocketmq_client_rust::{
     ClientResult, ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus, ConsumeOrderlyContext,
     ConsumeOrderlyStatus, DefaultMQPushConsumer, MQConsumerInner, MQPushConsumer,
@@ -510,14 +510,6 @@ impl RocketSource {
             .await
             .map_err(|e| RocketError::Client(format!("consumer {}: {e}", cfg.group)))?;
         tracing::info!(group = %cfg.group, topic = %cfg.topic, mode = ?cfg.mode, "rocketmq consumer started");
-        let inner = inner.with_capabilities(Capabilities {
-            delayed_redelivery: true,
-            // Nacks are held here for exactly their delay (see the module doc).
-            min_redelivery_delay: Duration::ZERO,
-            dead_letter: true,
-            ordered: cfg.mode == ConsumeMode::Orderly,
-            transactional: true,
-        });
         Ok(Self {
             inner,
             consumer: Arc::new(Mutex::new(Some(consumer))),
@@ -607,10 +599,6 @@ impl Source for RocketSource {
             .spawn(shut_down(self.consumer.clone(), self.dlq.clone()))
             .await
             .map_err(|e| SourceError::Broker(format!("consumer shutdown: {e}")))
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.inner.capabilities()
     }
 }
 

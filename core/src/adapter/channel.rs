@@ -1,6 +1,6 @@
 //! A cancel-safe source over a channel, and settlements carried back to a callback thread.
 
-use crate::source::{Capabilities, Delivery, Settle, Source, SourceError};
+use crate::source::{Delivery, Settle, Source, SourceError};
 use async_trait::async_trait;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -52,29 +52,16 @@ type Closer =
 /// ```
 pub struct ChannelSource {
     rx: mpsc::Receiver<Delivery>,
-    capabilities: Capabilities,
     closer: Option<Closer>,
 }
 
 /// A channel source buffering up to `capacity` deliveries, and its sender.
 pub fn channel_source(capacity: usize) -> (ChannelSender, ChannelSource) {
     let (tx, rx) = mpsc::channel(capacity.max(1));
-    (
-        ChannelSender { tx },
-        ChannelSource {
-            rx,
-            capabilities: Capabilities::default(),
-            closer: None,
-        },
-    )
+    (ChannelSender { tx }, ChannelSource { rx, closer: None })
 }
 
 impl ChannelSource {
-    /// Declares what the broker behind the channel does natively.
-    pub fn with_capabilities(mut self, c: Capabilities) -> Self {
-        self.capabilities = c;
-        self
-    }
     /// Runs `close` when the engine closes the source (shut the client down, leave the group).
     pub fn on_close<F, Fut>(mut self, close: F) -> Self
     where
@@ -111,10 +98,6 @@ impl Source for ChannelSource {
             Some(c) => c().await,
             None => Ok(()),
         }
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        self.capabilities
     }
 }
 

@@ -21,4 +21,4 @@ mod shared;
 pub use channel::{channel_source, ChannelSender, ChannelSource, SettleRecorder, Settlement};
 pub use delayed::DelayedRedelivery;
 pub use offsets::{Epoch, OffsetTracker, PartitionId};
-pub use shared::{HeldSettle, LocallyHeld, SharedState, LOCALLY_HELD_CAPABILITIES};
+pub use shared::{HeldSettle, LocallyHeld, SharedState};

@@ -1,7 +1,7 @@
 //! State shared by a source and its deliveries, and the settlement shape of sources that
 //! keep their own offsets and redeliver locally (Kafka, RabbitMQ streams).
 
-use crate::source::{Capabilities, Settle, SourceError};
+use crate::source::{Settle, SourceError};
 use async_trait::async_trait;
 use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
@@ -57,17 +57,6 @@ impl<S> SharedState<S> {
         self.wake.notified()
     }
 }
-
-/// What a source that settles through [`HeldSettle`] offers (a log it reads by offset: Kafka,
-/// RabbitMQ streams): no broker-side delay (nacks are held here), dead letters copied with
-/// their reason, per-partition order kept across nacks, no broker transaction.
-pub const LOCALLY_HELD_CAPABILITIES: Capabilities = Capabilities {
-    delayed_redelivery: false,
-    min_redelivery_delay: Duration::ZERO,
-    dead_letter: true,
-    ordered: true,
-    transactional: false,
-};
 
 /// The settlement of one delivery from a source that tracks its own offsets and holds
 /// nacked deliveries locally: what differs per broker, with [`HeldSettle`] mapping it onto

@@ -10,11 +10,10 @@ use async_trait::async_trait;
 use futures::{FutureExt, StreamExt};
 use idemq_core::adapter::{
     DelayedRedelivery, Epoch, HeldSettle, LocallyHeld, OffsetTracker, PartitionId, SharedState,
-    LOCALLY_HELD_CAPABILITIES,
 };
 use idemq_core::envelope::props;
 use idemq_core::publish::OutgoingMessage;
-use idemq_core::source::{Capabilities, Delivery, Source, SourceError};
+use idemq_core::source::{Delivery, Source, SourceError};
 use idemq_core::Envelope;
 use rabbitmq_stream_client::error::ClientError;
 use rabbitmq_stream_client::types::{OffsetSpecification, ResponseCode};
@@ -422,10 +421,6 @@ impl Source for StreamSource {
             let _ = c.handle().close().await;
         }
         committed
-    }
-
-    fn capabilities(&self) -> Capabilities {
-        LOCALLY_HELD_CAPABILITIES
     }
 }
 
