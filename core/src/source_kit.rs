@@ -12,13 +12,15 @@
 //! impl idemq_core::source_kit::SourceHarness for Kafka { /* ... */ }
 //!
 //! idemq_core::source_contract_tests!(async {
-//!     let brokers = std::env::var("IDEMQ_TEST_KAFKA_BROKERS").ok()?;
+//!     let brokers = idemq_core::testkit::servers::server_url("IDEMQ_TEST_KAFKA_BROKERS")?;
 //!     Some(std::sync::Arc::new(Kafka { brokers }) as std::sync::Arc<dyn idemq_core::source_kit::SourceHarness>)
 //! });
 //! ```
 //!
-//! The harness factory returns `None` to skip (no server configured); set
-//! `IDEMQ_REQUIRE_SERVERS=1` (the test script does) to turn a skip into a failure.
+//! The harness factory returns `None` to skip (no server configured): take the address from
+//! [`server_url`](crate::testkit::servers::server_url), which prints the skip note, records a
+//! skip by design and panics under `IDEMQ_REQUIRE_SERVERS=1` (the servers' env sets it). A
+//! factory that returns `None` another way fails under `IDEMQ_REQUIRE_SERVERS=1` too.
 
 use crate::engine::{ConsumerConfig, DeliveryOrder, IdempotentConsumer, RetryPolicy};
 use crate::envelope::Envelope;

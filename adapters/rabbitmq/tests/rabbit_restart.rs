@@ -14,13 +14,12 @@ use std::time::Duration;
 static RESTARTS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The broker's URL, its restart command and this test's turn to restart it; `None` (the
-/// test is skipped) without a broker or without `IDEMQ_TEST_RABBITMQ_RESTART_CMD`.
+/// test is skipped) without a broker or without `IDEMQ_TEST_RABBITMQ_RESTART_CMD`, as
+/// `idemq_core::testkit::servers::server_url` decides (a panic under `IDEMQ_REQUIRE_SERVERS=1`,
+/// whose environment exports the command with the URL).
 async fn restart_turn() -> Option<(String, String, tokio::sync::MutexGuard<'static, ()>)> {
     let url = support::amqp_url()?;
-    let Ok(restart) = std::env::var("IDEMQ_TEST_RABBITMQ_RESTART_CMD") else {
-        eprintln!("skipped: IDEMQ_TEST_RABBITMQ_RESTART_CMD is not set");
-        return None;
-    };
+    let restart = idemq_core::testkit::servers::server_url("IDEMQ_TEST_RABBITMQ_RESTART_CMD")?;
     Some((url, restart, RESTARTS.lock().await))
 }
 
