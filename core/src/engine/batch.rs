@@ -9,8 +9,8 @@ use crate::key::DedupKey;
 use crate::metrics as m;
 use crate::source::Delivery;
 use crate::store::{
-    now_ms, ClaimMode, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, FencingToken,
-    Lease, PayloadHash, StoreError,
+    now_ms, ClaimMode, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupRecord,
+    FencingToken, Lease, PayloadHash, StoreError,
 };
 use bytes::Bytes;
 use futures::FutureExt;
@@ -101,6 +101,76 @@ struct LaneJobs {
 struct Job {
     index: usize,
     msg: ClaimedMessage,
+}
+
+/// What stage 3a lines up over a batch: the handlers to run, by lane, and the lanes that
+/// had a message sent back.
+struct Lineup {
+    /// Lanes with a message sent back in this batch, and the delay it was sent back with:
+    /// the lane's later messages go back unrun with the same delay.
+    held: HashMap<Lane, Duration>,
+    lanes: Vec<LaneJobs>,
+    /// Where each lane's jobs are in `lanes`.
+    lane_slot: HashMap<Lane, usize>,
+    /// The acquired items by index, each with the envelope lent to its handler.
+    acquired: Vec<Option<Acquired>>,
+}
+
+impl Lineup {
+    fn new(items: usize) -> Self {
+        let mut acquired: Vec<Option<Acquired>> = Vec::new();
+        acquired.resize_with(items, || None);
+        Lineup {
+            held: HashMap::new(),
+            lanes: Vec::new(),
+            lane_slot: HashMap::new(),
+            acquired,
+        }
+    }
+
+    /// The delay the lane's earlier message was sent back with, if one was.
+    fn held_for(&self, lane: Option<&Lane>) -> Option<Duration> {
+        lane.and_then(|l| self.held.get(l)).copied()
+    }
+
+    /// Holds the lane for the rest of the batch (the first delay sent back stays).
+    fn hold(&mut self, lane: Lane, delay: Duration) {
+        self.held.entry(lane).or_insert(delay);
+    }
+
+    /// Queues a handler behind the earlier ones of its lane (an unordered message is a
+    /// lane of its own).
+    fn push(&mut self, job: Job, lent: Acquired) {
+        let index = job.index;
+        let lane = lent.0.lane.as_ref();
+        match lane.and_then(|l| self.lane_slot.get(l)) {
+            Some(&slot) => self.lanes[slot].rest.push(job),
+            None => {
+                if let Some(l) = lane {
+                    self.lane_slot.insert(l.clone(), self.lanes.len());
+                }
+                self.lanes.push(LaneJobs {
+                    first: job,
+                    rest: Vec::new(),
+                });
+            }
+        }
+        self.acquired[index] = Some(lent);
+    }
+
+    fn into_parts(self) -> (Vec<Option<Acquired>>, Vec<LaneJobs>) {
+        (self.acquired, self.lanes)
+    }
+}
+
+/// Why an acquired key goes back without its handler running.
+enum Unrun {
+    /// An earlier message of its lane was sent back with this delay.
+    LaneHeld(Duration),
+    /// The claim came back with less than half its lease left.
+    LateClaim,
+    /// The source can no longer settle the delivery.
+    Stale,
 }
 
 impl<H: Handler> IdempotentConsumer<H> {
@@ -419,162 +489,211 @@ impl<H: Handler> IdempotentConsumer<H> {
         live: &Arc<LiveLeases>,
         claimed_at: tokio::time::Instant,
     ) -> (Vec<Option<Acquired>>, Vec<LaneJobs>) {
-        // Lanes with a message sent back in this batch, and the delay it was sent back with:
-        // the lane's later messages go back unrun with the same delay.
-        let mut held: HashMap<Lane, Duration> = HashMap::new();
-        let mut lanes: Vec<LaneJobs> = Vec::new();
-        let mut lane_slot: HashMap<Lane, usize> = HashMap::new();
-        let mut acquired: Vec<Option<Acquired>> = Vec::new();
-        acquired.resize_with(outcomes.len(), || None);
+        let mut lineup = Lineup::new(outcomes.len());
         let mode = self.store.claim_mode();
         for (index, (item, outcome)) in items.into_iter().zip(outcomes).enumerate() {
             let lane = item.lane.clone();
-            let held_for = lane.as_ref().and_then(|l| held.get(l)).copied();
+            let held_for = lineup.held_for(lane.as_ref());
             let sent_back = match outcome {
                 Err(e) => self.store_refused(item, &e).await,
                 Ok(ClaimOutcome::Acquired(lease)) => {
-                    let mut item = item;
-                    if let Some(delay) = held_for {
-                        live.remove(index);
-                        self.release(&item.key, lease.token).await;
-                        self.settle_item(item, Settlement::Nack(delay), Outcome::DEFERRED)
-                            .await;
-                        continue;
-                    }
-                    // On our own clock: the store's `until_ms` is on the store's.
-                    if claimed_at.elapsed() > self.cfg.lease / 2 {
-                        // The claim sat blocked (a row lock, a slow store) until most of its
-                        // lease was gone: another worker could take it over mid-handler.
-                        tracing::warn!(key = %item.key, "claim answered with less than half its lease left; releasing and redelivering");
-                        live.remove(index);
-                        self.release(&item.key, lease.token).await;
-                        let d = self.cfg.store_backoff;
-                        self.settle_item(item, Settlement::Nack(d), Outcome::STORE_DOWN)
-                            .await;
-                        Some(d)
-                    } else if item.delivery.is_stale() {
-                        // The source can no longer settle it (partition revoked): its new
-                        // owner will run it.
-                        tracing::info!(key = %item.key, "delivery went stale before its handler ran; giving the claim back");
-                        live.remove(index);
-                        self.release(&item.key, lease.token).await;
-                        let d = self.cfg.redelivery_delay;
-                        self.settle_item(item, Settlement::Nack(d), Outcome::STALE)
-                            .await;
-                        None
-                    } else {
-                        if lease.takeover {
-                            self.counters.takeovers.fetch_add(1, Ordering::Relaxed);
-                            metrics::counter!(m::LEASE_TAKEOVERS, "group" => self.keys.group().as_str().to_string())
-                                .increment(1);
-                            tracing::info!(key = %item.key, attempt = lease.attempt, "took over an expired lease");
+                    match self.reason_not_to_run(&item, held_for, claimed_at) {
+                        Some(why) => {
+                            self.give_back_unrun(index, item, lease.token, why, live)
+                                .await
                         }
-                        let watch = live.watch(index);
-                        // Lent to the handler, not copied; taken back after it (see
-                        // `stage_dispatch`'s end).
-                        let placeholder =
-                            Envelope::new(item.delivery.envelope.broker, "", Bytes::new());
-                        let envelope =
-                            Arc::new(std::mem::replace(&mut item.delivery.envelope, placeholder));
-                        let attempt = match mode {
-                            // No record counts attempts across deliveries: the broker's
-                            // count, when it keeps one, is the better floor.
-                            ClaimMode::InEffectTransaction => {
-                                lease.attempt.max(envelope.delivery_count.unwrap_or(1))
-                            }
-                            _ => lease.attempt,
-                        };
-                        let msg = ClaimedMessage::new(
-                            envelope.clone(),
-                            item.key.clone(),
-                            lease.token,
-                            attempt,
-                            lease.takeover,
-                            watch,
-                        )
-                        .with_retention(self.cfg.retention)
-                        .with_claim_mode(mode);
-                        let job = Job { index, msg };
-                        match item.lane.as_ref().and_then(|l| lane_slot.get(l)) {
-                            Some(&slot) => lanes[slot].rest.push(job),
-                            None => {
-                                if let Some(l) = &item.lane {
-                                    lane_slot.insert(l.clone(), lanes.len());
-                                }
-                                lanes.push(LaneJobs {
-                                    first: job,
-                                    rest: Vec::new(),
-                                });
-                            }
+                        None => {
+                            self.note_takeover(&item, &lease);
+                            let (job, lent) = self.lend_to_handler(index, item, lease, live, mode);
+                            lineup.push(job, lent);
+                            None
                         }
-                        acquired[index] = Some((item, lease, envelope));
-                        continue;
                     }
                 }
                 Ok(ClaimOutcome::Duplicate(record)) => {
-                    let n = 1 + item.followers.len() as u64;
-                    metrics::counter!(m::DUPLICATES, "topic" => item.delivery.envelope.source.name.clone(), "group" => self.keys.group().as_str().to_string()).increment(n);
-                    // The duplicate's own trace context: a producer resend carries the
-                    // original's, so the trace shows the resend next to the first run.
-                    let span = tracing::info_span!("idemq.duplicate", key = %item.key, traceparent = tracing::field::Empty, first_worker = record.worker.as_deref().unwrap_or("-"), attempts = record.attempts);
-                    // Reading the header costs a scan per message: only for a span that records.
-                    if let Some(tp) = (!span.is_disabled())
-                        .then(|| item.delivery.envelope.traceparent())
-                        .flatten()
-                    {
-                        span.record("traceparent", tp);
-                    }
-                    async {
-                        tracing::debug!("duplicate skipped");
-                        let hook = self.handler.on_duplicate(&item.delivery.envelope, &record);
-                        self.call_hook("on_duplicate", hook).await;
-                    }
-                    .instrument(span)
-                    .await;
-                    self.settle_item(item, Settlement::Ack, Outcome::DUPLICATE)
-                        .await;
+                    self.skip_duplicate(item, record).await;
                     None
                 }
                 Ok(ClaimOutcome::InFlight { until_ms }) => {
-                    metrics::counter!(m::IN_FLIGHT_CONFLICTS, "group" => self.keys.group().as_str().to_string())
-                        .increment(1);
-                    let wait = if super::lease::held_here(&item.key) {
-                        // Held by another engine of this process: it is usually done within
-                        // milliseconds, so come back soon, backing off per redelivery.
-                        let n = item
-                            .delivery
-                            .envelope
-                            .delivery_count
-                            .unwrap_or(1)
-                            .clamp(1, 16);
-                        (MIN_REDELIVERY_DELAY * (1 << (n - 1))).min(self.cfg.in_flight_delay_max)
-                    } else {
-                        Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64)
-                            .min(self.cfg.in_flight_delay_max)
-                            .max(MIN_REDELIVERY_DELAY)
-                    };
-                    let wait = wait.max(held_for.unwrap_or_default());
-                    self.settle_item(item, Settlement::Nack(wait), Outcome::IN_FLIGHT)
-                        .await;
-                    Some(wait)
+                    Some(self.send_back_in_flight(item, until_ms, held_for).await)
                 }
                 Ok(ClaimOutcome::PayloadConflict(rec)) => {
-                    metrics::counter!(m::PAYLOAD_CONFLICTS, "group" => self.keys.group().as_str().to_string()).increment(1);
-                    let reason = format!(
-                        "payload conflict: key `{}` was first seen with a different payload (status {:?}, attempts {}); fix the producer's key",
-                        item.key, rec.status, rec.attempts
-                    );
-                    tracing::warn!(key = %item.key, "{reason}");
-                    self.dead_letter(item, reason).await;
+                    self.reject_payload_conflict(item, rec).await;
                     None
                 }
             };
             // A message sent back holds its lane for the rest of the batch.
             if let (Some(delay), Some(lane)) = (sent_back, lane) {
-                held.entry(lane).or_insert(delay);
+                lineup.hold(lane, delay);
             }
         }
-        (acquired, lanes)
+        lineup.into_parts()
+    }
+
+    /// Whether an acquired key must go back without its handler running, and why.
+    fn reason_not_to_run(
+        &self,
+        item: &Item,
+        held_for: Option<Duration>,
+        claimed_at: tokio::time::Instant,
+    ) -> Option<Unrun> {
+        if let Some(delay) = held_for {
+            return Some(Unrun::LaneHeld(delay));
+        }
+        // On our own clock: the store's `until_ms` is on the store's.
+        if claimed_at.elapsed() > self.cfg.lease / 2 {
+            return Some(Unrun::LateClaim);
+        }
+        item.delivery.is_stale().then_some(Unrun::Stale)
+    }
+
+    /// Gives back an acquired key whose handler will not run in this batch: stops renewing
+    /// its lease, releases it, and nacks. Returns the delay when the message holds its lane
+    /// from here on (a held lane is held already, and a stale delivery's lane has a new
+    /// owner).
+    async fn give_back_unrun(
+        &self,
+        index: usize,
+        item: Item,
+        token: FencingToken,
+        why: Unrun,
+        live: &LiveLeases,
+    ) -> Option<Duration> {
+        let (delay, outcome, holds_lane) = match why {
+            Unrun::LaneHeld(delay) => (delay, Outcome::DEFERRED, false),
+            Unrun::LateClaim => {
+                // The claim sat blocked (a row lock, a slow store) until most of its lease
+                // was gone: another worker could take it over mid-handler.
+                tracing::warn!(key = %item.key, "claim answered with less than half its lease left; releasing and redelivering");
+                (self.cfg.store_backoff, Outcome::STORE_DOWN, true)
+            }
+            Unrun::Stale => {
+                // The source can no longer settle it (partition revoked): its new owner
+                // will run it.
+                tracing::info!(key = %item.key, "delivery went stale before its handler ran; giving the claim back");
+                (self.cfg.redelivery_delay, Outcome::STALE, false)
+            }
+        };
+        live.remove(index);
+        self.release(&item.key, token).await;
+        self.settle_item(item, Settlement::Nack(delay), outcome)
+            .await;
+        holds_lane.then_some(delay)
+    }
+
+    /// Counts and logs a claim that took over an expired lease (a handler cut off or a
+    /// worker gone before completing).
+    fn note_takeover(&self, item: &Item, lease: &Lease) {
+        if lease.takeover {
+            self.counters.takeovers.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!(m::LEASE_TAKEOVERS, "group" => self.keys.group().as_str().to_string())
+                .increment(1);
+            tracing::info!(key = %item.key, attempt = lease.attempt, "took over an expired lease");
+        }
+    }
+
+    /// Builds the handler's job for an acquired key. The envelope is lent to the handler,
+    /// not copied, and taken back after it (see `stage_run_and_finish`).
+    fn lend_to_handler(
+        &self,
+        index: usize,
+        mut item: Item,
+        lease: Lease,
+        live: &LiveLeases,
+        mode: ClaimMode,
+    ) -> (Job, Acquired) {
+        let watch = live.watch(index);
+        let placeholder = Envelope::new(item.delivery.envelope.broker, "", Bytes::new());
+        let envelope = Arc::new(std::mem::replace(&mut item.delivery.envelope, placeholder));
+        let attempt = match mode {
+            // No record counts attempts across deliveries: the broker's count, when it
+            // keeps one, is the better floor.
+            ClaimMode::InEffectTransaction => {
+                lease.attempt.max(envelope.delivery_count.unwrap_or(1))
+            }
+            _ => lease.attempt,
+        };
+        let msg = ClaimedMessage::new(
+            envelope.clone(),
+            item.key.clone(),
+            lease.token,
+            attempt,
+            lease.takeover,
+            watch,
+        )
+        .with_retention(self.cfg.retention)
+        .with_claim_mode(mode);
+        (Job { index, msg }, (item, lease, envelope))
+    }
+
+    /// A key completed before: acks the message and its copies after the `on_duplicate`
+    /// hook, in a span of its own.
+    async fn skip_duplicate(&self, item: Item, record: DedupRecord) {
+        let n = 1 + item.followers.len() as u64;
+        metrics::counter!(m::DUPLICATES, "topic" => item.delivery.envelope.source.name.clone(), "group" => self.keys.group().as_str().to_string()).increment(n);
+        // The duplicate's own trace context: a producer resend carries the
+        // original's, so the trace shows the resend next to the first run.
+        let span = tracing::info_span!("idemq.duplicate", key = %item.key, traceparent = tracing::field::Empty, first_worker = record.worker.as_deref().unwrap_or("-"), attempts = record.attempts);
+        // Reading the header costs a scan per message: only for a span that records.
+        if let Some(tp) = (!span.is_disabled())
+            .then(|| item.delivery.envelope.traceparent())
+            .flatten()
+        {
+            span.record("traceparent", tp);
+        }
+        async {
+            tracing::debug!("duplicate skipped");
+            let hook = self.handler.on_duplicate(&item.delivery.envelope, &record);
+            self.call_hook("on_duplicate", hook).await;
+        }
+        .instrument(span)
+        .await;
+        self.settle_item(item, Settlement::Ack, Outcome::DUPLICATE)
+            .await;
+    }
+
+    /// Another worker holds the key: nacks the message to come back about when that lease
+    /// ends (never sooner than its lane's hold). Returns the delay it went back with.
+    async fn send_back_in_flight(
+        &self,
+        item: Item,
+        until_ms: i64,
+        held_for: Option<Duration>,
+    ) -> Duration {
+        metrics::counter!(m::IN_FLIGHT_CONFLICTS, "group" => self.keys.group().as_str().to_string())
+            .increment(1);
+        let wait = if super::lease::held_here(&item.key) {
+            // Held by another engine of this process: it is usually done within
+            // milliseconds, so come back soon, backing off per redelivery.
+            let n = item
+                .delivery
+                .envelope
+                .delivery_count
+                .unwrap_or(1)
+                .clamp(1, 16);
+            (MIN_REDELIVERY_DELAY * (1 << (n - 1))).min(self.cfg.in_flight_delay_max)
+        } else {
+            Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64)
+                .min(self.cfg.in_flight_delay_max)
+                .max(MIN_REDELIVERY_DELAY)
+        };
+        let wait = wait.max(held_for.unwrap_or_default());
+        self.settle_item(item, Settlement::Nack(wait), Outcome::IN_FLIGHT)
+            .await;
+        wait
+    }
+
+    /// The key was first seen with another payload: a producer reuses keys, so no retry
+    /// can succeed; dead-letters the message.
+    async fn reject_payload_conflict(&self, item: Item, rec: DedupRecord) {
+        metrics::counter!(m::PAYLOAD_CONFLICTS, "group" => self.keys.group().as_str().to_string())
+            .increment(1);
+        let reason = format!(
+            "payload conflict: key `{}` was first seen with a different payload (status {:?}, attempts {}); fix the producer's key",
+            item.key, rec.status, rec.attempts
+        );
+        tracing::warn!(key = %item.key, "{reason}");
+        self.dead_letter(item, reason).await;
     }
 }
 
@@ -791,6 +910,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         store_down
     }
 
+    /// Completes one round trip's worth. Returns true when the store was unavailable.
     async fn complete_chunk(
         &self,
         chunk: Vec<(Item, Lease, Completion)>,
@@ -842,8 +962,20 @@ impl<H: Handler> IdempotentConsumer<H> {
                 tracing::warn!(error = %e, count = held.len(), "batch completion failed; completing one key at a time")
             }
         }
+        self.complete_one_by_one(held, &completions, live).await
+    }
+
+    /// The fallback for a batch completion the store did not answer in full: each key on
+    /// its own, so one bad completion cannot hold the rest. Once the store stays down the
+    /// remaining effects are not acked. Returns true when the store was unavailable.
+    async fn complete_one_by_one(
+        &self,
+        held: Vec<(Item, Lease)>,
+        completions: &[Completion],
+        live: &LiveLeases,
+    ) -> bool {
         let mut store_down = false;
-        for ((item, lease), c) in held.into_iter().zip(&completions) {
+        for ((item, lease), c) in held.into_iter().zip(completions) {
             if store_down {
                 self.not_durable(live, item).await;
                 continue;
