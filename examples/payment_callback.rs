@@ -27,6 +27,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         "payment-callbacks",
         r#"{"payment_id":"pay-42","amount":1999}"#,
     );
+    let (mut created, mut skipped) = (0, 0);
     for attempt in 1..=3 {
         let key = keys.derive(&callback)?;
         let mut tx = pool.begin().await?;
@@ -38,10 +39,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     .execute(&mut *tx)
                     .await?;
                 tx.commit().await?;
+                created += 1;
                 println!("callback {attempt}: payment created");
             }
             KeyInsert::Duplicate => {
                 tx.rollback().await?;
+                skipped += 1;
                 println!("callback {attempt}: duplicate, skipped");
             }
         }
@@ -49,7 +52,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM payments")
         .fetch_one(&pool)
         .await?;
-    println!("payments rows: {n}");
-    assert_eq!(n, 1);
+    // Three callbacks for one payment: one row, the two repeats skipped.
+    println!("payments={n} created={created} skipped={skipped}");
+    assert_eq!((n, created, skipped), (1, 1, 2));
     Ok(())
 }

@@ -1,5 +1,7 @@
 //! The embedded examples run to success as a newcomer runs them (`cargo run --example …`):
 //! `cargo test` builds every example before the tests, and this runs the built binaries.
+//! Each example asserts its own outcome and prints it as its last line, which the test
+//! checks: a zero exit alone would pass an example that stopped checking anything.
 //! The server-backed examples are run by `tests/examples_payments.rs`.
 
 use std::path::PathBuf;
@@ -36,13 +38,13 @@ fn run(name: &str) -> String {
 #[test]
 fn the_embedded_quickstart_runs() {
     let out = run("embedded_consumer");
-    assert!(!out.trim().is_empty(), "it reports what it did");
+    assert!(out.contains("shipments=3 processed=3"), "{out}");
 }
 
 #[test]
 fn the_payment_callback_example_runs() {
     let out = run("payment_callback");
-    assert!(!out.trim().is_empty(), "it reports what it did");
+    assert!(out.contains("payments=1 created=1 skipped=2"), "{out}");
 }
 
 #[test]

@@ -26,7 +26,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-/// The env var that turns `child_enqueue_then_exit` into the crashing child:
+/// The env var that turns `a_crash_between_commit_and_relay_publishes_once_after_restart`,
+/// re-run by itself in a child process, into the crashing child:
 /// `<backend>|<url>|<outbox table>|<orders table>`.
 const CHILD_ENV: &str = "IDEMQ_OUTBOX_CHILD";
 /// The child's exit code after its commit.
@@ -285,24 +286,28 @@ macro_rules! outbox_suite {
                 assert_eq!(broker.published(), 2, "sent rows are not published again");
             }
 
-            /// The crashing child: commits an order and its message, then exits the process
-            /// before any relay runs. A no-op unless `IDEMQ_OUTBOX_CHILD` names this backend.
-            #[tokio::test]
-            async fn child_enqueue_then_exit() {
-                let Ok(spec) = std::env::var(CHILD_ENV) else { return };
+            /// The crashing child's work (`spec` is `CHILD_ENV`'s value): commits an order
+            /// and its message; its caller then exits the process before any relay runs.
+            async fn child_enqueue(spec: &str) {
                 let parts: Vec<&str> = spec.split('|').collect();
-                if parts.len() != 4 || parts[0] != BACKEND {
-                    return;
-                }
+                assert!(
+                    parts.len() == 4 && parts[0] == BACKEND,
+                    "{CHILD_ENV}={spec:?} is not `{BACKEND}|<url>|<outbox table>|<orders table>`"
+                );
                 let pool = pool(parts[1]).await;
                 let ob = outbox(&pool, parts[2]).await;
                 pay(&pool, &ob, parts[3], "o-crash", true).await;
-                // Committed; the relay never runs: the process dies here.
-                std::process::exit(CHILD_EXIT);
             }
 
             #[tokio::test]
             async fn a_crash_between_commit_and_relay_publishes_once_after_restart() {
+                // Re-run by itself below as the crashing child: a separate process, so the
+                // child's exit is a real one and no separate test passes by doing nothing.
+                if let Ok(spec) = std::env::var(CHILD_ENV) {
+                    child_enqueue(&spec).await;
+                    // Committed; the relay never runs: the process dies here.
+                    std::process::exit(CHILD_EXIT);
+                }
                 let Some((_dir, url)) = server().await else { return };
                 let pool = pool(&url).await;
                 let table = support::unique("obx");
@@ -312,7 +317,7 @@ macro_rules! outbox_suite {
                 let module = module_path!().split_once("::").map_or("", |(_, m)| m).to_owned();
                 let status = std::process::Command::new(std::env::current_exe().unwrap())
                     .args([
-                        &format!("{module}::child_enqueue_then_exit"),
+                        &format!("{module}::a_crash_between_commit_and_relay_publishes_once_after_restart"),
                         "--exact",
                         "--nocapture",
                         "--test-threads=1",
