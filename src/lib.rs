@@ -8,7 +8,7 @@
 //!
 //! | feature | brings |
 //! |---|---|
-//! | `sqlite` (default) | [`sql::SqliteStore`], the embedded default |
+//! | `sqlite` (default) | `sql::SqliteStore`, the embedded default |
 //! | `postgres`, `mysql` | `sql::PgStore`, `sql::MySqlStore` (MySQL and MariaDB) |
 //! | `redis` | `redis::RedisStore` (standalone or Redis Cluster) |
 //! | `layered` | `layered::LayeredStore` (local cache + bloom pre-filter in front of a store) |
@@ -18,7 +18,8 @@
 //! | `testkit` | the store and source contract kits |
 //! | `cli` (default) | the `idemq` binary and only its dependencies (clap, indicatif, tracing-subscriber) |
 //!
-//! A library takes `default-features = false` and the features it uses.
+//! A library takes `default-features = false` and the features it uses; with none of
+//! `sqlite`, `postgres`, `mysql` it does not depend on `idemq-sql` (or sqlx) at all.
 //!
 //! ```
 //! use idemq::{IdempotentConsumer, KeyStrategy, MemoryStore, ClaimedMessage, HandlerError};
