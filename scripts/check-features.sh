@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Each feature of the `idemq` facade builds alone, as a library user would take it
-# (default features off, that one feature on), and the CLI builds with only its own:
+# (default features off, that one feature on), and the CLI (idemq-cli) builds with its defaults:
 #
 #   scripts/check-features.sh              every feature
 #   scripts/check-features.sh redis kafka  just these
@@ -18,7 +18,8 @@ fi
 for f in "${features[@]}"; do
   echo "check-features: idemq --no-default-features --features $f"
   if [[ $f == cli ]]; then
-    cargo clippy -q -p idemq --no-default-features --features cli --bins -- -D warnings
+    # The command line (crate idemq-cli) with its default features alone.
+    cargo clippy -q -p idemq-cli --bins -- -D warnings
   else
     cargo clippy -q -p idemq --lib --no-default-features --features "$f" -- -D warnings
   fi

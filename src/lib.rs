@@ -16,7 +16,8 @@
 //! | `rabbitmq`, `rabbitmq-streams` | `rabbitmq`: source, confirmed publisher; `rabbitmq::stream` |
 //! | `rocketmq` | `rocketmq`: push source, publisher, transactional messages |
 //! | `testkit` | the store and source contract kits |
-//! | `cli` (default) | the `idemq` binary and only its dependencies (clap, indicatif, tracing-subscriber) |
+//!
+//! The `idemq` command line is its own crate, `idemq-cli` (`cli/` in the repository).
 //!
 //! A library takes `default-features = false` and the features it uses; with none of
 //! `sqlite`, `postgres`, `mysql` it does not depend on `idemq-sql` (or sqlx) at all.

@@ -53,8 +53,7 @@
     feature = "postgres",
     feature = "mysql",
     feature = "redis",
-    feature = "layered",
-    feature = "cli"
+    feature = "layered"
 ))]
 
 use idemq::core::testkit::process::{child_role, ChildProcess};

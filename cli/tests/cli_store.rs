@@ -1,6 +1,6 @@
 //! `idemq store inspect|release` on a real (SQLite file) store: what an operator sees of an
 //! abandoned claim, releasing it, and the refusals that keep a completed record safe.
-#![cfg(all(feature = "cli", feature = "sqlite"))]
+#![cfg(feature = "sqlite")]
 
 use idemq::sql::{SqlStoreOptions, SqliteStore};
 use idemq::{ClaimOutcome, ClaimRequest, ConsumerGroup, DedupKey, DedupStore};
@@ -121,4 +121,39 @@ async fn an_operator_inspects_and_releases_an_abandoned_claim() {
     assert_eq!(o.status.code(), Some(1), "{o:?}");
     assert!(stdout(&o).contains("no record for billing:never-seen"));
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_cli_refuses_bad_store_urls_and_hides_passwords() {
+    let bin = env!("CARGO_BIN_EXE_idemq");
+    let out = std::process::Command::new(bin)
+        .args([
+            "store",
+            "--url",
+            "cassandra://app:s3cr3t-Pw9@db1/ks",
+            "migrate",
+        ])
+        .output()
+        .expect("run idemq");
+    assert!(!out.status.success(), "an unknown scheme fails");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("cassandra"), "{stderr}");
+    assert!(
+        stderr.contains("sqlite://"),
+        "lists what is supported: {stderr}"
+    );
+    assert!(!stderr.contains("s3cr3t-Pw9"), "{stderr}");
+    let out = std::process::Command::new(bin)
+        .args([
+            "store",
+            "--url",
+            "postgres//app:s3cr3t-Pw9@db1/ks",
+            "migrate",
+        ])
+        .output()
+        .expect("run idemq");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("not a store URL"), "{stderr}");
+    assert!(!stderr.contains("s3cr3t-Pw9"), "{stderr}");
 }

@@ -1,15 +1,13 @@
 //! `idemq consume` against the real brokers, run as the binary a user runs: producer
 //! duplicates are skipped and each message processed is printed as a JSON line.
-#![cfg(all(feature = "cli", feature = "sqlite"))]
-
-mod support;
+#![cfg(feature = "sqlite")]
 
 #[cfg(feature = "kafka")]
 use idemq::core::testkit::process::{child_role, ChildProcess};
+use idemq_core::testkit::servers::server_url;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 use std::time::Duration;
-use support::server_url;
 
 /// A SQLite dedup store in a fresh directory, removed at the end.
 struct TempStore(PathBuf);

@@ -4,8 +4,6 @@
 //! alone), then checks of the results file, the report's text and its plots, and that
 //! `idemq bench report` re-renders the same report from the results.
 
-mod support;
-
 use serde_json::Value;
 use std::path::Path;
 use std::process::Command;
@@ -53,11 +51,11 @@ fn smoke_profile_writes_results_report_and_plots() {
         "IDEMQ_TEST_AMQP_URL",
         "IDEMQ_TEST_KAFKA_BROKERS",
     ] {
-        if support::server_url(var).is_none() {
+        if idemq_core::testkit::servers::server_url(var).is_none() {
             return;
         }
     }
-    let committed = Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/performance.md");
+    let committed = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/performance.md");
     let committed_before = std::fs::read_to_string(&committed).ok();
     let dir = std::env::temp_dir().join(format!("idemq-bench-suite-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -197,7 +195,7 @@ fn smoke_profile_writes_results_report_and_plots() {
             "resident bytes per retained key (20k keys)",
             " B | ≤ 64 B |",
         ),
-        ("one core, 1k retained keys", " /s | > 21,000,000 /s"),
+        ("one key per call, 1k retained keys", " /s | > 21,000,000 /s"),
         (
             "PostgreSQL: claims/s with 10k retained keys / with none",
             "x** (",

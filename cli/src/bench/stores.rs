@@ -598,13 +598,14 @@ pub(crate) async fn fill(store: &dyn DedupStore, seq: &mut KeySeq, n: usize) -> 
     Ok(())
 }
 
+/// Keys per call of the local layer's batched checks: a polled batch of the engine's
+/// default configuration (`ConsumerConfig::max_batch`).
+#[cfg(feature = "layered")]
+const LOCAL_CHECK_BATCH: usize = 100;
+
 /// The local layer alone (over [`NullStore`]): duplicate checks/s on one core for each
 /// retained-key count, and resident bytes per retained key.
 #[cfg(feature = "layered")]
-/// Keys per call of the local layer's batched checks: a polled batch of the engine's
-/// default configuration (`ConsumerConfig::max_batch`).
-const LOCAL_CHECK_BATCH: usize = 100;
-
 pub(crate) async fn local_layer(sizes: &Sizes) -> anyhow::Result<Value> {
     use idemq::layered::LayeredStore;
     use std::hint::black_box;
