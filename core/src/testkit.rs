@@ -816,6 +816,7 @@ macro_rules! store_contract_tests {
     };
 }
 
+pub mod fuzz;
 pub mod process;
 pub mod servers;
 pub mod switchable;

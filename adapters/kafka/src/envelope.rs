@@ -363,44 +363,7 @@ mod tests {
         }
     }
 
-    /// Bytes of the shapes producers send: empty, ASCII, UTF-8 with multi-byte characters,
-    /// arbitrary (mostly not UTF-8), with NULs, and now and then large.
-    fn bytes(rng: &mut StdRng) -> Vec<u8> {
-        let len = match rng.gen_range(0..100) {
-            0..=9 => 0,
-            10..=94 => rng.gen_range(1..40),
-            95..=98 => rng.gen_range(40..4_000),
-            _ => rng.gen_range(4_000..200_000),
-        };
-        let mut out = vec![0u8; len];
-        match rng.gen_range(0..4) {
-            0 => {
-                rng.fill(&mut out[..]);
-                out.iter_mut().for_each(|b| *b = b' ' + *b % 95);
-            }
-            1 => {
-                let s: String = (0..len.min(64))
-                    .map(|_| {
-                        ['a', '\u{e9}', '\u{20ac}', '\u{1d11e}', '\\', 'x'][rng.gen_range(0..6)]
-                    })
-                    .collect();
-                out = s.repeat(len / 64 + 1).into_bytes();
-            }
-            2 => rng.fill(&mut out[..]),
-            _ => {
-                // Mostly text, with single bytes that are not UTF-8 and NULs in it.
-                rng.fill(&mut out[..]);
-                for b in out.iter_mut() {
-                    *b = match *b % 8 {
-                        0 => 0x80 | *b,
-                        1 => 0,
-                        _ => b'a' + *b % 26,
-                    };
-                }
-            }
-        }
-        out
-    }
+    use idemq_core::testkit::fuzz::bytes;
 
     /// Headers of one record: none to many, names repeated now and then.
     fn raw_headers(rng: &mut StdRng) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {

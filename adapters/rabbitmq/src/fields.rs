@@ -242,48 +242,7 @@ pub(crate) mod arbitrary {
     use rand::rngs::StdRng;
     use rand::Rng;
 
-    /// Bytes: empty, text, arbitrary (mostly not UTF-8), now and then large.
-    pub(crate) fn bytes(rng: &mut StdRng) -> Vec<u8> {
-        let len = match rng.gen_range(0..100) {
-            0..=9 => 0,
-            10..=94 => rng.gen_range(1..40),
-            95..=98 => rng.gen_range(40..4_000),
-            _ => rng.gen_range(4_000..200_000),
-        };
-        let mut out = vec![0u8; len];
-        rng.fill(&mut out[..]);
-        if rng.gen_bool(0.5) {
-            out.iter_mut().for_each(|b| *b = b' ' + *b % 95);
-        }
-        out
-    }
-
-    /// Text with the characters that trip conversions: empty, NUL, RocketMQ's and AMQP's
-    /// separators, quotes and backslashes, multi-byte characters; up to `max` characters.
-    pub(crate) fn text(rng: &mut StdRng, max: usize) -> String {
-        const CHARS: [char; 12] = [
-            'a',
-            'Z',
-            '0',
-            ' ',
-            '\0',
-            '\u{1}',
-            '\u{2}',
-            '"',
-            '\\',
-            '\u{e9}',
-            '\u{20ac}',
-            '\u{1d11e}',
-        ];
-        let len = match rng.gen_range(0..10) {
-            0 => 0,
-            1..=8 => rng.gen_range(1..16),
-            _ => rng.gen_range(16..=max.max(16)),
-        };
-        (0..len.min(max))
-            .map(|_| CHARS[rng.gen_range(0..CHARS.len())])
-            .collect()
-    }
+    pub(crate) use idemq_core::testkit::fuzz::{bytes, text};
 
     /// Any field value; arrays and tables nest up to `depth` more levels.
     pub(crate) fn value(rng: &mut StdRng, depth: usize) -> AMQPValue {

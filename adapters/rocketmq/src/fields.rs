@@ -184,30 +184,7 @@ mod conversion_tests {
     use rand::{Rng, SeedableRng};
     use std::collections::HashMap;
 
-    /// Text with the characters that trip conversions: empty, NUL, RocketMQ's separators,
-    /// spaces (the `KEYS` separator), multi-byte characters; now and then long.
-    fn text(rng: &mut StdRng, max: usize) -> String {
-        const CHARS: [char; 10] = [
-            'a',
-            'Z',
-            '0',
-            ' ',
-            '\0',
-            '\u{1}',
-            '\u{2}',
-            '\u{e9}',
-            '\u{20ac}',
-            '\u{1d11e}',
-        ];
-        let len = match rng.gen_range(0..10) {
-            0 => 0,
-            1..=8 => rng.gen_range(1..16),
-            _ => rng.gen_range(16..=max),
-        };
-        (0..len)
-            .map(|_| CHARS[rng.gen_range(0..CHARS.len())])
-            .collect()
-    }
+    use idemq_core::testkit::fuzz::text;
 
     fn message(rng: &mut StdRng) -> (MessageExt, Vec<u8>, HashMap<CheetahString, CheetahString>) {
         let mut properties: HashMap<CheetahString, CheetahString> = HashMap::new();
