@@ -2,6 +2,9 @@
 //! `kafka`) `idemq kafka check-config`.
 // The RocketMQ client's futures are deep: proving them Send needs more than 128 levels.
 #![recursion_limit = "512"]
+// The doc comments of the arguments are the `--help` text (clap), written for a terminal:
+// `[,HOST:PORT]` there is usage syntax, not a link.
+#![allow(rustdoc::broken_intra_doc_links)]
 
 mod bench;
 mod consume;
