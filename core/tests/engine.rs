@@ -1156,53 +1156,16 @@ async fn a_completed_key_gets_no_further_heartbeat_and_no_false_lease_loss() {
     assert!(lost.is_empty(), "false lease losses reported: {lost:?}");
 }
 
-/// Tallies `idemq_messages_total` by its `outcome` and `broker` labels (the only series the
-/// open-broker scenario reads).
-#[derive(Default)]
-struct MessagesRecorder(Arc<Mutex<HashMap<(String, String), u64>>>);
-
-struct MessagesTally {
-    cell: (String, String),
-    tally: Arc<Mutex<HashMap<(String, String), u64>>>,
-}
-
-impl metrics::CounterFn for MessagesTally {
-    fn increment(&self, value: u64) {
-        *self
-            .tally
-            .lock()
-            .expect("tally")
-            .entry(self.cell.clone())
-            .or_default() += value;
-    }
-    fn absolute(&self, _value: u64) {}
-}
-
-impl metrics::Recorder for MessagesRecorder {
-    fn describe_counter(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_gauge(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn describe_histogram(
-        &self,
-        _: metrics::KeyName,
-        _: Option<metrics::Unit>,
-        _: metrics::SharedString,
-    ) {
-    }
-    fn register_counter(&self, key: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Counter {
+/// `idemq_messages_total` by its `broker` and `outcome` labels, from the recorder's snapshot.
+fn messages_by_broker_and_outcome(
+    snapshotter: &metrics_util::debugging::Snapshotter,
+) -> HashMap<(String, String), u64> {
+    use metrics_util::debugging::DebugValue;
+    let mut tally = HashMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let key = key.key();
         if key.name() != idemq_core::metrics::MESSAGES {
-            return metrics::Counter::noop();
+            continue;
         }
         let label = |name: &str| {
             key.labels()
@@ -1210,21 +1173,13 @@ impl metrics::Recorder for MessagesRecorder {
                 .map(|l| l.value().to_string())
                 .unwrap_or_default()
         };
-        metrics::Counter::from_arc(Arc::new(MessagesTally {
-            cell: (label("broker"), label("outcome")),
-            tally: self.0.clone(),
-        }))
+        if let DebugValue::Counter(n) = value {
+            *tally
+                .entry((label("broker"), label("outcome")))
+                .or_default() += n;
+        }
     }
-    fn register_gauge(&self, _: &metrics::Key, _: &metrics::Metadata<'_>) -> metrics::Gauge {
-        metrics::Gauge::noop()
-    }
-    fn register_histogram(
-        &self,
-        _: &metrics::Key,
-        _: &metrics::Metadata<'_>,
-    ) -> metrics::Histogram {
-        metrics::Histogram::noop()
-    }
+    tally
 }
 
 /// A broker the core has never heard of: its adapter names it and says where its producers
@@ -1251,7 +1206,8 @@ fn nats_batch(
 
 #[tokio::test]
 async fn a_broker_unknown_to_the_core_is_keyed_by_its_own_slot_and_counted_under_its_own_label() {
-    let recorder = MessagesRecorder::default();
+    let recorder = metrics_util::debugging::DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
     // A current-thread test: the engine's metrics are recorded on this thread.
     let _local = metrics::set_default_local_recorder(&recorder);
     let effects: Effects = Arc::default();
@@ -1287,7 +1243,7 @@ async fn a_broker_unknown_to_the_core_is_keyed_by_its_own_slot_and_counted_under
         HashMap::from([("orders:o-1".to_string(), 1), ("orders:o-2".to_string(), 1)])
     );
 
-    let tally = recorder.0.lock().expect("tally").clone();
+    let tally = messages_by_broker_and_outcome(&snapshotter);
     let want = HashMap::from([
         (("nats".to_string(), "processed".to_string()), 2),
         (("nats".to_string(), "duplicate".to_string()), 1),
