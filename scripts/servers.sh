@@ -16,12 +16,17 @@
 #   scripts/servers.sh restart-kafka      stop + start Kafka only (same port, same data)
 #   scripts/servers.sh restart-rabbitmq   stop + start RabbitMQ only (same port, same data)
 #   scripts/servers.sh restart-rocketmq   stop + start RocketMQ only (same ports, same store)
+#   scripts/servers.sh restart-nats       stop + start the single NATS node only (same port, same data)
+#   scripts/servers.sh kill-nats-cluster-node PORT
+#                                         SIGKILL one node of the NATS cluster (a failover test)
+#   scripts/servers.sh restart-nats-cluster-node PORT
+#                                         start that node again (same dir: it rejoins and catches up)
 #   scripts/servers.sh build-rocketmq     build the RocketMQ servers into the cache (once; a
 #                                         second caller waits for the first one's build)
 #   scripts/servers.sh rocketmq-built     exit 0 when the RocketMQ servers are built
 #
-# SERVER is any of: postgres mariadb redis redis-cluster kafka rabbitmq rocketmq (default: all of them;
-# the first RocketMQ start builds its servers from source: ~20 min on 2 cores beside a cargo build, once).
+# SERVER is any of: postgres mariadb redis redis-cluster kafka rabbitmq rocketmq nats
+# nats-cluster (default: all of them; the first RocketMQ start builds its servers from source: ~20 min on 2 cores beside a cargo build, once).
 # Every server gets a private data dir under $IDEMQ_STATE_DIR, listens on
 # 127.0.0.1 only, on a non-default port, so it never collides with a
 # system-wide instance or another checkout's defaults. Data is thrown away on
@@ -33,7 +38,9 @@
 # systemd as its own Erlang node (with its own epmd) under our state dir.
 # RocketMQ is the rocketmq-rust name server + broker 1.0.0, built once with
 # `cargo install` into $IDEMQ_CACHE_DIR/rocketmq (Apache's Java servers are
-# not obtainable here), run with small mapped files.
+# not obtainable here), run with small mapped files. NATS is nats-server 2.15.3 with
+# JetStream, built once with `go install` into $IDEMQ_CACHE_DIR/nats (one node, and a
+# 3-node cluster whose streams and KV buckets may be R3).
 set -euo pipefail
 
 # CI runs with a trimmed environment; derive HOME rather than die under `set -u`.
@@ -69,6 +76,9 @@ ROCKET_NAMESRV_PORT=29876
 ROCKET_BROKER_PORT=20911
 ROCKET_HA_PORT=20912
 ROCKET_HEALTH_PORT=20558
+NATS_PORT=24222
+# The cluster's client ports, and each node's route port (client port + 20).
+NATS_CLUSTER_PORTS=(24231 24232 24233)
 
 PG_BIN=/usr/lib/postgresql/15/bin
 PG_DIR=$STATE_DIR/postgres
@@ -139,8 +149,10 @@ KAFKA_BROKERS="127.0.0.1:$KAFKA_PORT"
 AMQP_URL="amqp://guest:guest@127.0.0.1:$RABBIT_PORT/%2f"
 RABBIT_STREAM_URL="rabbitmq-stream://guest:guest@127.0.0.1:$RABBIT_STREAM_PORT/%2f"
 ROCKET_NAMESRV="127.0.0.1:$ROCKET_NAMESRV_PORT"
+NATS_URL="nats://127.0.0.1:$NATS_PORT"
+NATS_CLUSTER_URL="nats://$(printf '127.0.0.1:%s,' "${NATS_CLUSTER_PORTS[@]}" | sed 's/,$//')"
 
-ALL_SERVERS=(postgres mariadb redis redis-cluster kafka rabbitmq rocketmq)
+ALL_SERVERS=(postgres mariadb redis redis-cluster kafka rabbitmq rocketmq nats nats-cluster)
 SELECTED=("${ALL_SERVERS[@]}")
 
 SCRIPT_PATH=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
@@ -1214,6 +1226,168 @@ stop_rocketmq() {
   stop_rocket_server "$ROCKET_NAMESRV_PID" rocket_namesrv_ours namesrv
 }
 
+# ------------------------------------------------------------------- nats --
+
+NATS_VERSION=v2.15.3
+NATS_HOME=$CACHE_DIR/nats/$NATS_VERSION
+NATS_BIN=$NATS_HOME/nats-server
+NATS_DIR=$STATE_DIR/nats
+NATS_CLUSTER_DIR=$STATE_DIR/nats-cluster
+
+# Go from PATH, or where the Go tarball installs itself.
+go_bin() { command -v go 2>/dev/null || { [[ -x /usr/local/go/bin/go ]] && echo /usr/local/go/bin/go; }; }
+
+# nats-server from the Go module proxy, once (~2.5 min cold, seconds with Go's module cache).
+install_nats() {
+  [[ -x $NATS_BIN ]] && return 0
+  local go lock
+  go=$(go_bin) || die "Go is needed to build nats-server (go install github.com/nats-io/nats-server/v2@$NATS_VERSION)"
+  mkdir -p "$NATS_HOME"
+  exec {lock}>"$NATS_HOME/build.lock"
+  flock "$lock"
+  if [[ ! -x $NATS_BIN ]]; then
+    log "building nats-server $NATS_VERSION with go install (once, into $NATS_HOME)"
+    GOBIN="$NATS_HOME" "$go" install "github.com/nats-io/nats-server/v2@$NATS_VERSION" \
+      >"$NATS_HOME/install.log" 2>&1 ||
+      die_with_log "go install of nats-server $NATS_VERSION failed" "$NATS_HOME/install.log"
+  fi
+  exec {lock}>&-
+}
+
+# The node on client port $1 answers with JetStream on ("INFO {...}" names jetstream).
+nats_answers() {
+  local info
+  info=$(
+    exec 3<>"/dev/tcp/127.0.0.1/$1" || exit 1
+    timeout 2 head -n1 <&3
+  ) 2>/dev/null || true
+  [[ $info == INFO* && $info == *'"jetstream":true'* ]]
+}
+
+# The pid in pid file $1 is alive and runs our nats-server.
+nats_pid_ours() {
+  pid_alive "$1" && tr '\0' ' ' <"/proc/$(cat "$1")/cmdline" 2>/dev/null | grep -qF -- "$NATS_BIN"
+}
+
+# launch_nats DIR PORT EXTRA...: one node, not daemonized, logging into DIR.
+launch_nats() {
+  local dir=$1 port=$2 launched
+  shift 2
+  mkdir -p "$dir/js"
+  setsid "$NATS_BIN" -a 127.0.0.1 -p "$port" -js -sd "$dir/js" -l "$dir/nats.log" \
+    -P "$dir/nats.pid" "$@" </dev/null >>"$dir/nats.out" 2>&1 9>&- &
+  launched=$!
+  # shellcheck disable=SC2317 # called indirectly by wait_ready
+  nats_launch_died() { ! proc_alive "$launched"; }
+  wait_ready nats_launch_died nats_answers "$port" ||
+    die_with_log "nats-server on :$port did not start" "$dir/nats.log" "$dir/nats.out"
+}
+
+stop_nats_node() {
+  local dir=$1 pid
+  nats_pid_ours "$dir/nats.pid" || return 0
+  pid=$(cat "$dir/nats.pid")
+  kill -TERM "$pid" 2>/dev/null || true
+  if ! wait_pid_gone "$pid"; then
+    kill -KILL "$pid" 2>/dev/null || true
+    wait_pid_gone "$pid" || die_with_log "nats-server (pid $pid) survived SIGKILL" "$dir/nats.log"
+  fi
+  rm -f "$dir/nats.pid"
+}
+
+# $1=keep keeps the JetStream store (a restart), anything else starts empty.
+start_nats() {
+  local keep=${1:-}
+  install_nats
+  if nats_pid_ours "$NATS_DIR/nats.pid" && nats_answers "$NATS_PORT"; then
+    log "nats already running on $NATS_URL"
+    return 0
+  fi
+  require_port_free "$NATS_PORT" nats
+  [[ $keep == keep ]] || rm -rf "$NATS_DIR"
+  launch_nats "$NATS_DIR" "$NATS_PORT" -n idemq-nats
+  log "nats started on $NATS_URL (JetStream)"
+}
+
+stop_nats() {
+  stop_nats_node "$NATS_DIR"
+  log "nats stopped"
+}
+
+nats_cluster_node_dir() { printf '%s/node-%s' "$NATS_CLUSTER_DIR" "$1"; }
+
+launch_nats_cluster_node() {
+  local port=$1 routes p
+  routes=$(for p in "${NATS_CLUSTER_PORTS[@]}"; do printf 'nats://127.0.0.1:%s,' "$((p + 20))"; done)
+  launch_nats "$(nats_cluster_node_dir "$port")" "$port" -n "idemq-n$port" \
+    --cluster_name idemq-nats --cluster "nats://127.0.0.1:$((port + 20))" --routes "${routes%,}"
+}
+
+# JetStream has a meta leader: the cluster can place R3 streams and KV buckets.
+nats_cluster_ready() {
+  local port
+  for port in "${NATS_CLUSTER_PORTS[@]}"; do
+    nats_answers "$port" || return 1
+  done
+  grep -qE 'JetStream cluster new metadata leader|Self is new JetStream cluster metadata leader' \
+    "$NATS_CLUSTER_DIR"/node-*/nats.log 2>/dev/null
+}
+
+start_nats-cluster() {
+  local port running=0
+  install_nats
+  for port in "${NATS_CLUSTER_PORTS[@]}"; do
+    nats_pid_ours "$(nats_cluster_node_dir "$port")/nats.pid" && running=$((running + 1))
+  done
+  if ((running == ${#NATS_CLUSTER_PORTS[@]})) && nats_cluster_ready; then
+    log "nats cluster already running on $NATS_CLUSTER_URL"
+    return 0
+  fi
+  if ((running == 0)); then
+    for port in "${NATS_CLUSTER_PORTS[@]}"; do
+      require_port_free "$port" nats-cluster
+      require_port_free "$((port + 20))" nats-cluster
+    done
+    rm -rf "$NATS_CLUSTER_DIR"
+  fi
+  # A node waits for its routes only to elect a meta leader, not to answer clients: start
+  # all three before waiting for the cluster.
+  for port in "${NATS_CLUSTER_PORTS[@]}"; do
+    nats_pid_ours "$(nats_cluster_node_dir "$port")/nats.pid" || launch_nats_cluster_node "$port"
+  done
+  wait_ready false nats_cluster_ready ||
+    die_with_log "nats cluster elected no JetStream meta leader in ${TIMEOUT}s" \
+      "$(nats_cluster_node_dir "${NATS_CLUSTER_PORTS[0]}")/nats.log"
+  log "nats cluster started on $NATS_CLUSTER_URL (3 nodes, JetStream)"
+}
+
+stop_nats-cluster() {
+  local port
+  for port in "${NATS_CLUSTER_PORTS[@]}"; do stop_nats_node "$(nats_cluster_node_dir "$port")"; done
+  log "nats cluster stopped"
+}
+
+nats_cluster_port_ok() {
+  [[ " ${NATS_CLUSTER_PORTS[*]} " == *" $1 "* ]] || die "port $1 is not a nats cluster node (${NATS_CLUSTER_PORTS[*]})"
+}
+
+kill_nats_cluster_node() {
+  local dir pid
+  nats_cluster_port_ok "$1"
+  dir=$(nats_cluster_node_dir "$1")
+  nats_pid_ours "$dir/nats.pid" || die "nats cluster node $1 is not running"
+  pid=$(cat "$dir/nats.pid")
+  kill -KILL "$pid"
+  wait_pid_gone "$pid" || die "nats cluster node $1 (pid $pid) survived SIGKILL"
+  log "nats cluster node $1 killed (SIGKILL)"
+}
+
+restart_nats_cluster_node() {
+  nats_cluster_port_ok "$1"
+  nats_pid_ours "$(nats_cluster_node_dir "$1")/nats.pid" || launch_nats_cluster_node "$1"
+  log "nats cluster node $1 running again"
+}
+
 # ------------------------------------------------------------------- main --
 
 # Serialise start/stop: test.sh, a developer and a test calling
@@ -1265,6 +1439,16 @@ cmd_status() {
   else
     echo "rocketmq  stopped"; rc=3
   fi
+  if nats_pid_ours "$NATS_DIR/nats.pid" && nats_answers "$NATS_PORT"; then
+    echo "nats      running  $NATS_URL  pid $(cat "$NATS_DIR/nats.pid")"
+  else
+    echo "nats      stopped"; rc=3
+  fi
+  if nats_cluster_ready; then
+    echo "nats-cluster running  $NATS_CLUSTER_URL"
+  else
+    echo "nats-cluster stopped"; rc=3
+  fi
   return "$rc"
 }
 
@@ -1287,13 +1471,18 @@ export IDEMQ_TEST_RABBITMQ_STREAM_URL='$RABBIT_STREAM_URL'
 export IDEMQ_TEST_RABBITMQ_RESTART_CMD='$SCRIPT_PATH restart-rabbitmq'
 export IDEMQ_TEST_ROCKETMQ_NAMESRV=$ROCKET_NAMESRV
 export IDEMQ_TEST_ROCKETMQ_RESTART_CMD='$SCRIPT_PATH restart-rocketmq'
+export IDEMQ_TEST_NATS_URL=$NATS_URL
+export IDEMQ_TEST_NATS_RESTART_CMD='$SCRIPT_PATH restart-nats'
+export IDEMQ_TEST_NATS_CLUSTER_URL=$NATS_CLUSTER_URL
+export IDEMQ_TEST_NATS_CLUSTER_KILL_NODE_CMD='$SCRIPT_PATH kill-nats-cluster-node'
+export IDEMQ_TEST_NATS_CLUSTER_RESTART_NODE_CMD='$SCRIPT_PATH restart-nats-cluster-node'
 export IDEMQ_STATE_DIR='$STATE_DIR'
 export IDEMQ_REQUIRE_SERVERS=1
 EOF
 }
 
 usage() {
-  sed -n '2,24s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
+  sed -n '2,30s/^# \{0,1\}//p' "$SCRIPT_PATH" >&2
   exit 2
 }
 
@@ -1337,7 +1526,7 @@ main() {
   shift
   case $cmd in
     start | stop) select_servers "$@" ;;
-    restart-redis-cluster-node) (($# == 1)) || usage ;;
+    restart-redis-cluster-node | kill-nats-cluster-node | restart-nats-cluster-node) (($# == 1)) || usage ;;
     build-rocketmq | rocketmq-built) (($# == 0)) || usage ;;
     *) (($# == 0)) || usage ;;
   esac
@@ -1345,6 +1534,7 @@ main() {
     start)
       # The RocketMQ build (minutes, once) runs before the servers' lock is taken.
       if selected rocketmq; then install_rocketmq; fi
+      if selected nats || selected nats-cluster; then install_nats; fi
       take_lock
       install_packages
       for i in "${SELECTED[@]}"; do "start_$i"; done
@@ -1385,6 +1575,19 @@ main() {
       take_lock
       stop_rocketmq
       start_rocketmq keep
+      ;;
+    restart-nats)
+      take_lock
+      stop_nats
+      start_nats keep
+      ;;
+    kill-nats-cluster-node)
+      take_lock
+      kill_nats_cluster_node "$1"
+      ;;
+    restart-nats-cluster-node)
+      take_lock
+      restart_nats_cluster_node "$1"
       ;;
     build-rocketmq) install_rocketmq ;;
     rocketmq-built) rocket_built ;;

@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-ALL_SERVERS=(postgres mariadb redis redis-cluster kafka rabbitmq rocketmq)
+ALL_SERVERS=(postgres mariadb redis redis-cluster kafka rabbitmq rocketmq nats nats-cluster)
 # What each server gives the tests (scripts/servers.sh env): unset when it is not started.
 declare -A SERVER_VARS=(
   [postgres]="IDEMQ_TEST_POSTGRES_URL IDEMQ_TEST_POSTGRES_RESTART_CMD"
@@ -28,6 +28,8 @@ declare -A SERVER_VARS=(
   [kafka]="IDEMQ_TEST_KAFKA_BROKERS IDEMQ_TEST_KAFKA_RESTART_CMD IDEMQ_KAFKA_LIBS"
   [rabbitmq]="IDEMQ_TEST_AMQP_URL IDEMQ_TEST_RABBITMQ_STREAM_URL IDEMQ_TEST_RABBITMQ_RESTART_CMD"
   [rocketmq]="IDEMQ_TEST_ROCKETMQ_NAMESRV IDEMQ_TEST_ROCKETMQ_RESTART_CMD"
+  [nats]="IDEMQ_TEST_NATS_URL IDEMQ_TEST_NATS_RESTART_CMD"
+  [nats-cluster]="IDEMQ_TEST_NATS_CLUSTER_URL IDEMQ_TEST_NATS_CLUSTER_KILL_NODE_CMD IDEMQ_TEST_NATS_CLUSTER_RESTART_NODE_CMD"
 )
 
 log() { printf 'test.sh: %s\n' "$*" >&2; }
