@@ -23,8 +23,6 @@ pub mod metrics;
 pub mod publish;
 pub mod secrets;
 pub mod source;
-#[cfg(feature = "testkit")]
-pub mod source_kit;
 pub mod store;
 #[cfg(feature = "testkit")]
 pub mod testkit;
@@ -66,6 +64,6 @@ mod memory_contract {
     #[tokio::test]
     async fn stats_count_records_by_state() {
         let s: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
-        crate::testkit::stats_count_records_by_state(&s).await;
+        crate::testkit::store::stats_count_records_by_state(&s).await;
     }
 }

@@ -4,7 +4,7 @@
 
 use async_trait::async_trait;
 use idemq_core::broker::MemoryBroker;
-use idemq_core::source_kit::{SourceFixture, SourceHarness};
+use idemq_core::testkit::source::{SourceFixture, SourceHarness};
 use idemq_core::{DeliveryOrder, Envelope, Publisher, Source};
 use std::sync::Arc;
 use std::time::Duration;

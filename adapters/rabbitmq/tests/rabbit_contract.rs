@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use idemq_core::envelope::Envelope;
 use idemq_core::publish::Publisher;
 use idemq_core::source::Source;
-use idemq_core::source_kit::{SourceFixture, SourceHarness};
+use idemq_core::testkit::source::{SourceFixture, SourceHarness};
 use idemq_rabbitmq::{QueueType, DLQ_REASON};
 use std::sync::Arc;
 

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use idemq_core::envelope::Envelope;
 use idemq_core::publish::Publisher;
 use idemq_core::source::Source;
-use idemq_core::source_kit::{SourceFixture, SourceHarness};
+use idemq_core::testkit::source::{SourceFixture, SourceHarness};
 use idemq_rocketmq::{SourceConfig, DLQ_REASON, MIN_RECONSUME_DELAY};
 use std::sync::Arc;
 use std::time::Duration;

@@ -732,7 +732,7 @@ async fn sqlx_exec(store: &idemq_sql::SqliteStore, sql: &str) {
 async fn stats_are_the_primarys_counts() {
     let primary: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
     let layered: Arc<dyn DedupStore> = Arc::new(LayeredStore::new(primary.clone()));
-    idemq_core::testkit::stats_count_records_by_state(&layered).await;
+    idemq_core::testkit::store::stats_count_records_by_state(&layered).await;
     assert_eq!(
         layered.stats().await.expect("layered stats"),
         primary.stats().await.expect("primary stats")

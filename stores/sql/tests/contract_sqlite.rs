@@ -23,5 +23,5 @@ async fn in_memory_store_passes_the_kit() {
             .await
             .expect("open in-memory store"),
     );
-    idemq_core::testkit::run_all(&[s.clone(), s]).await;
+    idemq_core::testkit::store::run_all(&[s.clone(), s]).await;
 }

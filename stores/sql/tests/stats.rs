@@ -17,7 +17,7 @@ async fn sqlite_counts_records_by_state() {
         .await
         .expect("sqlite store"),
     );
-    idemq_core::testkit::stats_count_records_by_state(&s).await;
+    idemq_core::testkit::store::stats_count_records_by_state(&s).await;
 }
 
 #[cfg(feature = "postgres")]
@@ -30,7 +30,7 @@ async fn postgres_counts_records_by_state() {
         .await
         .expect("postgres store");
     let s: Arc<dyn DedupStore> = Arc::new(store.clone());
-    idemq_core::testkit::stats_count_records_by_state(&s).await;
+    idemq_core::testkit::store::stats_count_records_by_state(&s).await;
     for t in store.tables() {
         let _ = idemq_sql::sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
             .execute(store.pool())
@@ -49,7 +49,7 @@ async fn mysql_counts_records_by_state() {
             .await
             .expect("mysql store");
     let s: Arc<dyn DedupStore> = Arc::new(store.clone());
-    idemq_core::testkit::stats_count_records_by_state(&s).await;
+    idemq_core::testkit::store::stats_count_records_by_state(&s).await;
     for t in store.tables() {
         let _ = idemq_sql::sqlx::query(&format!("DROP TABLE IF EXISTS {t}"))
             .execute(store.pool())

@@ -9,11 +9,11 @@
 //! ```ignore
 //! struct Kafka { brokers: String }
 //! #[async_trait::async_trait]
-//! impl idemq_core::source_kit::SourceHarness for Kafka { /* ... */ }
+//! impl idemq_core::testkit::source::SourceHarness for Kafka { /* ... */ }
 //!
 //! idemq_core::source_contract_tests!(async {
 //!     let brokers = idemq_core::testkit::servers::server_url("IDEMQ_TEST_KAFKA_BROKERS")?;
-//!     Some(std::sync::Arc::new(Kafka { brokers }) as std::sync::Arc<dyn idemq_core::source_kit::SourceHarness>)
+//!     Some(std::sync::Arc::new(Kafka { brokers }) as std::sync::Arc<dyn idemq_core::testkit::source::SourceHarness>)
 //! });
 //! ```
 //!
@@ -585,9 +585,9 @@ macro_rules! source_contract_tests {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
             async fn $name() {
-                let harness: Option<std::sync::Arc<dyn $crate::source_kit::SourceHarness>> = $harness.await;
+                let harness: Option<std::sync::Arc<dyn $crate::testkit::source::SourceHarness>> = $harness.await;
                 match harness {
-                    Some(h) => $crate::source_kit::$name(&*h).await,
+                    Some(h) => $crate::testkit::source::$name(&*h).await,
                     None if std::env::var("IDEMQ_REQUIRE_SERVERS").as_deref() == Ok("1")
                         && !$crate::testkit::servers::skipped_for_a_missing_server() =>
                     {
