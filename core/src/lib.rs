@@ -45,7 +45,7 @@ pub use key::{
 };
 pub use memory::MemoryStore;
 pub use publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher, DEDUP_HEADER};
-pub use source::{Delivery, Settle, Source, SourceError};
+pub use source::{Delivery, Settle, Settlement, Source, SourceError};
 pub use store::{
     evaluate_claim, evaluate_claim_request, now_ms, ClaimMode, ClaimOutcome, ClaimRequest,
     ClaimVerdict, CompleteOutcome, Completion, DedupRecord, DedupStore, ExtendOutcome,

@@ -130,6 +130,33 @@ impl std::fmt::Debug for ReadinessProbe {
     }
 }
 
+/// What becomes of a delivery: the engine's decision, and what a [`Settle`] reports back to
+/// clients that deliver through callbacks ([`SettleRecorder`](crate::adapter::SettleRecorder)).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Settlement {
+    /// Done: the broker may forget it.
+    Ack,
+    /// Redeliver no sooner than the delay.
+    Nack(Duration),
+    /// Dead-letter with the reason.
+    Reject(String),
+    /// Dropped unsettled: the broker redelivers it (a nack without delay, at the broker's
+    /// pace).
+    Abandoned,
+}
+
+impl Settlement {
+    /// Its name in logs and metric labels.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Settlement::Ack => "ack",
+            Settlement::Nack(_) => "nack",
+            Settlement::Reject(_) => "reject",
+            Settlement::Abandoned => "abandon",
+        }
+    }
+}
+
 /// One received message and the means to settle it.
 pub struct Delivery {
     /// The message.
@@ -151,6 +178,19 @@ impl Delivery {
         Self {
             envelope,
             settle: Some(settle),
+        }
+    }
+    /// Settles it as `how` says: [`ack`](Self::ack), [`nack`](Self::nack),
+    /// [`reject`](Self::reject), or drops it unsettled ([`Settlement::Abandoned`]).
+    pub async fn settle(self, how: Settlement) -> Result<(), SourceError> {
+        match how {
+            Settlement::Ack => self.ack().await,
+            Settlement::Nack(delay) => self.nack(delay).await,
+            Settlement::Reject(reason) => self.reject(&reason).await,
+            Settlement::Abandoned => {
+                drop(self);
+                Ok(())
+            }
         }
     }
     /// Acks.

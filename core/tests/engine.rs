@@ -1,7 +1,8 @@
 //! Engine scenarios over the in-memory broker and store.
 
-use idemq_core::adapter::{SettleRecorder, Settlement};
+use idemq_core::adapter::SettleRecorder;
 use idemq_core::broker::{Faults, MemoryBroker};
+use idemq_core::Settlement;
 use idemq_core::{
     BrokerKind, ClaimedMessage, ConsumerConfig, DedupSlot, DedupStore, Envelope, HandlerError,
     IdempotentConsumer, KeyStrategy, MemoryStore,

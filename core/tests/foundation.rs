@@ -726,9 +726,12 @@ fn waiting_source(messages: usize) -> (MemoryBroker, WaitingSource, Arc<AtomicU3
     (broker, source, commits)
 }
 
-const NO_BACKOFF: idemq_core::engine::Backoff = idemq_core::engine::Backoff {
-    initial: Duration::from_millis(1),
-    max: Duration::from_millis(1),
+const NO_BACKOFF: idemq_core::RetryPolicy = idemq_core::RetryPolicy {
+    initial_delay: Duration::from_millis(1),
+    max_delay: Duration::from_millis(1),
+    multiplier: 1.0,
+    jitter: 0.0,
+    max_attempts: None,
 };
 
 #[tokio::test]

@@ -1382,7 +1382,8 @@ mod poll_safety_tests {
     //! The polling thread's panic guard and the dead-lettering of records that cannot become
     //! envelopes, without a broker (librdkafka creates clients without connecting).
     use super::*;
-    use idemq_core::adapter::{SettleRecorder, Settlement};
+    use idemq_core::adapter::SettleRecorder;
+    use idemq_core::Settlement;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_panic_on_the_polling_thread_makes_poll_fail() {

@@ -11,7 +11,7 @@ use futures::{FutureExt, StreamExt};
 use idemq_core::adapter::{channel_source, ChannelSender, ChannelSource, DelayedRedelivery};
 use idemq_core::envelope::{props, Position};
 use idemq_core::source::{Delivery, Settle, Source, SourceError};
-use idemq_core::Envelope;
+use idemq_core::{Envelope, RetryPolicy};
 use lapin::options::{
     BasicAckOptions, BasicCancelOptions, BasicConsumeOptions, BasicNackOptions,
     BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
@@ -535,24 +535,26 @@ async fn run(
     tx: ChannelSender,
     mut stop: watch::Receiver<bool>,
 ) {
-    let mut backoff = shared.cfg.reconnect_min;
+    // Jittered: every consumer of a restarted broker reconnects at once otherwise.
+    let mut backoff = RetryPolicy::backoff(shared.cfg.reconnect_min, shared.cfg.reconnect_max)
+        .with_jitter(0.2)
+        .waits();
     loop {
         let s = match session.take() {
             Some(s) => s,
             None => {
                 tokio::select! {
                     _ = stop.changed() => return,
-                    _ = tokio::time::sleep(backoff) => {}
+                    _ = tokio::time::sleep(backoff.next_delay()) => {}
                 }
-                backoff = (backoff * 2).min(shared.cfg.reconnect_max);
                 match open_session(&shared).await {
                     Ok(s) => {
                         metrics::counter!(crate::metrics::RECONNECTS).increment(1);
-                        backoff = shared.cfg.reconnect_min;
+                        backoff.reset();
                         s
                     }
                     Err(e) => {
-                        tracing::warn!(queue = %shared.cfg.queue, error = %e, retry_in = ?backoff, "rabbitmq reconnect failed");
+                        tracing::warn!(queue = %shared.cfg.queue, error = %e, failures = backoff.failures(), "rabbitmq reconnect failed");
                         continue;
                     }
                 }

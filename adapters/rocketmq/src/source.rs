@@ -32,10 +32,8 @@ use crate::publisher::RocketPublisher;
 use crate::RocketError;
 use async_trait::async_trait;
 use futures::future::{select, Either};
-use idemq_core::adapter::{
-    channel_source, ChannelSender, ChannelSource, SettleRecorder, Settlement,
-};
-use idemq_core::source::{Delivery, Settle, Source, SourceError};
+use idemq_core::adapter::{channel_source, ChannelSender, ChannelSource, SettleRecorder};
+use idemq_core::source::{Delivery, Settle, Settlement, Source, SourceError};
 use rocketmq_client_rust::{
     ClientResult, ConsumeConcurrentlyContext, ConsumeConcurrentlyStatus, ConsumeOrderlyContext,
     ConsumeOrderlyStatus, DefaultMQPushConsumer, MQConsumerInner, MQPushConsumer,

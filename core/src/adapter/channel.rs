@@ -1,6 +1,6 @@
 //! A cancel-safe source over a channel, and settlements carried back to a callback thread.
 
-use crate::source::{Delivery, Settle, Source, SourceError};
+use crate::source::{Delivery, Settle, Settlement, Source, SourceError};
 use async_trait::async_trait;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -101,26 +101,13 @@ impl Source for ChannelSource {
     }
 }
 
-/// How a delivery was settled, as reported back to the client that delivered it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Settlement {
-    /// Done.
-    Ack,
-    /// Redeliver after the delay.
-    Nack(Duration),
-    /// Dead-letter with the reason.
-    Reject(String),
-    /// Dropped unsettled (treat as a nack without delay).
-    Abandoned,
-}
-
 /// A [`Settle`] that reports the settlement over a oneshot channel, for clients whose
 /// callback must return a status (RocketMQ's listener returns one per batch): the callback
 /// creates one recorder per message, sends the deliveries, and waits for the receivers.
 ///
 /// ```
-/// use idemq_core::adapter::{SettleRecorder, Settlement};
-/// use idemq_core::{Delivery, Envelope, BrokerKind};
+/// use idemq_core::adapter::SettleRecorder;
+/// use idemq_core::{BrokerKind, Delivery, Envelope, Settlement};
 /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(async {
 /// let (settle, outcome) = SettleRecorder::new();
 /// let d = Delivery::new(Envelope::new(BrokerKind::MEMORY, "q", "x"), Box::new(settle));

@@ -18,7 +18,7 @@ mod delayed;
 mod offsets;
 mod shared;
 
-pub use channel::{channel_source, ChannelSender, ChannelSource, SettleRecorder, Settlement};
+pub use channel::{channel_source, ChannelSender, ChannelSource, SettleRecorder};
 pub use delayed::DelayedRedelivery;
 pub use offsets::{Epoch, OffsetTracker, PartitionId};
 pub use shared::{HeldSettle, LocallyHeld, SharedState};

@@ -7,7 +7,7 @@ use crate::envelope::Envelope;
 use crate::handler::{ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseWatch, Settled};
 use crate::key::DedupKey;
 use crate::metrics as m;
-use crate::source::Delivery;
+use crate::source::{Delivery, Settlement};
 use crate::store::{
     now_ms, ClaimMode, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupRecord,
     FencingToken, Lease, PayloadHash, StoreError,
@@ -46,13 +46,6 @@ struct ItemData {
     hash: Option<PayloadHash>,
     lane: Option<Lane>,
     followers: Vec<Delivery>,
-}
-
-#[derive(Debug, Clone)]
-enum Settlement {
-    Ack,
-    Nack(Duration),
-    Reject(String),
 }
 
 /// Why a handler produced no result.
@@ -1118,7 +1111,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         Fut: Future<Output = Result<T, StoreError>>,
     {
         let started = Instant::now();
-        let mut backoff = self.cfg.store_backoff;
+        let mut backoff = self.cfg.store_backoff_policy().waits();
         let mut attempt = 0u32;
         loop {
             match call().await {
@@ -1132,13 +1125,12 @@ impl<H: Handler> IdempotentConsumer<H> {
                         self.counters.health.store_failed(op, &e);
                     }
                     attempt += 1;
-                    if !e.is_retryable() || started.elapsed() + backoff > patience {
+                    if !e.is_retryable() || started.elapsed() + backoff.peek_nominal() > patience {
                         tracing::error!(op, error = %e, attempt, "dedup store call failed; not acking");
                         return Err(e);
                     }
                     tracing::warn!(op, error = %e, attempt, "dedup store call failed; backing off");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(self.cfg.store_backoff_max);
+                    tokio::time::sleep(backoff.next_delay()).await;
                 }
             }
         }
@@ -1198,12 +1190,8 @@ impl<H: Handler> IdempotentConsumer<H> {
 
     async fn settle(&self, d: Delivery, how: Settlement) {
         let broker = d.envelope.broker.as_str();
-        let (r, what) = match how {
-            Settlement::Ack => (d.ack().await, "ack"),
-            Settlement::Nack(delay) => (d.nack(delay).await, "nack"),
-            Settlement::Reject(reason) => (d.reject(&reason).await, "reject"),
-        };
-        if let Err(e) = r {
+        let what = how.as_str();
+        if let Err(e) = d.settle(how).await {
             // The broker will redeliver; the dedup record makes that harmless.
             self.counters
                 .settle_failures

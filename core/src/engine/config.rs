@@ -75,6 +75,43 @@ impl RetryPolicy {
         }
     }
 
+    /// Doubling from `initial` to `max`, no jitter, no bound on attempts: the back-off of a
+    /// loop that keeps trying until its server answers (a reconnect, a store outage). Add
+    /// spread with [`with_jitter`](Self::with_jitter) where many clients retry at once.
+    ///
+    /// ```
+    /// use idemq_core::engine::RetryPolicy;
+    /// use std::time::Duration;
+    /// let mut waits = RetryPolicy::backoff(Duration::from_millis(100), Duration::from_millis(300)).waits();
+    /// let first: Vec<_> = (0..3).map(|_| waits.next_delay().as_millis()).collect();
+    /// assert_eq!(first, [100, 200, 300]);
+    /// waits.reset(); // an attempt worked
+    /// assert_eq!(waits.next_delay(), Duration::from_millis(100));
+    /// ```
+    pub fn backoff(initial: Duration, max: Duration) -> Self {
+        Self {
+            initial_delay: initial,
+            max_delay: max,
+            multiplier: 2.0,
+            jitter: 0.0,
+            max_attempts: None,
+        }
+    }
+
+    /// Sets the random spread (builder form): a fraction of each delay either way.
+    pub fn with_jitter(mut self, jitter: f64) -> Self {
+        self.jitter = jitter;
+        self
+    }
+
+    /// The waits of one run of failures under this policy.
+    pub fn waits(&self) -> Backoff {
+        Backoff {
+            policy: *self,
+            failures: 0,
+        }
+    }
+
     /// Bounds the attempts (builder form).
     pub fn with_max_attempts(mut self, n: u32) -> Self {
         self.max_attempts = Some(n);
@@ -83,9 +120,7 @@ impl RetryPolicy {
 
     /// The delay before attempt `attempt + 1`, after attempt `attempt` (1-based) failed.
     pub fn delay(&self, attempt: u32) -> Duration {
-        let exp = attempt.saturating_sub(1).min(63) as i32;
-        let base = self.initial_delay.as_secs_f64() * self.multiplier.max(1.0).powi(exp);
-        let capped = base.min(self.max_delay.as_secs_f64());
+        let capped = self.nominal_delay(attempt).as_secs_f64();
         let j = self.jitter.clamp(0.0, 1.0);
         let spread = if j > 0.0 {
             use rand::Rng;
@@ -94,6 +129,18 @@ impl RetryPolicy {
             0.0
         };
         Duration::from_secs_f64((capped * (1.0 + spread)).max(0.0)).min(self.max_delay)
+    }
+
+    /// [`delay`](Self::delay) without its jitter.
+    pub fn nominal_delay(&self, attempt: u32) -> Duration {
+        let exp = attempt.saturating_sub(1).min(63) as i32;
+        let base = self.initial_delay.as_secs_f64() * self.multiplier.max(1.0).powi(exp);
+        Duration::from_secs_f64(base.min(self.max_delay.as_secs_f64()))
+    }
+
+    /// The nominal delays of the first `attempts` retries, added up.
+    pub fn nominal_total(&self, attempts: u32) -> Duration {
+        (1..=attempts).map(|a| self.nominal_delay(a)).sum()
     }
 
     /// True when attempt `attempt` was the last one allowed.
@@ -207,19 +254,54 @@ impl Default for ConsumerConfig {
     }
 }
 
+/// One run of failed attempts under a [`RetryPolicy`]: each [`next_delay`](Self::next_delay)
+/// is the wait before the next attempt, [`reset`](Self::reset) starts over after one that
+/// worked. Every retry loop of idemq (the poll loop's rest after an outage, store calls,
+/// reconnects, a database's transaction retries) waits through one of these.
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    policy: RetryPolicy,
+    failures: u32,
+}
+
+impl Backoff {
+    /// The wait after one more failure.
+    pub fn next_delay(&mut self) -> Duration {
+        self.failures = self.failures.saturating_add(1);
+        self.policy.delay(self.failures)
+    }
+
+    /// The wait [`next_delay`](Self::next_delay) would answer, without counting a failure
+    /// and without jitter.
+    pub fn peek_nominal(&self) -> Duration {
+        self.policy.nominal_delay(self.failures.saturating_add(1))
+    }
+
+    /// An attempt worked: the next failure waits the initial delay again.
+    pub fn reset(&mut self) {
+        self.failures = 0;
+    }
+
+    /// Failures since the last reset.
+    pub fn failures(&self) -> u32 {
+        self.failures
+    }
+}
+
 /// A floor on redelivery delays, so a broker without delayed redelivery doesn't spin.
 pub(crate) const MIN_REDELIVERY_DELAY: Duration = Duration::from_millis(50);
 
 impl ConsumerConfig {
-    /// The time budget of claim retries: `store_retries` doublings of the back-off.
+    /// The back-off after a store error: `store_backoff` doubling up to `store_backoff_max`.
+    pub(crate) fn store_backoff_policy(&self) -> RetryPolicy {
+        RetryPolicy::backoff(self.store_backoff, self.store_backoff_max)
+    }
+
+    /// The time budget of claim retries: `store_retries` waits of the store back-off.
     pub(crate) fn store_retries_budget(&self) -> Duration {
-        let mut total = Duration::ZERO;
-        let mut b = self.store_backoff;
-        for _ in 0..self.store_retries {
-            total += b;
-            b = (b * 2).min(self.store_backoff_max);
-        }
-        total + Duration::from_millis(1)
+        self.store_backoff_policy()
+            .nominal_total(self.store_retries)
+            + Duration::from_millis(1)
     }
 
     /// The heartbeat period.

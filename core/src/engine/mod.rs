@@ -38,7 +38,7 @@ mod config;
 mod health;
 mod lease;
 
-pub use config::{ConsumerConfig, DeliveryOrder, RetryPolicy};
+pub use config::{Backoff, ConsumerConfig, DeliveryOrder, RetryPolicy};
 use health::LoopHealth;
 pub use health::{Health, HealthReport, HealthState, KEYLESS_RUN};
 pub use lease::{LeaseKeepAlive, LeaseState, LossCause};
@@ -364,10 +364,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         source: &mut S,
         shutdown: impl Future<Output = ()>,
     ) -> Result<(), ConsumerError> {
-        let backoff = Backoff {
-            initial: self.cfg.store_backoff,
-            max: self.cfg.store_backoff_max,
-        };
+        let backoff = self.cfg.store_backoff_policy();
         drive_source_reporting(
             source,
             self.cfg.max_batch,
@@ -503,25 +500,6 @@ pub async fn close_after_run<S: Source + ?Sized>(
     }
 }
 
-/// How long a poll loop waits after a batch that met a store or broker outage: `initial`,
-/// doubling up to `max`, back to `initial` after a good batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Backoff {
-    /// The first wait.
-    pub initial: std::time::Duration,
-    /// The longest wait.
-    pub max: std::time::Duration,
-}
-
-impl Backoff {
-    /// When a rest of `wait` started now ends; `wait` doubles (up to `max`) for the next one.
-    fn next_rest(&self, wait: &mut std::time::Duration) -> tokio::time::Instant {
-        let until = tokio::time::Instant::now() + *wait;
-        *wait = (*wait * 2).min(self.max);
-        until
-    }
-}
-
 /// The poll loop every consumer mode shares: poll up to `max_batch` deliveries, hand them
 /// to `process` (which settles each one and answers whether it met an outage), tell the
 /// source the batch is done ([`Source::after_batch`]), back off after an outage, and stop
@@ -535,7 +513,7 @@ impl Backoff {
 pub async fn drive_source<S, F, Fut>(
     source: &mut S,
     max_batch: usize,
-    backoff: Backoff,
+    backoff: RetryPolicy,
     shutdown: impl Future<Output = ()>,
     process: F,
 ) -> Result<(), ConsumerError>
@@ -553,7 +531,7 @@ pub async fn drive_source_reporting<S, F, Fut>(
     source: &mut S,
     max_batch: usize,
     depth: usize,
-    backoff: Backoff,
+    backoff: RetryPolicy,
     health: &Health,
     shutdown: impl Future<Output = ()>,
     process: F,
@@ -591,7 +569,7 @@ pub async fn drive_source_pipelined<S, F, Fut>(
     source: &mut S,
     max_batch: usize,
     depth: usize,
-    backoff: Backoff,
+    backoff: RetryPolicy,
     shutdown: impl Future<Output = ()>,
     process: F,
 ) -> Result<(), ConsumerError>
@@ -609,7 +587,7 @@ async fn drive<S, F, Fut>(
     source: &mut S,
     max_batch: usize,
     depth: usize,
-    backoff: Backoff,
+    backoff: RetryPolicy,
     mut health: Option<&mut LoopHealth>,
     shutdown: impl Future<Output = ()>,
     mut process: F,
@@ -633,7 +611,7 @@ where
     let max_batch = max_batch.max(1);
     tokio::pin!(shutdown);
     let mut in_progress = FuturesUnordered::new();
-    let mut wait = backoff.initial;
+    let mut rests = backoff.waits();
     // After an outage, no polling until this instant (batches in progress still run).
     let mut resting_until: Option<tokio::time::Instant> = None;
     let mut stopping = false;
@@ -680,9 +658,9 @@ where
                 }
                 if outage {
                     // Give the store or broker time before polling again.
-                    resting_until = Some(backoff.next_rest(&mut wait));
+                    resting_until = Some(tokio::time::Instant::now() + rests.next_delay());
                 } else {
-                    wait = backoff.initial;
+                    rests.reset();
                 }
             }
             Event::Polled(Ok(Some(batch))) => {
@@ -703,7 +681,7 @@ where
                 if let Some(h) = health.as_deref_mut() {
                     h.poll_failed(&e);
                 }
-                resting_until = Some(backoff.next_rest(&mut wait));
+                resting_until = Some(tokio::time::Instant::now() + rests.next_delay());
             }
         }
     }

@@ -39,7 +39,7 @@ use idemq_core::handler::{BatchHandler, Batched};
 use idemq_core::metrics as m;
 use idemq_core::{
     ClaimMode, ClaimedMessage, CompleteOutcome, Completion, DedupKey, HandlerError, LeaseLost,
-    StoreError,
+    RetryPolicy, StoreError,
 };
 use std::collections::HashSet;
 use std::future::Future;
@@ -367,7 +367,10 @@ impl<DB: SqlBackend, W: WriteEffects<DB>> BatchHandler for TxBatchHandler<DB, W>
             }
             false => Some(self.turn.lock().await),
         };
-        let mut backoff = Duration::from_millis(20);
+        // Jittered, so two consumers that collided do not collide again.
+        let mut backoff = RetryPolicy::backoff(Duration::from_millis(20), Duration::from_secs(2))
+            .with_jitter(0.25)
+            .waits();
         let mut tries = 0;
         loop {
             match self.transact(&msgs).await {
@@ -393,10 +396,7 @@ impl<DB: SqlBackend, W: WriteEffects<DB>> BatchHandler for TxBatchHandler<DB, W>
                             tries,
                             "batch transaction aborted by the database ({reason}); retrying it after a back-off"
                         );
-                        // Jittered, so two consumers that collided do not collide again.
-                        let jitter = rand::random::<f64>() * 0.5 + 0.75;
-                        tokio::time::sleep(backoff.mul_f64(jitter)).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(2));
+                        tokio::time::sleep(backoff.next_delay()).await;
                     }
                     _ => return Err(failure.into_handler_error()),
                 },

@@ -3,7 +3,7 @@
 
 use crate::backend::Val;
 use idemq_core::key::MAX_DEDUP_KEY_BYTES;
-use idemq_core::{DedupKey, StoreError};
+use idemq_core::{DedupKey, RetryPolicy, StoreError};
 use std::time::Duration;
 
 /// How many times a statement is retried at once after a deadlock or serialization failure.
@@ -25,11 +25,13 @@ pub(crate) fn limit_i64(limit: usize) -> i64 {
     i64::try_from(limit).unwrap_or(i64::MAX)
 }
 
+/// The wait before retrying a statement the database rolled back (a deadlock, a
+/// serialization failure): short, doubling, with full jitter so the two sides of a deadlock
+/// do not meet again.
 pub(crate) async fn backoff(attempt: u32) {
-    use rand::Rng;
-    let cap_ms = 2u64.saturating_pow(attempt.min(8)).max(2);
-    let ms = rand::thread_rng().gen_range(1..=cap_ms);
-    tokio::time::sleep(Duration::from_millis(ms)).await;
+    let policy =
+        RetryPolicy::backoff(Duration::from_millis(2), Duration::from_millis(256)).with_jitter(1.0);
+    tokio::time::sleep(policy.delay(attempt)).await;
 }
 
 /// Statement arguments that move into the first attempt; a retry (rare: a deadlock or a

@@ -982,23 +982,23 @@ impl<DB: SqlBackend, P: Publisher> OutboxRelay<DB, P> {
     /// misconfiguration.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> Result<(), OutboxError> {
         tokio::pin!(shutdown);
-        let mut backoff = self.opts.error_backoff;
+        let mut backoff =
+            RetryPolicy::backoff(self.opts.error_backoff, Duration::from_secs(30)).waits();
         let mut next_purge = tokio::time::Instant::now();
         loop {
             let pause = match self.relay_once().await {
                 Ok(r) if r.claimed > 0 => {
-                    backoff = self.opts.error_backoff;
+                    backoff.reset();
                     None
                 }
                 Ok(_) => {
-                    backoff = self.opts.error_backoff;
+                    backoff.reset();
                     Some(self.opts.poll_interval)
                 }
                 Err(OutboxError::Config(e)) => return Err(OutboxError::Config(e)),
                 Err(e) => {
-                    tracing::warn!(table = %self.outbox.table, error = %e, backoff_ms = backoff.as_millis() as u64, "outbox relay: round failed; backing off");
-                    let b = backoff;
-                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                    let b = backoff.next_delay();
+                    tracing::warn!(table = %self.outbox.table, error = %e, backoff_ms = b.as_millis() as u64, "outbox relay: round failed; backing off");
                     Some(b)
                 }
             };
