@@ -45,7 +45,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // The payments, and the provider resending the first 20 (same payment id, new offset).
     // The record key is the payment id too, so every copy lands on the same partition.
-    let publisher = KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers))?;
+    let publisher = KafkaPublisher::connect(&KafkaProducerConfig::idempotent(&brokers)).await?;
     let batch = (0..PAYMENTS)
         .chain(0..20)
         .map(|i| {

@@ -39,8 +39,8 @@
 //! group still finds it.)
 
 use idemq::rocketmq::{
-    LocalOutcome, PublisherConfig, RocketPublisher, RocketSource, SourceConfig, StoreCheckBack,
-    TransactionalPublisher,
+    LocalOutcome, RocketPublisher, RocketPublisherConfig, RocketSource, RocketSourceConfig,
+    StoreCheckBack, TransactionalPublisher,
 };
 use idemq::{
     ClaimOutcome, ClaimRequest, ClaimedMessage, CompleteOutcome, ConsumerGroup, DedupKey,
@@ -149,7 +149,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let orders_group = format!("orders_{run}");
 
     // A plain send creates the topic's route (a transactional producer needs one).
-    let plain = RocketPublisher::connect(PublisherConfig::new(&ns, format!("setup_{run}"))).await?;
+    let plain =
+        RocketPublisher::connect(RocketPublisherConfig::new(&ns, format!("setup_{run}"))).await?;
     plain
         .publish(OutgoingMessage::new(&topic, r#"{"ping":true}"#).with_dedup_key("topic-ready"))
         .await?;
@@ -200,8 +201,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             Ok::<_, HandlerError>(None)
         }),
     );
-    let mut source =
-        RocketSource::connect(SourceConfig::new(&ns, format!("billing_{run}"), &topic)).await?;
+    let mut source = RocketSource::connect(RocketSourceConfig::new(
+        &ns,
+        format!("billing_{run}"),
+        &topic,
+    ))
+    .await?;
     let (watch, seen) = (consumer.clone(), applied.clone());
     let done = async move {
         let deadline = tokio::time::Instant::now() + PATIENCE;

@@ -86,7 +86,9 @@ async fn bridge_child(arg: &str) {
     .await
     .expect("store");
     let publisher: Arc<dyn Publisher> = Arc::new(
-        KafkaPublisher::new(&KafkaProducerConfig::idempotent(&kafka)).expect("kafka publisher"),
+        KafkaPublisher::connect(&KafkaProducerConfig::idempotent(&kafka))
+            .await
+            .expect("kafka publisher"),
     );
     let topic = plan.topic.clone();
     let consumer = IdempotentConsumer::new(
@@ -222,7 +224,7 @@ async fn a_bridge_killed_mid_run_lands_each_key_once_on_the_kafka_side() {
         let effects = effects.clone();
         let mut cfg = KafkaSourceConfig::new(&kafka, &unique("ledger"), &[plan.topic.as_str()]);
         cfg.commit_interval = Duration::from_millis(500);
-        let mut source = KafkaSource::new(cfg).expect("kafka source");
+        let mut source = KafkaSource::connect(cfg).await.expect("kafka source");
         let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
         let consumer = IdempotentConsumer::new(
             store,

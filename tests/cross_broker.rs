@@ -16,7 +16,7 @@ use idemq::kafka::rdkafka::client::DefaultClientContext;
 use idemq::kafka::rdkafka::ClientConfig;
 use idemq::kafka::{KafkaProducerConfig, KafkaPublisher, KafkaSource, KafkaSourceConfig};
 use idemq::rabbitmq::{QueueType, RabbitPublisher, RabbitSource, RabbitSourceConfig};
-use idemq::rocketmq::{PublisherConfig, RocketPublisher, RocketSource, SourceConfig};
+use idemq::rocketmq::{RocketPublisher, RocketPublisherConfig, RocketSource, RocketSourceConfig};
 use idemq::sql::{PgStore, SqlStoreOptions, TableName};
 use idemq::{
     BrokerKind, ClaimedMessage, ConsumerConfig, HandlerError, IdempotentConsumer, KeyStrategy,
@@ -90,9 +90,11 @@ async fn a_payment_delivered_through_kafka_rabbitmq_and_rocketmq_is_applied_once
         .expect("rabbit source");
 
     // The provider retries every callback on every channel it knows, and on Kafka twice.
-    let kp = KafkaPublisher::new(&KafkaProducerConfig::idempotent(&kafka)).expect("kafka");
+    let kp = KafkaPublisher::connect(&KafkaProducerConfig::idempotent(&kafka))
+        .await
+        .expect("kafka");
     let rp = RabbitPublisher::connect(&amqp).await.expect("rabbitmq");
-    let mp = RocketPublisher::connect(PublisherConfig::new(&namesrv, unique("provider")))
+    let mp = RocketPublisher::connect(RocketPublisherConfig::new(&namesrv, unique("provider")))
         .await
         .expect("rocketmq");
     let mut published = 0u64;
@@ -121,12 +123,16 @@ async fn a_payment_delivered_through_kafka_rabbitmq_and_rocketmq_is_applied_once
         c
     };
     let sources: Vec<Box<dyn Source>> = vec![
-        Box::new(KafkaSource::new(kafka_cfg).expect("kafka source")),
+        Box::new(KafkaSource::connect(kafka_cfg).await.expect("kafka source")),
         Box::new(rabbit),
         Box::new(
-            RocketSource::connect(SourceConfig::new(&namesrv, unique("billing"), &rtopic))
-                .await
-                .expect("rocketmq source"),
+            RocketSource::connect(RocketSourceConfig::new(
+                &namesrv,
+                unique("billing"),
+                &rtopic,
+            ))
+            .await
+            .expect("rocketmq source"),
         ),
     ];
 

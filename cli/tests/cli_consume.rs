@@ -220,8 +220,9 @@ mod kafka {
 
     /// Publishes payments `ids` (confirmed), each as `{"payment_id":"pay-<i>","amount":<i>}`.
     async fn publish_payments(brokers: &str, topic: &str, ids: impl Iterator<Item = u32>) {
-        let publisher =
-            KafkaPublisher::new(&KafkaProducerConfig::idempotent(brokers)).expect("publisher");
+        let publisher = KafkaPublisher::connect(&KafkaProducerConfig::idempotent(brokers))
+            .await
+            .expect("publisher");
         let batch = ids
             .map(|i| {
                 OutgoingMessage::new(
@@ -365,8 +366,9 @@ mod kafka {
         let group = format!("{topic}-g");
         publish_payments(&brokers, &topic, 0..3).await;
         // 4 callbacks without a payment id: no dedup key, dead-lettered.
-        let publisher =
-            KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers)).expect("publisher");
+        let publisher = KafkaPublisher::connect(&KafkaProducerConfig::idempotent(&brokers))
+            .await
+            .expect("publisher");
         let bad = (0..4)
             .map(|i| OutgoingMessage::new(&topic, format!("{{\"amount\":{i}}}")))
             .collect();
@@ -520,11 +522,12 @@ mod kafka {
         assert_eq!(keys.len(), 10, "{stdout}\n{stderr}");
     }
 
-    #[test]
-    fn an_unusable_instance_id_is_refused_with_the_rule() {
+    #[tokio::test]
+    async fn an_unusable_instance_id_is_refused_with_the_rule() {
         let cfg = idemq::kafka::KafkaSourceConfig::new("127.0.0.1:1", "g", &["t"])
             .static_member("payments 1");
-        let e = idemq::kafka::KafkaSource::new(cfg)
+        let e = idemq::kafka::KafkaSource::connect(cfg)
+            .await
             .map(|_| ())
             .unwrap_err()
             .to_string();
@@ -556,7 +559,13 @@ mod kafka {
         let cfg = idemq::kafka::KafkaSourceConfig::new(brokers, group, &[topic])
             .set("session.timeout.ms", MEMBER_SESSION_MS)
             .set("heartbeat.interval.ms", "1000");
-        let source = idemq::kafka::KafkaSource::new(cfg).expect("member source");
+        // The source runs its own polling thread; a runtime is needed only to open it.
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime for the member");
+        let source = runtime
+            .block_on(idemq::kafka::KafkaSource::connect(cfg))
+            .expect("member source");
         loop {
             let held = source.assigned();
             if !held.is_empty() {

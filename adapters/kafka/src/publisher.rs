@@ -40,8 +40,10 @@ impl std::fmt::Debug for KafkaPublisher {
 
 impl KafkaPublisher {
     /// A publisher over a validated producer configuration (see
-    /// [`KafkaProducerConfig::idempotent`]).
-    pub fn new(cfg: &KafkaProducerConfig) -> Result<Self, KafkaSourceError> {
+    /// [`KafkaProducerConfig::idempotent`]). The client connects lazily: a broker that is
+    /// not up yet fails the first sends (after `message.timeout.ms`), not this call, whose
+    /// errors are the configuration's.
+    pub async fn connect(cfg: &KafkaProducerConfig) -> Result<Self, KafkaSourceError> {
         let client = cfg.client_config()?;
         let producer = client
             .create()

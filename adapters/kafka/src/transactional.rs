@@ -1111,7 +1111,8 @@ mod tests {
         let output = unique("revoke-out");
         create_topic(&brokers, &input, 2).await;
         create_topic(&brokers, &output, 1).await;
-        let publisher = crate::KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers))
+        let publisher = crate::KafkaPublisher::connect(&KafkaProducerConfig::idempotent(&brokers))
+            .await
             .expect("publisher");
         let msgs: Vec<OutgoingMessage> = (0..20)
             .map(|i| {
@@ -1267,7 +1268,8 @@ mod fenced_tests {
         let output = unique("fenced-out");
         create_topic(&brokers, &input, 1).await;
         create_topic(&brokers, &output, 1).await;
-        let publisher = crate::KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers))
+        let publisher = crate::KafkaPublisher::connect(&KafkaProducerConfig::idempotent(&brokers))
+            .await
             .expect("publisher");
         let msgs: Vec<OutgoingMessage> = (0..20)
             .map(|i| {

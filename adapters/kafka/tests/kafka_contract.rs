@@ -30,7 +30,7 @@ impl SourceHarness for Kafka {
         Box::new(Fixture {
             brokers: self.brokers.clone(),
             group: format!("{topic}-group"),
-            publisher: Arc::new(support::publisher(&self.brokers)),
+            publisher: Arc::new(support::publisher(&self.brokers).await),
             topic,
         })
     }
@@ -45,7 +45,7 @@ impl SourceFixture for Fixture {
         self.topic.clone()
     }
     async fn subscribe(&self) -> Box<dyn Source> {
-        Box::new(support::subscribe(&self.brokers, &self.group, &self.topic))
+        Box::new(support::subscribe(&self.brokers, &self.group, &self.topic).await)
     }
     async fn dead_letters(&self) -> Vec<(Envelope, String)> {
         let dlq = format!("{}.dlq", self.topic);

@@ -66,7 +66,7 @@ fn engine(
 }
 
 async fn publish(brokers: &str, topic: &str, keys: &[String], duplicate_every: usize) {
-    let p = support::publisher(brokers);
+    let p = support::publisher(brokers).await;
     let mut msgs: Vec<OutgoingMessage> = Vec::new();
     for (i, k) in keys.iter().enumerate() {
         let m = OutgoingMessage::new(topic, format!("{{\"n\":{i}}}"))
@@ -122,9 +122,10 @@ async fn a_consumer_joining_mid_run_takes_partitions_without_loss_or_double_effe
             Duration::from_millis(30),
             Crashing::default(),
         );
-        let mut src = support::subscribe(&brokers, &group, &topic);
+        let (brokers, group, topic) = (brokers.clone(), group.clone(), topic.clone());
         let mut stop = stop_rx.clone();
         tokio::spawn(async move {
+            let mut src = support::subscribe(&brokers, &group, &topic).await;
             consumer
                 .run(&mut src, async move {
                     let _ = stop.wait_for(|s| *s).await;
@@ -182,7 +183,7 @@ async fn producer_duplicates_and_a_consumer_dropped_mid_run_apply_each_key_once(
         Duration::from_millis(3),
         crashing.clone(),
     );
-    let mut src = support::subscribe(&brokers, &group, &topic);
+    let mut src = support::subscribe(&brokers, &group, &topic).await;
     let crashed = tokio::spawn(async move {
         let _ = first.run(&mut src, std::future::pending()).await;
     });
@@ -199,7 +200,7 @@ async fn producer_duplicates_and_a_consumer_dropped_mid_run_apply_each_key_once(
         Duration::ZERO,
         Crashing::default(),
     );
-    let mut src = support::subscribe(&brokers, &group, &topic);
+    let mut src = support::subscribe(&brokers, &group, &topic).await;
     let progress = effects.clone();
     let n = keys.len();
     second

@@ -45,7 +45,7 @@ fn key(topic: &str, i: usize) -> String {
 }
 
 async fn send(brokers: &str, topic: &str, idx: impl Iterator<Item = usize>) {
-    let p = support::publisher(brokers);
+    let p = support::publisher(brokers).await;
     let msgs: Vec<OutgoingMessage> = idx
         .map(|i| {
             OutgoingMessage::new(topic, format!("{{\"payment\":{i},\"cents\":1999}}"))
@@ -71,8 +71,9 @@ async fn child(arg: &str) -> ! {
     )
     .await
     .expect("store");
-    let mut source =
-        KafkaSource::new(support::source_config(brokers, group, topic)).expect("source");
+    let mut source = KafkaSource::connect(support::source_config(brokers, group, topic))
+        .await
+        .expect("source");
     let insert = format!("INSERT INTO {ledger} (payment, cents) VALUES ($1, 1999)");
     let hang: usize = hang.parse().unwrap_or(0);
     let handled = Arc::new(std::sync::atomic::AtomicUsize::new(0));

@@ -84,8 +84,9 @@ async fn a_record_with_a_non_utf8_header_name_is_delivered_and_the_ones_after_it
     let payloads = produce_around_poison(&brokers, &topic).await;
 
     let group = support::unique("poison-hdr-g");
-    let mut source =
-        KafkaSource::new(support::source_config(&brokers, &group, &topic)).expect("source");
+    let mut source = KafkaSource::connect(support::source_config(&brokers, &group, &topic))
+        .await
+        .expect("source");
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut seen = Vec::new();
     while seen.len() < payloads.len() {

@@ -37,6 +37,7 @@ async fn a_published_dedup_key_comes_back_with_the_records_coordinates() {
     let topic = support::unique("roundtrip");
     support::create_topic(&brokers, &topic, 2).await;
     let receipt = support::publisher(&brokers)
+        .await
         .publish(
             OutgoingMessage::new(&topic, "{\"payment\":7}")
                 .with_key("order-7")
@@ -45,7 +46,7 @@ async fn a_published_dedup_key_comes_back_with_the_records_coordinates() {
         )
         .await
         .expect("publish");
-    let mut src = support::subscribe(&brokers, &support::unique("g"), &topic);
+    let mut src = support::subscribe(&brokers, &support::unique("g"), &topic).await;
     let got = collect(&mut src, 1, Duration::from_secs(30)).await;
     let d = got.into_iter().next().expect("the message must arrive");
     let env = &d.envelope;
@@ -124,7 +125,7 @@ async fn record_values_map_losslessly_small_and_large() {
             .map_err(|(e, _)| e)
             .expect("send");
     }
-    let mut src = support::subscribe(&brokers, &support::unique("g"), &topic);
+    let mut src = support::subscribe(&brokers, &support::unique("g"), &topic).await;
     let got = collect(&mut src, 3, Duration::from_secs(30)).await;
     assert_eq!(got.len(), 3, "all three records arrive");
     for (d, (key, payload)) in got.iter().zip(cases) {
@@ -162,7 +163,7 @@ async fn an_ordering_key_picks_the_partition() {
     };
     let topic = support::unique("ordering");
     support::create_topic(&brokers, &topic, 4).await;
-    let p = support::publisher(&brokers);
+    let p = support::publisher(&brokers).await;
     for i in 0..8 {
         let ok = format!("customer-{i}");
         let r = p
@@ -184,9 +185,10 @@ async fn an_oversized_message_is_rejected() {
     let Some(brokers) = support::brokers() else {
         return;
     };
-    let p = KafkaPublisher::new(
+    let p = KafkaPublisher::connect(
         &KafkaProducerConfig::idempotent(&brokers).set("message.max.bytes", "2000"),
     )
+    .await
     .expect("publisher");
     let err = p
         .publish(OutgoingMessage::new(
@@ -242,7 +244,7 @@ async fn read_committed_hides_aborted_records() {
     send(producer.clone(), "committed", true).await;
 
     let cfg = support::source_config(&brokers, &support::unique("g"), &topic).read_committed();
-    let mut src = KafkaSource::new(cfg).expect("source");
+    let mut src = KafkaSource::connect(cfg).await.expect("source");
     let got = collect(&mut src, 2, Duration::from_secs(8)).await;
     let payloads: Vec<_> = got
         .iter()
@@ -318,7 +320,7 @@ async fn commit_transaction_waits_for_in_flight_records_and_times_out_cleanly() 
     }
 
     let cfg = support::source_config(&brokers, &support::unique("g"), &topic).read_committed();
-    let mut src = KafkaSource::new(cfg).expect("source");
+    let mut src = KafkaSource::connect(cfg).await.expect("source");
     let got = collect(&mut src, 301, Duration::from_secs(8)).await;
     let mut payloads: Vec<String> = got
         .iter()
@@ -343,7 +345,7 @@ async fn back_pressure_pauses_without_loss_or_reordering() {
     };
     let topic = support::unique("pressure");
     support::create_topic(&brokers, &topic, 1).await;
-    let p = support::publisher(&brokers);
+    let p = support::publisher(&brokers).await;
     let msgs = (0..300)
         .map(|i| OutgoingMessage::new(&topic, format!("{i}")))
         .collect();
@@ -352,7 +354,7 @@ async fn back_pressure_pauses_without_loss_or_reordering() {
     }
     let mut cfg = support::source_config(&brokers, &support::unique("g"), &topic);
     cfg.buffer_per_partition = 16;
-    let mut src = KafkaSource::new(cfg).expect("source");
+    let mut src = KafkaSource::connect(cfg).await.expect("source");
     let mut seen = Vec::new();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     while seen.len() < 300 && tokio::time::Instant::now() < deadline {

@@ -43,13 +43,13 @@ async fn records_sent_back_out_of_order_are_redelivered_in_offset_order() {
     };
     let topic = support::unique("order-back");
     support::create_topic(&brokers, &topic, 1).await;
-    let p = support::publisher(&brokers);
+    let p = support::publisher(&brokers).await;
     for i in 0..6 {
         p.publish(OutgoingMessage::new(&topic, format!("{i}")).with_key("entity"))
             .await
             .expect("publish");
     }
-    let mut src = support::subscribe(&brokers, &format!("{topic}-g"), &topic);
+    let mut src = support::subscribe(&brokers, &format!("{topic}-g"), &topic).await;
     let mut first = take(&mut src, 6).await;
     assert_eq!(
         first.iter().map(offset).collect::<Vec<_>>(),

@@ -28,7 +28,7 @@ async fn an_aborted_batch_is_invisible_and_its_inputs_are_output_once() {
     support::create_topic(&brokers, &input, 2).await;
     support::create_topic(&brokers, &output, 1).await;
     let keys: Vec<String> = (0..30).map(|i| format!("{input}-{i:02}")).collect();
-    let p = support::publisher(&brokers);
+    let p = support::publisher(&brokers).await;
     for k in &keys {
         p.publish(OutgoingMessage::new(&input, k.clone()).with_dedup_key(k.clone()))
             .await
@@ -102,7 +102,7 @@ async fn a_zombie_with_the_same_transactional_id_is_fenced() {
     let output = support::unique("zombie-out");
     support::create_topic(&brokers, &input, 1).await;
     support::create_topic(&brokers, &output, 1).await;
-    let p = support::publisher(&brokers);
+    let p = support::publisher(&brokers).await;
     for i in 0..4 {
         p.publish(OutgoingMessage::new(&input, format!("{i}")))
             .await
@@ -168,7 +168,7 @@ async fn a_zombie_with_the_same_transactional_id_is_fenced() {
 /// Publishes `keys` with the dedup key as the record key (so every copy of a key lands on
 /// one input partition, as business dedup requires).
 async fn publish_keys(brokers: &str, topic: &str, keys: &[String]) {
-    let p = support::publisher(brokers);
+    let p = support::publisher(brokers).await;
     let msgs: Vec<OutgoingMessage> = keys
         .iter()
         .map(|k| {

@@ -329,7 +329,7 @@ async fn a_third_processor_joining_and_leaving_mid_flow_leaves_each_key_output_o
             published.clone(),
         );
         tokio::spawn(async move {
-            let p = support::publisher(&brokers);
+            let p = support::publisher(&brokers).await;
             let (mut n, mut copies, mut tick) = (0usize, 0usize, 0usize);
             let started = Instant::now();
             while n < MIN_KEYS || !churn_done.load(Ordering::Relaxed) {
@@ -438,7 +438,7 @@ async fn a_processor_stalled_past_max_poll_interval_aborts_and_each_key_is_outpu
     .await;
     let other = start(&s, "other").await;
     // The first half, and copies of every 10th key, all consumed.
-    let p = support::publisher(&s.brokers);
+    let p = support::publisher(&s.brokers).await;
     let first_half = (0..KEYS / 2).chain((0..KEYS / 2).step_by(10));
     publish(&p, &s.input, first_half.map(|i| key(&s.input, i))).await;
     let first_records = KEYS / 2 + KEYS / 20;

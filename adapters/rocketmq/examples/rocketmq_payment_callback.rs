@@ -10,7 +10,7 @@ use idemq_core::{
     ClaimedMessage, HandlerError, IdempotentConsumer, KeyStrategy, MemoryStore, OutgoingMessage,
     Publisher,
 };
-use idemq_rocketmq::{PublisherConfig, RocketPublisher, RocketSource, SourceConfig};
+use idemq_rocketmq::{RocketPublisher, RocketPublisherConfig, RocketSource, RocketSourceConfig};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,7 +22,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let run = rand_suffix();
     let topic = format!("payment_callbacks_{run}");
     let gateway =
-        RocketPublisher::connect(PublisherConfig::new(&ns, format!("gateway_{run}"))).await?;
+        RocketPublisher::connect(RocketPublisherConfig::new(&ns, format!("gateway_{run}"))).await?;
     for attempt in 1..=3 {
         let callback = OutgoingMessage::new(&topic, r#"{"payment_id":"pay-000","cents":9900}"#)
             .with_key("order-000")
@@ -53,8 +53,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         },
     );
-    let mut source =
-        RocketSource::connect(SourceConfig::new(&ns, format!("billing_{run}"), &topic)).await?;
+    let mut source = RocketSource::connect(RocketSourceConfig::new(
+        &ns,
+        format!("billing_{run}"),
+        &topic,
+    ))
+    .await?;
     consumer
         .run(&mut source, tokio::time::sleep(Duration::from_secs(25)))
         .await?;

@@ -45,9 +45,9 @@
 //! Transactional messages: the check-back answers from the store ([`StoreCheckBack`]).
 //!
 //! ```no_run
-//! use idemq_rocketmq::{RocketSource, SourceConfig};
+//! use idemq_rocketmq::{RocketSource, RocketSourceConfig};
 //! # async fn f() -> Result<(), idemq_rocketmq::RocketError> {
-//! let src = RocketSource::connect(SourceConfig::new("127.0.0.1:9876", "billing", "payments")).await?;
+//! let src = RocketSource::connect(RocketSourceConfig::new("127.0.0.1:9876", "billing", "payments")).await?;
 //! # drop(src); Ok(()) }
 //! ```
 #![warn(missing_docs)]
@@ -63,13 +63,13 @@ pub use client::{client_config, client_runtime};
 pub use fields::{
     stable_message_id, to_envelope, to_message, DLQ_ORIGIN_TOPIC, DLQ_REASON, OFFSET_MSG_ID,
 };
-pub use publisher::{PublisherConfig, RocketPublisher};
+pub use publisher::{RocketPublisher, RocketPublisherConfig};
 /// The RocketMQ client crate the adapter is built on, for code that talks to the client
 /// directly beside it (with [`client_runtime`] and [`client_config`]).
 pub use rocketmq_client_rust;
 /// The RocketMQ message model (messages, queues, consume-from settings) of that client.
 pub use rocketmq_model;
-pub use source::{ConsumeMode, RocketSource, SourceConfig, MIN_RECONSUME_DELAY};
+pub use source::{ConsumeMode, RocketSource, RocketSourceConfig, MIN_RECONSUME_DELAY};
 pub use transaction::{LocalOutcome, StoreCheckBack, TransactionalPublisher, LOCAL_TIMEOUT};
 
 /// RocketMQ's [`BrokerKind`](idemq_core::BrokerKind), stamped on every envelope this

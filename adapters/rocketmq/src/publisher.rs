@@ -21,7 +21,7 @@ use tokio::sync::RwLock;
 
 /// Publisher settings.
 #[derive(Debug, Clone)]
-pub struct PublisherConfig {
+pub struct RocketPublisherConfig {
     /// Name server address, `host:port` (several separated by `;`).
     pub name_server: String,
     /// Producer group (one per application role).
@@ -35,7 +35,7 @@ pub struct PublisherConfig {
     pub max_in_flight: usize,
 }
 
-impl PublisherConfig {
+impl RocketPublisherConfig {
     /// A publisher of `group` through the name server at `name_server`.
     pub fn new(name_server: impl Into<String>, group: impl Into<String>) -> Self {
         Self {
@@ -73,12 +73,12 @@ pub struct RocketPublisher {
     /// Sends share the producer (the client's sends take `&self`); only shutdown is
     /// exclusive.
     producer: Arc<RwLock<DefaultMQProducer>>,
-    cfg: PublisherConfig,
+    cfg: RocketPublisherConfig,
 }
 
 impl RocketPublisher {
     /// Starts a producer.
-    pub async fn connect(cfg: PublisherConfig) -> Result<Self, RocketError> {
+    pub async fn connect(cfg: RocketPublisherConfig) -> Result<Self, RocketError> {
         let env = env()?;
         let mut producer = DefaultMQProducer::builder(env.client.clone())
             .client_config(own_client(&cfg.name_server)?)

@@ -80,7 +80,7 @@ pub enum ConsumeMode {
 
 /// Source settings.
 #[derive(Debug, Clone)]
-pub struct SourceConfig {
+pub struct RocketSourceConfig {
     /// Name server address, `host:port`.
     pub name_server: String,
     /// Consumer group.
@@ -112,7 +112,7 @@ pub struct SourceConfig {
     pub offset_persist_interval: Duration,
 }
 
-impl SourceConfig {
+impl RocketSourceConfig {
     /// Concurrent consumption of `topic` by `group`, from the first offset.
     pub fn new(
         name_server: impl Into<String>,
@@ -452,12 +452,12 @@ pub struct RocketSource {
 
 impl RocketSource {
     /// Joins the consumer group and starts consuming.
-    pub async fn connect(cfg: SourceConfig) -> Result<Self, RocketError> {
+    pub async fn connect(cfg: RocketSourceConfig) -> Result<Self, RocketError> {
         let env = env()?;
         let dlq_group = format!("{}-dlq", cfg.group.replace('%', "_"));
         let dlq = Arc::new(DeadLetters {
             topic: cfg.dead_letter_topic(),
-            publisher: RocketPublisher::connect(crate::PublisherConfig::new(
+            publisher: RocketPublisher::connect(crate::RocketPublisherConfig::new(
                 cfg.name_server.clone(),
                 dlq_group,
             ))
@@ -656,7 +656,7 @@ mod retry_budget_tests {
     async fn bridge() -> (Arc<Bridge>, ChannelSource, watch::Sender<bool>) {
         let dlq = Arc::new(DeadLetters {
             topic: format!("%DLQ%{GROUP}"),
-            publisher: RocketPublisher::connect(crate::PublisherConfig::new(
+            publisher: RocketPublisher::connect(crate::RocketPublisherConfig::new(
                 "127.0.0.1:9",
                 "budget-test-dlq",
             ))

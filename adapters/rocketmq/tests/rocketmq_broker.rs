@@ -17,7 +17,7 @@ use idemq_core::{
     MemoryStore,
 };
 use idemq_rocketmq::{
-    LocalOutcome, SourceConfig, StoreCheckBack, TransactionalPublisher, OFFSET_MSG_ID,
+    LocalOutcome, RocketSourceConfig, StoreCheckBack, TransactionalPublisher, OFFSET_MSG_ID,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -96,7 +96,7 @@ async fn a_payment_callback_sent_three_times_and_redelivered_pays_once() {
             }
         },
     );
-    let src = support::source(SourceConfig::new(&ns, &group, &topic)).await;
+    let src = support::source(RocketSourceConfig::new(&ns, &group, &topic)).await;
     let (stop_tx, run) = support::run_until_stopped(consumer, src);
     // The failed delivery comes back after the retry policy's delay; the two producer
     // copies are duplicates of the same key.
@@ -171,12 +171,12 @@ async fn a_duplicate_storm_with_a_consumer_dropped_mid_run_is_exactly_once() {
         IdempotentConsumer::new(store.clone(), keys, handler).with_config(cfg)
     };
     let first = make(true);
-    let mut src1 = support::source(SourceConfig::new(&ns, &group, &topic)).await;
+    let mut src1 = support::source(RocketSourceConfig::new(&ns, &group, &topic)).await;
     let crashed = tokio::spawn(async move {
         let _ = first.run(&mut src1, std::future::pending()).await;
     });
     let second = make(false);
-    let src2 = support::source(SourceConfig::new(&ns, &group, &topic)).await;
+    let src2 = support::source(RocketSourceConfig::new(&ns, &group, &topic)).await;
     let (stop_tx, survivor) = support::run_until_stopped(second, src2);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     crashed.abort(); // drops the source mid-batch: no close, nothing settled
@@ -304,7 +304,12 @@ async fn close_releases_a_waiting_listener() {
         .publish(OutgoingMessage::new(&topic, "x").with_dedup_key("close-1"))
         .await
         .expect("SEND_OK");
-    let mut src = support::source(SourceConfig::new(&ns, support::unique("closecg"), &topic)).await;
+    let mut src = support::source(RocketSourceConfig::new(
+        &ns,
+        support::unique("closecg"),
+        &topic,
+    ))
+    .await;
     let got = tokio::time::timeout(Duration::from_secs(60), src.poll(1))
         .await
         .expect("a delivery within 60 s")

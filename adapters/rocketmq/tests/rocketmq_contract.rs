@@ -10,7 +10,7 @@ use idemq_core::envelope::Envelope;
 use idemq_core::publish::Publisher;
 use idemq_core::source::Source;
 use idemq_core::testkit::source::{SourceFixture, SourceHarness};
-use idemq_rocketmq::{SourceConfig, DLQ_REASON, MIN_RECONSUME_DELAY};
+use idemq_rocketmq::{RocketSourceConfig, DLQ_REASON, MIN_RECONSUME_DELAY};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::OnceCell;
@@ -28,8 +28,8 @@ struct TopicFixture {
 }
 
 impl TopicFixture {
-    fn config(&self) -> SourceConfig {
-        SourceConfig::new(&self.namesrv, &self.group, &self.topic)
+    fn config(&self) -> RocketSourceConfig {
+        RocketSourceConfig::new(&self.namesrv, &self.group, &self.topic)
     }
 }
 

@@ -24,7 +24,7 @@ use idemq_core::{
     ClaimedMessage, CompleteOutcome, DedupKey, HandlerError, IdempotentConsumer, KeyStrategy,
     MemoryStore,
 };
-use idemq_rocketmq::{LocalOutcome, SourceConfig, StoreCheckBack, TransactionalPublisher};
+use idemq_rocketmq::{LocalOutcome, RocketSourceConfig, StoreCheckBack, TransactionalPublisher};
 use idemq_sql::{sqlx, PgStore, SqlResultExt, SqlStoreOptions};
 use rand::Rng;
 use std::sync::{Arc, Mutex};
@@ -96,7 +96,7 @@ async fn payment_consumer(arg: &str) {
         retry: RetryPolicy::fixed(Duration::from_millis(200)),
         ..ConsumerConfig::default()
     });
-    let mut src = support::source(SourceConfig::new(&ns, group, topic)).await;
+    let mut src = support::source(RocketSourceConfig::new(&ns, group, topic)).await;
     eprintln!("child {} consuming {topic}", std::process::id());
     let r = consumer.run(&mut src, std::future::pending()).await;
     panic!("the consumer stopped: {r:?}");
@@ -371,7 +371,12 @@ async fn a_producer_killed_after_its_local_commit_is_committed_by_the_check_back
             }
         },
     );
-    let src = support::source(SourceConfig::new(&ns, support::unique("ordersvc"), &topic)).await;
+    let src = support::source(RocketSourceConfig::new(
+        &ns,
+        support::unique("ordersvc"),
+        &topic,
+    ))
+    .await;
     let (stop_tx, run) = support::run_until_stopped(consumer, src);
     let count = |list: &Mutex<Vec<String>>, k: &str| {
         list.lock()

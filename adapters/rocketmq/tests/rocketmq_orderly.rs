@@ -12,7 +12,7 @@ mod support;
 use idemq_core::engine::{ConsumerConfig, DeliveryOrder, RetryPolicy};
 use idemq_core::publish::{OutgoingMessage, Publisher};
 use idemq_core::{ClaimedMessage, HandlerError, IdempotentConsumer, KeyStrategy, MemoryStore};
-use idemq_rocketmq::SourceConfig;
+use idemq_rocketmq::RocketSourceConfig;
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -158,7 +158,7 @@ async fn orderly_consumption_keeps_per_key_order_with_dedup_and_injected_failure
             handler.clone(),
         )
         .with_config(cfg.clone());
-        let config = SourceConfig::new(&ns, &group, &topic).orderly();
+        let config = RocketSourceConfig::new(&ns, &group, &topic).orderly();
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let run = tokio::spawn(async move {
             let mut src = support::source(config).await;

@@ -11,7 +11,7 @@ use idemq_core::engine::{ConsumerConfig, RetryPolicy};
 use idemq_core::publish::{OutgoingMessage, Publisher};
 use idemq_core::testkit::switchable::SwitchableStore;
 use idemq_core::{ClaimedMessage, HandlerError, IdempotentConsumer, KeyStrategy, MemoryStore};
-use idemq_rocketmq::{SourceConfig, DLQ_REASON};
+use idemq_rocketmq::{RocketSourceConfig, DLQ_REASON};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -27,7 +27,7 @@ async fn a_store_outage_does_not_dead_letter_and_a_failing_handler_does_with_its
     let Some(ns) = support::namesrv() else { return };
     let topic = support::unique("budget");
     let group = support::unique("budgetcg");
-    let mut cfg = SourceConfig::new(&ns, &group, &topic);
+    let mut cfg = RocketSourceConfig::new(&ns, &group, &topic);
     cfg.max_reconsume_times = 1;
     let dlq = support::Collector::start(&ns, &cfg.dead_letter_topic()).await;
     let publisher = support::publisher(&ns).await;

@@ -52,12 +52,12 @@ impl KafkaBench {
     /// On `IDEMQ_TEST_KAFKA_BROKERS` (what `scripts/servers.sh env` exports), else
     /// 127.0.0.1:19092 (the port `scripts/servers.sh` starts Kafka on), with the plain
     /// consumers taking up to `batch` records per batch.
-    pub fn from_env(batch: usize) -> anyhow::Result<Self> {
+    pub async fn from_env(batch: usize) -> anyhow::Result<Self> {
         let brokers = std::env::var("IDEMQ_TEST_KAFKA_BROKERS")
             .ok()
             .filter(|b| !b.is_empty())
             .unwrap_or_else(|| "127.0.0.1:19092".to_string());
-        let publisher = KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers))?;
+        let publisher = KafkaPublisher::connect(&KafkaProducerConfig::idempotent(&brokers)).await?;
         Ok(Self {
             brokers,
             publisher,
@@ -175,7 +175,7 @@ impl BrokerBench for KafkaBench {
 
     async fn source(&self, dest: &str) -> anyhow::Result<Box<dyn Source>> {
         let cfg = KafkaSourceConfig::new(&self.brokers, &Self::unique("bench-idemq"), &[dest]);
-        let mut inner = KafkaSource::new(cfg)?;
+        let mut inner = KafkaSource::connect(cfg).await?;
         // Join the group and fetch before the clock starts, as the plain consumers do.
         let first = tokio::time::timeout(Duration::from_secs(60), inner.poll(self.batch))
             .await
@@ -330,7 +330,7 @@ async fn produce_run(
 /// Transactional (one commit per 100 ms) against idempotent producing, best of
 /// `run.rounds` interleaved rounds; prints the ratio (target ≥ 0.85).
 pub async fn producer_comparison(run: &BrokerRun) -> anyhow::Result<(Duration, Duration)> {
-    let bench = KafkaBench::from_env(run.batch)?;
+    let bench = KafkaBench::from_env(run.batch).await?;
     let n = (run.messages * 2).max(1);
     let (mut idem, mut txn) = (Duration::MAX, Duration::MAX);
     for _ in 0..run.rounds.max(1) {
@@ -364,7 +364,7 @@ pub async fn producer_intervals(
     rounds: usize,
     intervals: &[Duration],
 ) -> anyhow::Result<Vec<(Duration, f64, f64)>> {
-    let bench = KafkaBench::from_env(256)?;
+    let bench = KafkaBench::from_env(256).await?;
     let n = n.max(1);
     let mut idem = Duration::MAX;
     let mut txn = vec![Duration::MAX; intervals.len()];
@@ -396,7 +396,7 @@ pub async fn group_scaling(
     use idemq::{ClaimedMessage, ConsumerConfig, DedupStore, HandlerError, IdempotentConsumer};
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Arc;
-    let bench = KafkaBench::from_env(batch)?;
+    let bench = KafkaBench::from_env(batch).await?;
     let table = TableName::new(&format!("bench_grp_{:08x}", rand::random::<u32>()))?;
     let pg = PgStore::connect(postgres_url, SqlStoreOptions::with_table(table)).await?;
     let store: Arc<dyn DedupStore> = Arc::new(pg.clone());
@@ -411,7 +411,8 @@ pub async fn group_scaling(
         let mut runs = Vec::new();
         for _ in 0..c {
             let mut src =
-                KafkaSource::new(KafkaSourceConfig::new(&bench.brokers, &group, &[&topic]))?;
+                KafkaSource::connect(KafkaSourceConfig::new(&bench.brokers, &group, &[&topic]))
+                    .await?;
             let count = done.clone();
             let consumer =
                 IdempotentConsumer::new(store.clone(), keys.clone(), move |_m: ClaimedMessage| {

@@ -345,7 +345,7 @@ async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
         consumers: broker::Consumers::parse(&args.consumers)?,
     };
     for name in &args.brokers {
-        let bench = make_broker(name, args.batch)?;
+        let bench = make_broker(name, args.batch).await?;
         broker::measure(bench.as_ref(), &run).await?;
         #[cfg(feature = "kafka")]
         if name == "kafka" && run.consumers.has("producer") {
@@ -360,7 +360,7 @@ async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     feature = "postgres",
     any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
 ))]
-fn make_broker(name: &str, batch: usize) -> anyhow::Result<Box<dyn broker::BrokerBench>> {
+async fn make_broker(name: &str, batch: usize) -> anyhow::Result<Box<dyn broker::BrokerBench>> {
     // Each broker module adds its arm here.
     let bench: Option<Box<dyn broker::BrokerBench>> = match name {
         #[cfg(feature = "rabbitmq")]
@@ -368,7 +368,7 @@ fn make_broker(name: &str, batch: usize) -> anyhow::Result<Box<dyn broker::Broke
         #[cfg(feature = "rocketmq")]
         "rocketmq" => Some(Box::new(rocketmq::RocketBench::from_env()?)),
         #[cfg(feature = "kafka")]
-        "kafka" => Some(Box::new(kafka::KafkaBench::from_env(batch)?)),
+        "kafka" => Some(Box::new(kafka::KafkaBench::from_env(batch).await?)),
         _ => None,
     };
     let _ = batch;
@@ -430,7 +430,7 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
         }
         _ => {
             let broker_name = name.trim_start_matches("broker-");
-            let bench = make_broker(broker_name, BATCH)?;
+            let bench = make_broker(broker_name, BATCH).await?;
             let run = broker::BrokerRun {
                 messages: n,
                 batch: BATCH,

@@ -21,7 +21,8 @@ use idemq::rocketmq::rocketmq_model::common::consumer::consume_from_where::Consu
 use idemq::rocketmq::rocketmq_model::common::message::message_ext::MessageExt;
 use idemq::rocketmq::rocketmq_model::common::message::MessageConst;
 use idemq::rocketmq::{
-    client_config, client_runtime, PublisherConfig, RocketPublisher, RocketSource, SourceConfig,
+    client_config, client_runtime, RocketPublisher, RocketPublisherConfig, RocketSource,
+    RocketSourceConfig,
 };
 use idemq::{async_trait, KeyStrategy, OutgoingMessage, Publisher, Source};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -68,7 +69,7 @@ impl RocketBench {
                 for i in 0..FILLERS {
                     let group = format!("idemq_bench_fill_{i}_{:08x}", rand::random::<u32>());
                     v.push(Arc::new(
-                        RocketPublisher::connect(PublisherConfig::new(&self.namesrv, group))
+                        RocketPublisher::connect(RocketPublisherConfig::new(&self.namesrv, group))
                             .await?,
                     ));
                 }
@@ -277,7 +278,7 @@ impl BrokerBench for RocketBench {
     }
 
     async fn source(&self, dest: &str) -> anyhow::Result<Box<dyn Source>> {
-        let mut cfg = SourceConfig::new(&self.namesrv, fresh_group("idemq"), dest);
+        let mut cfg = RocketSourceConfig::new(&self.namesrv, fresh_group("idemq"), dest);
         cfg.consume_threads = CONSUME_THREADS;
         Ok(Box::new(RocketSource::connect(cfg).await?))
     }

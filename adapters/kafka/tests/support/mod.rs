@@ -55,8 +55,10 @@ pub async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
 }
 
 /// An idempotent publisher.
-pub fn publisher(brokers: &str) -> KafkaPublisher {
-    KafkaPublisher::new(&KafkaProducerConfig::idempotent(brokers)).expect("publisher")
+pub async fn publisher(brokers: &str) -> KafkaPublisher {
+    KafkaPublisher::connect(&KafkaProducerConfig::idempotent(brokers))
+        .await
+        .expect("publisher")
 }
 
 /// Source settings tuned for tests: fast group joins and commits.
@@ -71,8 +73,10 @@ pub fn source_config(brokers: &str, group: &str, topic: &str) -> KafkaSourceConf
 }
 
 /// A subscribed source.
-pub fn subscribe(brokers: &str, group: &str, topic: &str) -> KafkaSource {
-    KafkaSource::new(source_config(brokers, group, topic)).expect("source")
+pub async fn subscribe(brokers: &str, group: &str, topic: &str) -> KafkaSource {
+    KafkaSource::connect(source_config(brokers, group, topic))
+        .await
+        .expect("source")
 }
 
 /// Every record of `topic` (all partitions) as envelopes, read from the beginning until

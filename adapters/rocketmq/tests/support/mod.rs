@@ -4,7 +4,7 @@
 
 use idemq_core::source::Source;
 use idemq_core::Envelope;
-use idemq_rocketmq::{PublisherConfig, RocketPublisher, RocketSource, SourceConfig};
+use idemq_rocketmq::{RocketPublisher, RocketPublisherConfig, RocketSource, RocketSourceConfig};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -45,7 +45,7 @@ pub fn unique(what: &str) -> String {
     format!("idemq_{what}_{:08x}", rand::random::<u32>())
 }
 
-pub async fn source(cfg: SourceConfig) -> RocketSource {
+pub async fn source(cfg: RocketSourceConfig) -> RocketSource {
     let what = format!("{} on {}", cfg.group, cfg.topic);
     match RocketSource::connect(cfg).await {
         Ok(s) => s,
@@ -55,7 +55,7 @@ pub async fn source(cfg: SourceConfig) -> RocketSource {
 
 pub async fn publisher(namesrv: &str) -> RocketPublisher {
     let group = unique("pg");
-    match RocketPublisher::connect(PublisherConfig::new(namesrv, group)).await {
+    match RocketPublisher::connect(RocketPublisherConfig::new(namesrv, group)).await {
         Ok(p) => p,
         Err(e) => panic!("producer: {e}"),
     }
@@ -69,7 +69,7 @@ pub struct Collector {
 
 impl Collector {
     pub async fn start(namesrv: &str, topic: &str) -> Self {
-        let cfg = SourceConfig::new(namesrv, unique("reader"), topic);
+        let cfg = RocketSourceConfig::new(namesrv, unique("reader"), topic);
         let mut src = source(cfg).await;
         let seen = Arc::new(Mutex::new(Vec::new()));
         let sink = seen.clone();
