@@ -12,6 +12,7 @@
 //! | `postgres`, `mysql` | `sql::PgStore`, `sql::MySqlStore` (MySQL and MariaDB) |
 //! | `redis` | `redis::RedisStore` (standalone or Redis Cluster) |
 //! | `layered` | `layered::LayeredStore` (local cache + bloom pre-filter in front of a store) |
+//! | `nats-kv` | `nats_kv::NatsKvStore` (NATS JetStream key-value bucket, R1 or R3) |
 //! | `kafka` | `kafka`: source, typed producer config and validator, publisher, exactly-once flows (builds librdkafka) |
 //! | `rabbitmq`, `rabbitmq-streams` | `rabbitmq`: source, confirmed publisher; `rabbitmq::stream` |
 //! | `rocketmq` | `rocketmq`: push source, publisher, transactional messages |
@@ -56,6 +57,10 @@ pub use idemq_redis as redis;
 /// The layered store.
 #[cfg(feature = "layered")]
 pub use idemq_layered as layered;
+
+/// The NATS JetStream KV store (a store crate of its own: an adapter never depends on a store).
+#[cfg(feature = "nats-kv")]
+pub use idemq_nats_kv as nats_kv;
 
 /// The Kafka adapter: consumer-group source, producer configs, publisher.
 #[cfg(feature = "kafka")]

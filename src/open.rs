@@ -13,6 +13,7 @@ pub const SUPPORTED_SCHEMES: &[(&str, &str)] = &[
     ("mariadb", "mysql"),
     ("redis", "redis"),
     ("redis+cluster", "redis"),
+    ("nats-kv", "nats-kv"),
 ];
 
 /// Why a store URL could not be opened.
@@ -93,7 +94,11 @@ pub async fn open_store(url: &str) -> Result<Arc<dyn DedupStore>, OpenStoreError
     let scheme = url
         .split_once(':')
         .map(|(s, _)| s.to_ascii_lowercase())
-        .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'+'))
+        .filter(|s| {
+            !s.is_empty()
+                && s.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'+' || b == b'-')
+        })
         .ok_or_else(|| OpenStoreError::NotAUrl(idemq_core::secrets::redact_url(url)))?;
     // Unused when every store feature is on.
     #[allow(unused_variables)]
@@ -139,6 +144,15 @@ pub async fn open_store(url: &str) -> Result<Arc<dyn DedupStore>, OpenStoreError
             }
             #[cfg(not(feature = "redis"))]
             Err(disabled("redis"))
+        }
+        "nats-kv" => {
+            #[cfg(feature = "nats-kv")]
+            {
+                let s = idemq_nats_kv::NatsKvStore::connect(url, Default::default()).await?;
+                Ok(Arc::new(s))
+            }
+            #[cfg(not(feature = "nats-kv"))]
+            Err(disabled("nats-kv"))
         }
         _ => Err(OpenStoreError::UnknownScheme { scheme }),
     }

@@ -108,6 +108,16 @@ async fn storm_on_mariadb() {
     }
 }
 
+#[cfg(feature = "nats-kv")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn storm_on_nats_kv() {
+    if let Some(u) = server_url("IDEMQ_TEST_NATS_URL") {
+        // The same server, as a store URL: nats-kv://host:port/bucket.
+        let host = u.trim_start_matches("nats://").trim_end_matches('/');
+        storm(&format!("nats-kv://{host}/idemq_every_store")).await;
+    }
+}
+
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn storm_on_redis() {

@@ -143,6 +143,16 @@ impl NatsKvStore {
         format!("KV_{}", self.inner.opts.bucket)
     }
 
+    /// The name of the server that leads the bucket's stream now (`None` on a single
+    /// server, or while the cluster elects one): the node whose loss makes writes wait.
+    pub async fn stream_leader(&self) -> Result<Option<String>, StoreError> {
+        let info =
+            self.inner.bucket.stream.get_info().await.map_err(|e| {
+                StoreError::Unavailable(format!("cannot read the stream info: {e}"))
+            })?;
+        Ok(info.cluster.and_then(|c| c.leader))
+    }
+
     /// The NATS client (shared with the store).
     pub fn client(&self) -> &async_nats::Client {
         &self.inner.client

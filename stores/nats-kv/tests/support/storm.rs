@@ -1,0 +1,271 @@
+//! A stream of keys delivered like a broker would (redelivered until acknowledged) by
+//! workers that claim and complete, while a disruption (a restart, a leader killed) hits
+//! the server; then the checks every such test makes: no key lost, none completed twice,
+//! no handler run twice, every acknowledged key completed in the store.
+
+use idemq_core::{ClaimOutcome, ClaimRequest, CompleteOutcome, DedupKey, DedupStore};
+use std::collections::VecDeque;
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const LEASE: Duration = Duration::from_secs(2);
+const RETAIN: Duration = Duration::from_secs(3600);
+
+#[derive(Default, Clone, Copy, Debug)]
+struct Tally {
+    handler_runs: usize,
+    commits: usize,
+    ambiguous_completes: usize,
+    duplicate_acks: usize,
+    acked_at: Option<Instant>,
+}
+
+#[derive(Default)]
+struct Stats {
+    ops: AtomicUsize,
+    errors: AtomicUsize,
+    in_flight: AtomicUsize,
+    fenced: AtomicUsize,
+    done: AtomicUsize,
+    successes: Mutex<Vec<Instant>>,
+    first_error: Mutex<Option<String>>,
+}
+
+impl Stats {
+    fn ok(&self) {
+        self.ops.fetch_add(1, Ordering::Relaxed);
+        self.successes.lock().unwrap().push(Instant::now());
+    }
+    fn err(&self, e: &idemq_core::StoreError) {
+        assert!(e.is_retryable(), "unexpected non-retryable error: {e}");
+        self.errors.fetch_add(1, Ordering::Relaxed);
+        self.first_error
+            .lock()
+            .unwrap()
+            .get_or_insert_with(|| e.to_string());
+    }
+}
+
+async fn backoff() {
+    tokio::time::sleep(Duration::from_millis(25)).await;
+}
+
+/// What a storm measured.
+#[derive(Debug)]
+pub struct Report {
+    /// Keys delivered (each acknowledged exactly once).
+    pub keys: usize,
+    /// Store calls answered (claims and completions).
+    pub ops: usize,
+    /// Store errors met (all retryable, all retried).
+    pub errors: usize,
+    /// The first of them.
+    pub first_error: Option<String>,
+    /// Claims answered InFlight (a claim whose reply was lost waits for its lease).
+    pub in_flight_waits: usize,
+    /// Completions answered Fenced (redelivered).
+    pub fenced: usize,
+    /// Handler runs beyond one per key (must be 0).
+    pub reruns: usize,
+    /// From the disruption's start to the first store call answered after it.
+    pub first_answer_after: Duration,
+    /// The longest time without any answered store call, from the disruption on.
+    pub longest_stall: Duration,
+}
+
+/// Delivers `key` until it is acknowledged, like a broker redelivering an unacked message.
+async fn deliver(
+    store: &dyn DedupStore,
+    key: &DedupKey,
+    tally: &Mutex<Vec<Tally>>,
+    i: usize,
+    stats: &Stats,
+) {
+    let req = ClaimRequest::new(key.clone(), LEASE).with_worker("storm");
+    loop {
+        match store.claim(&req).await {
+            Err(e) => {
+                // Store down: no ack, back off, redeliver. Never "skip".
+                stats.err(&e);
+                backoff().await;
+            }
+            Ok(ClaimOutcome::InFlight { .. }) => {
+                stats.ok();
+                // A claim whose reply was lost: its lease must run out first.
+                stats.in_flight.fetch_add(1, Ordering::Relaxed);
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            Ok(ClaimOutcome::PayloadConflict(r)) => panic!("no payload hashes here: {r:?}"),
+            Ok(ClaimOutcome::Duplicate(_)) => {
+                stats.ok();
+                let mut t = tally.lock().unwrap();
+                assert!(
+                    t[i].commits + t[i].ambiguous_completes > 0,
+                    "{key} answered Duplicate but no completion of it was ever attempted"
+                );
+                t[i].duplicate_acks += 1;
+                t[i].acked_at = Some(Instant::now());
+                return;
+            }
+            Ok(ClaimOutcome::Acquired(lease)) => {
+                stats.ok();
+                tally.lock().unwrap()[i].handler_runs += 1;
+                // Complete with the same token until the store answers.
+                loop {
+                    match store
+                        .complete(key, lease.token, Some("done".into()), RETAIN)
+                        .await
+                    {
+                        Ok(CompleteOutcome::Completed) => {
+                            stats.ok();
+                            let mut t = tally.lock().unwrap();
+                            t[i].commits += 1;
+                            t[i].acked_at = Some(Instant::now());
+                            return;
+                        }
+                        Ok(CompleteOutcome::Fenced) => {
+                            stats.ok();
+                            stats.fenced.fetch_add(1, Ordering::Relaxed);
+                            break;
+                        }
+                        Err(e) => {
+                            stats.err(&e);
+                            tally.lock().unwrap()[i].ambiguous_completes += 1;
+                            backoff().await;
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn recovery(successes: &[Instant], from: Instant) -> (Duration, Duration) {
+    let mut after: Vec<Instant> = successes.iter().copied().filter(|t| *t >= from).collect();
+    after.sort();
+    let first = after
+        .first()
+        .map_or(Duration::MAX, |t| t.duration_since(from));
+    let mut longest = first;
+    for w in after.windows(2) {
+        longest = longest.max(w[1].duration_since(w[0]));
+    }
+    (first, longest)
+}
+
+/// Runs `n` keys through `workers` workers over `stores`; once `n / 3` keys are done,
+/// runs `disrupt` (a blocking kill or restart), then checks the outcome.
+pub async fn storm<F, Fut>(
+    stores: &[Arc<dyn DedupStore>],
+    group: &str,
+    n: usize,
+    workers: usize,
+    disrupt: F,
+) -> Report
+where
+    F: FnOnce() -> Fut,
+    Fut: Future<Output = ()>,
+{
+    let g = idemq_core::ConsumerGroup::new(group).unwrap();
+    let keys: Arc<Vec<DedupKey>> = Arc::new(
+        (0..n)
+            .map(|i| DedupKey::new(&g, &format!("m-{i}")).unwrap())
+            .collect(),
+    );
+    let queue = Arc::new(Mutex::new((0..n).collect::<VecDeque<usize>>()));
+    let tally = Arc::new(Mutex::new(vec![Tally::default(); n]));
+    let stats = Arc::new(Stats::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for w in 0..workers {
+        let store = stores[w % stores.len()].clone();
+        let (keys, queue, tally, stats, stop) = (
+            keys.clone(),
+            queue.clone(),
+            tally.clone(),
+            stats.clone(),
+            stop.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                let Some(i) = queue.lock().unwrap().pop_front() else {
+                    break;
+                };
+                deliver(store.as_ref(), &keys[i], &tally, i, &stats).await;
+                stats.done.fetch_add(1, Ordering::Relaxed);
+                // Pace the stream so the disruption lands in the middle of it.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        }));
+    }
+    let t0 = Instant::now();
+    while stats.done.load(Ordering::Relaxed) < n / 3 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "workers made no progress"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let errors_before = stats.errors.load(Ordering::Relaxed);
+    let disrupted_at = Instant::now();
+    disrupt().await;
+
+    let deadline = Instant::now() + Duration::from_secs(180);
+    for t in tasks {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match tokio::time::timeout(left, t).await {
+            Ok(r) => r.expect("worker panicked"),
+            Err(_) => {
+                stop.store(true, Ordering::Relaxed);
+                panic!(
+                    "workers did not finish: {} of {n} done",
+                    stats.done.load(Ordering::Relaxed)
+                );
+            }
+        }
+    }
+
+    let tally = tally.lock().unwrap().clone();
+    let mut runs = 0;
+    for (i, t) in tally.iter().enumerate() {
+        let acks = t.commits + t.duplicate_acks;
+        assert_eq!(acks, 1, "key m-{i} acknowledged {acks} times: {t:?}");
+        assert!(t.commits <= 1, "key m-{i} completed twice: {t:?}");
+        assert_eq!(t.handler_runs, 1, "key m-{i} processed twice: {t:?}");
+        runs += t.handler_runs;
+    }
+    let errors = stats.errors.load(Ordering::Relaxed);
+    assert!(
+        errors > errors_before,
+        "the disruption was seen by the workers (errors {errors})"
+    );
+    // Every acknowledged key is completed in the store after the disruption.
+    let check = stores[0].clone();
+    for (i, k) in keys.iter().enumerate() {
+        let rec = loop {
+            match check.get(k).await {
+                Ok(r) => break r,
+                Err(e) if e.is_retryable() => backoff().await,
+                Err(e) => panic!("get m-{i}: {e}"),
+            }
+        };
+        let rec = rec.unwrap_or_else(|| panic!("acknowledged key m-{i} lost"));
+        assert_eq!(rec.status, idemq_core::RecordStatus::Completed, "m-{i}");
+    }
+    let (first_answer_after, longest_stall) =
+        recovery(&stats.successes.lock().unwrap(), disrupted_at);
+    let first_error = stats.first_error.lock().unwrap().clone();
+    Report {
+        keys: n,
+        ops: stats.ops.load(Ordering::Relaxed),
+        errors,
+        first_error,
+        in_flight_waits: stats.in_flight.load(Ordering::Relaxed),
+        fenced: stats.fenced.load(Ordering::Relaxed),
+        reruns: runs - n,
+        first_answer_after,
+        longest_stall,
+    }
+}
