@@ -6,12 +6,14 @@
 //! `generate_series` with the template row's every column; Redis: a Lua loop `SET`ting the
 //! template's value). The local layer is filled through its own claim + complete.
 
-use super::scenarios::claims_rate;
-use super::stores::{self, KeySeq};
-use super::suite::Sizes;
+use super::sizes::Sizes;
+use super::stores::{self, KeySeq, Phase};
 use idemq::DedupStore;
 use serde_json::{json, Value};
 use std::time::Instant;
+
+/// Claims per call in the growth scenarios.
+pub(crate) const GROWTH_BATCH: usize = 100;
 
 /// Rows loaded per PostgreSQL statement.
 const CHUNK: usize = 250_000;
@@ -64,7 +66,7 @@ where
 #[cfg(feature = "postgres")]
 pub async fn postgres(sizes: &Sizes) -> anyhow::Result<Value> {
     use idemq::sql::sqlx;
-    let b = super::scenarios::postgres().await?;
+    let b = stores::postgres().await?;
     let store = b.sql_store().clone();
     let table = store.options().table.as_str().to_owned();
     let mut tseq = KeySeq::new("grow")?;
@@ -130,7 +132,7 @@ pub async fn postgres(sizes: &Sizes) -> anyhow::Result<Value> {
     Ok(json!({
         "store": "postgres",
         "server": server,
-        "batch": super::scenarios::GROWTH_BATCH,
+        "batch": GROWTH_BATCH,
         "how": "rows copied server-side from a completed template row (INSERT … SELECT … generate_series), then ANALYZE",
         "points": points,
     }))
@@ -140,7 +142,7 @@ pub async fn postgres(sizes: &Sizes) -> anyhow::Result<Value> {
 #[cfg(feature = "redis")]
 pub async fn redis(sizes: &Sizes) -> anyhow::Result<Value> {
     use idemq::redis::redis;
-    let b = stores::Redis::open(&super::scenarios::env_url("IDEMQ_TEST_REDIS_URL")?).await?;
+    let b = stores::Redis::open(&stores::env_url("IDEMQ_TEST_REDIS_URL")?).await?;
     let store = b.redis_store().clone();
     let mut tseq = KeySeq::new("grow")?;
     let template = tseq.claims(1)?;
@@ -201,7 +203,7 @@ pub async fn redis(sizes: &Sizes) -> anyhow::Result<Value> {
     Ok(json!({
         "store": "redis",
         "server": server,
-        "batch": super::scenarios::GROWTH_BATCH,
+        "batch": GROWTH_BATCH,
         "how": "the template record's value SET under new keys by a Lua loop (PX 1 h), deleted afterwards",
         "points": points,
     }))
@@ -231,9 +233,26 @@ pub async fn local(sizes: &Sizes) -> anyhow::Result<Value> {
     let rss1 = stores::rss_bytes();
     Ok(json!({
         "store": "local",
-        "batch": super::scenarios::GROWTH_BATCH,
+        "batch": GROWTH_BATCH,
         "how": "LayeredStore over a primary that keeps nothing, filled by claim + complete; claims of fresh keys pass the layer",
         "rss_growth_bytes": rss1.saturating_sub(rss0),
         "points": points,
     }))
+}
+
+/// Claims of fresh keys at [`GROWTH_BATCH`] per call, for `secs`: the growth measure.
+pub(crate) async fn claims_rate(
+    store: &dyn DedupStore,
+    seq: &mut KeySeq,
+    secs: f64,
+) -> anyhow::Result<Value> {
+    let mut p = Phase::default();
+    while p.more(secs) {
+        let reqs = seq.claims(GROWTH_BATCH)?;
+        let t = Instant::now();
+        let out = store.claim_batch(&reqs).await?;
+        p.record(GROWTH_BATCH, t.elapsed());
+        stores::completions(&reqs, out)?;
+    }
+    Ok(p.json())
 }

@@ -32,6 +32,7 @@ mod report;
     allow(dead_code, unused_imports)
 )]
 mod scenarios;
+mod sizes;
 #[cfg_attr(
     not(all(feature = "postgres", feature = "redis", feature = "layered")),
     allow(dead_code, unused_imports)
@@ -387,7 +388,7 @@ async fn make_broker(name: &str, batch: usize) -> anyhow::Result<Box<dyn broker:
     feature = "postgres",
     any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
 ))]
-async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_json::Value> {
+async fn brokers_json(name: &str, sizes: &sizes::Sizes) -> anyhow::Result<serde_json::Value> {
     use serde_json::json;
     const BATCH: usize = 256;
     // `ConsumerConfig::pipeline_depth` of the idempotent consumers.
@@ -398,7 +399,7 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
         sizes.broker_messages
     }
     .max(1);
-    let postgres_url = scenarios::env_url("IDEMQ_TEST_POSTGRES_URL")?;
+    let postgres_url = stores::env_url("IDEMQ_TEST_POSTGRES_URL")?;
     match name {
         #[cfg(feature = "kafka")]
         "kafka-producer" => {
@@ -436,7 +437,7 @@ async fn brokers_json(name: &str, sizes: &suite::Sizes) -> anyhow::Result<serde_
                 batch: BATCH,
                 rounds: sizes.broker_rounds,
                 postgres_url: Some(postgres_url),
-                redis_url: scenarios::env_url("IDEMQ_TEST_REDIS_URL").ok(),
+                redis_url: stores::env_url("IDEMQ_TEST_REDIS_URL").ok(),
                 // Remote stores: batches overlap their round trips.
                 pipeline_depth: SUITE_PIPELINE_DEPTH,
                 consumers: broker::Consumers::all(),
@@ -494,7 +495,7 @@ fn kafka_version() -> String {
     feature = "postgres",
     any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
 )))]
-async fn brokers_json(_name: &str, _sizes: &suite::Sizes) -> anyhow::Result<serde_json::Value> {
+async fn brokers_json(_name: &str, _sizes: &sizes::Sizes) -> anyhow::Result<serde_json::Value> {
     anyhow::bail!("the broker scenarios need a build with the postgres feature and the broker's (--all-features)")
 }
 

@@ -1,8 +1,9 @@
 //! The scenarios of `idemq bench suite`, each run by `idemq bench scenario NAME` in a
 //! process of its own and answered as one JSON object.
 
-use super::stores::{self, KeySeq, Phase};
-use super::suite::Sizes;
+use super::sizes::Sizes;
+use super::stores::{self, KeySeq};
+use super::stores::{env_url, postgres};
 use idemq::{DedupStore, MemoryStore};
 use serde_json::{json, Value};
 use std::sync::Arc;
@@ -10,16 +11,6 @@ use std::time::{Duration, Instant};
 
 /// Deliveries per poll in the engine scenarios (the engine's claims per round trip).
 const ENGINE_BATCH: usize = 256;
-/// Claims per call in the growth scenarios.
-pub(crate) const GROWTH_BATCH: usize = 100;
-
-/// A server URL from the environment (`eval "$(scripts/servers.sh env)"`).
-pub(crate) fn env_url(var: &str) -> anyhow::Result<String> {
-    std::env::var(var)
-        .ok()
-        .filter(|v| !v.is_empty())
-        .ok_or_else(|| anyhow::anyhow!("{var} is not set (eval \"$(scripts/servers.sh env)\")"))
-}
 
 #[allow(dead_code)]
 fn not_built(feature: &str) -> anyhow::Error {
@@ -117,15 +108,6 @@ pub async fn run(name: &str, sizes: &Sizes) -> anyhow::Result<Value> {
     }
 }
 
-/// The PostgreSQL store of the store sweep and the storm.
-#[cfg(feature = "postgres")]
-pub(crate) async fn postgres() -> anyhow::Result<stores::Sql<idemq::sql::sqlx::Postgres>> {
-    use idemq::sql::{sqlx::Postgres, PgStore};
-    let url = env_url("IDEMQ_TEST_POSTGRES_URL")?;
-    let opts = stores::Sql::<Postgres>::options()?;
-    stores::Sql::<Postgres>::open(PgStore::connect(&url, opts)).await
-}
-
 /// The engine over the memory store and over SQLite against the bare poll+ack consumer of
 /// the in-memory broker, best of `rounds` interleaved rounds.
 async fn engine(sizes: &Sizes) -> anyhow::Result<Value> {
@@ -201,21 +183,4 @@ async fn storm(sizes: &Sizes) -> anyhow::Result<Value> {
         "server": server,
         "store": "postgres",
     }))
-}
-
-/// Claims of fresh keys at [`GROWTH_BATCH`] per call, for `secs`: the growth measure.
-pub(crate) async fn claims_rate(
-    store: &dyn DedupStore,
-    seq: &mut KeySeq,
-    secs: f64,
-) -> anyhow::Result<Value> {
-    let mut p = Phase::default();
-    while p.more(secs) {
-        let reqs = seq.claims(GROWTH_BATCH)?;
-        let t = Instant::now();
-        let out = store.claim_batch(&reqs).await?;
-        p.record(GROWTH_BATCH, t.elapsed());
-        stores::completions(&reqs, out)?;
-    }
-    Ok(p.json())
 }

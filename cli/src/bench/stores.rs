@@ -10,7 +10,7 @@
 //! Rounds interleave raw, claim and claim+complete; the best round of each is kept (noise
 //! on a shared machine only slows a run down).
 
-use super::suite::Sizes;
+use super::sizes::Sizes;
 use idemq::{
     async_trait, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, ConsumerGroup, DedupKey,
     DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease, MemoryStore, ReleaseOutcome,
@@ -666,4 +666,21 @@ pub(crate) async fn local_layer(sizes: &Sizes) -> anyhow::Result<Value> {
         "what": "LayeredStore::is_cached_duplicate (one key per call) and LayeredStore::cached_duplicates (100 keys per call, as the engine's claims ask the cache at its default batch size) on one thread over a primary that keeps nothing, cache sized for the keys + 1000; bytes = resident set growth from before the layer was built to after filling / keys",
         "points": points,
     }))
+}
+
+/// A server URL from the environment (`eval "$(scripts/servers.sh env)"`).
+pub(crate) fn env_url(var: &str) -> anyhow::Result<String> {
+    std::env::var(var)
+        .ok()
+        .filter(|v| !v.is_empty())
+        .ok_or_else(|| anyhow::anyhow!("{var} is not set (eval \"$(scripts/servers.sh env)\")"))
+}
+
+/// The PostgreSQL store of the store sweep and the storm.
+#[cfg(feature = "postgres")]
+pub(crate) async fn postgres() -> anyhow::Result<Sql<idemq::sql::sqlx::Postgres>> {
+    use idemq::sql::{sqlx::Postgres, PgStore};
+    let url = env_url("IDEMQ_TEST_POSTGRES_URL")?;
+    let opts = Sql::<Postgres>::options()?;
+    Sql::<Postgres>::open(PgStore::connect(&url, opts)).await
 }
