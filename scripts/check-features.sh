@@ -13,7 +13,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 features=("$@")
 if ((${#features[@]} == 0)); then
-  features=(sqlite postgres mysql redis nats-kv layered rabbitmq rabbitmq-streams kafka rocketmq testkit cli)
+  features=(sqlite postgres mysql redis nats-kv layered rabbitmq rabbitmq-streams kafka rocketmq nats testkit cli)
 fi
 for f in "${features[@]}"; do
   echo "check-features: idemq --no-default-features --features $f"

@@ -16,6 +16,7 @@
 //! | `kafka` | `kafka`: source, typed producer config and validator, publisher, exactly-once flows (builds librdkafka) |
 //! | `rabbitmq`, `rabbitmq-streams` | `rabbitmq`: source, confirmed publisher; `rabbitmq::stream` |
 //! | `rocketmq` | `rocketmq`: push source, publisher, transactional messages |
+//! | `nats` | `nats`: JetStream durable pull-consumer source, publisher with `Nats-Msg-Id` dedup |
 //! | `testkit` | the store and source contract kits |
 //!
 //! The `idemq` command line is its own crate, `idemq-cli` (`cli/` in the repository).
@@ -74,6 +75,11 @@ pub use idemq_rabbitmq as rabbitmq;
 /// checked back from the dedup store.
 #[cfg(feature = "rocketmq")]
 pub use idemq_rocketmq as rocketmq;
+
+/// The NATS JetStream adapter: durable pull-consumer source, publisher deduplicated by
+/// `Nats-Msg-Id`.
+#[cfg(feature = "nats")]
+pub use idemq_nats as nats;
 
 mod open;
 pub use open::{open_store, OpenStoreError, SUPPORTED_SCHEMES};

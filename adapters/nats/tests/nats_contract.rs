@@ -1,0 +1,304 @@
+//! The source conformance kit against the real NATS server (JetStream): each fixture is a
+//! fresh stream with one durable pull consumer, its dead letters read back from the
+//! dead-letter stream the source creates; the kit's scenarios that apply run on ordered
+//! (per-subject) sources too. Besides the kit: header bytes of every shape the client admits
+//! survive a trip through the server.
+
+mod support;
+
+use async_trait::async_trait;
+use idemq_core::envelope::Envelope;
+use idemq_core::publish::{OutgoingMessage, Publisher};
+use idemq_core::source::Source;
+use idemq_core::testkit::source::{SourceFixture, SourceHarness};
+use idemq_nats::DLQ_REASON;
+use std::sync::Arc;
+use std::time::Duration;
+
+struct Nats {
+    url: String,
+    /// Every subscription ordered, not only `subscribe_ordered`'s.
+    ordered: bool,
+}
+
+struct StreamFixture {
+    url: String,
+    names: support::Names,
+    ordered: bool,
+    publisher: Arc<dyn Publisher>,
+}
+
+impl StreamFixture {
+    fn config(&self, ordered: bool) -> idemq_nats::NatsSourceConfig {
+        let mut c = support::config(&self.url, &self.names);
+        c.ordered = ordered;
+        c
+    }
+}
+
+#[async_trait]
+impl SourceHarness for Nats {
+    async fn fixture(&self, scenario: &str) -> Box<dyn SourceFixture> {
+        let names = support::Names::fresh(&format!("kit-{scenario}"));
+        // The first source declares the stream, the dead-letter stream and the durable:
+        // messages published before any subscription are kept.
+        drop(support::source(support::config(&self.url, &names)).await);
+        Box::new(StreamFixture {
+            url: self.url.clone(),
+            publisher: Arc::new(support::publisher(&self.url).await),
+            names,
+            ordered: self.ordered,
+        })
+    }
+}
+
+#[async_trait]
+impl SourceFixture for StreamFixture {
+    fn publisher(&self) -> Arc<dyn Publisher> {
+        self.publisher.clone()
+    }
+    fn destination(&self) -> String {
+        self.names.subject.clone()
+    }
+    async fn subscribe(&self) -> Box<dyn Source> {
+        Box::new(support::source(self.config(self.ordered)).await)
+    }
+    async fn subscribe_ordered(&self) -> Box<dyn Source> {
+        Box::new(support::source(self.config(true)).await)
+    }
+    async fn dead_letters(&self) -> Vec<(Envelope, String)> {
+        let dlq = self.config(self.ordered).dead_letter_stream_name();
+        support::read_stream(&self.url, &dlq)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|e| {
+                let why = e
+                    .headers
+                    .get_str(DLQ_REASON)
+                    .unwrap_or_default()
+                    .to_string();
+                (e, why)
+            })
+            .collect()
+    }
+}
+
+fn harness(ordered: bool) -> Option<Arc<dyn SourceHarness>> {
+    let url = support::nats_url()?;
+    Some(Arc::new(Nats { url, ordered }) as Arc<dyn SourceHarness>)
+}
+
+idemq_core::source_contract_tests!(async { harness(false) });
+
+/// The kit's scenarios once more with every subscription ordered (per subject). Two do not
+/// apply: `acked_message_is_not_redelivered_after_restart` and
+/// `out_of_order_acks_commit_only_the_contiguous_prefix` collect three deliveries of one
+/// subject before settling any, and an ordered source hands a subject's next delivery out
+/// only once the previous one is settled (`one_delivery_per_subject_is_out_at_a_time`).
+mod ordered_source {
+    use super::*;
+
+    macro_rules! scenarios {
+        ($($name:ident),*) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+            async fn $name() {
+                if let Some(h) = harness(true) {
+                    idemq_core::testkit::source::$name(&*h).await;
+                }
+            }
+        )*};
+    }
+
+    scenarios!(
+        nacked_message_comes_back_after_its_delay,
+        rejected_message_reaches_the_dead_letter_with_its_reason,
+        dropped_deliveries_and_sources_are_redelivered,
+        cancelled_polls_lose_nothing,
+        a_stale_settle_is_harmless,
+        the_dedup_header_survives_a_round_trip,
+        ordered_consumption_keeps_order_across_a_nack,
+        a_duplicate_storm_with_crashes_is_exactly_once
+    );
+
+    /// Two subjects of one stream: each has one delivery out at a time, the next of a
+    /// subject comes when the previous is settled (a nack holds it back in front of the
+    /// rest), and one subject waiting never holds up the other.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_delivery_per_subject_is_out_at_a_time() {
+        let Some(url) = support::nats_url() else {
+            return;
+        };
+        let names = support::Names::fresh("ordered-lanes");
+        let mut cfg = support::config(&url, &names);
+        cfg.ordered = true;
+        let mut src = support::source(cfg).await;
+        let p = support::publisher(&url).await;
+        let (a, b) = (format!("{}.a", names.root), format!("{}.b", names.root));
+        for (subject, key) in [(&a, "a1"), (&a, "a2"), (&b, "b1"), (&a, "a3"), (&b, "b2")] {
+            p.publish(OutgoingMessage::new(subject.clone(), "{}").with_dedup_key(key))
+                .await
+                .expect("publish");
+        }
+        fn key(d: &idemq_core::Delivery) -> String {
+            let k = d.envelope.headers.get_str(idemq_core::DEDUP_HEADER);
+            k.unwrap_or("?").to_string()
+        }
+        // Polls until at least `n` deliveries are out (30 s at most).
+        async fn out(src: &mut idemq_nats::NatsSource, n: usize) -> Vec<idemq_core::Delivery> {
+            let mut got = Vec::new();
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+            while got.len() < n && tokio::time::Instant::now() < deadline {
+                if let Ok(Ok(Some(ds))) =
+                    tokio::time::timeout(Duration::from_secs(1), src.poll(10)).await
+                {
+                    got.extend(ds);
+                }
+            }
+            got
+        }
+        // What a poll hands out within a second (nothing, when the lanes are busy).
+        async fn more(src: &mut idemq_nats::NatsSource) -> Vec<String> {
+            match tokio::time::timeout(Duration::from_secs(1), src.poll(10)).await {
+                Ok(Ok(Some(ds))) => ds.iter().map(key).collect(),
+                _ => Vec::new(),
+            }
+        }
+        let mut first = out(&mut src, 2).await;
+        first.sort_by_key(key);
+        assert_eq!(first.iter().map(key).collect::<Vec<_>>(), ["a1", "b1"]);
+        assert_eq!(
+            more(&mut src).await,
+            Vec::<String>::new(),
+            "a2 waits for a1, b2 for b1"
+        );
+        let (b1, a1) = (first.pop().expect("b1"), first.pop().expect("a1"));
+        // a1 goes back for 2 s and stays in front of a2; b's lane moves on meanwhile.
+        let nacked = tokio::time::Instant::now();
+        a1.nack(Duration::from_secs(2)).await.expect("nack a1");
+        b1.ack().await.expect("ack b1");
+        let mut next = out(&mut src, 1).await;
+        let early: Vec<String> = next.iter().map(key).collect();
+        assert!(
+            early.contains(&"b2".to_string()),
+            "b2 goes out at once: {early:?}"
+        );
+        let a1_early = early.contains(&"a1".to_string());
+        assert!(
+            !a1_early || nacked.elapsed() >= Duration::from_secs(2),
+            "a1 came back early"
+        );
+        while next.len() < 2 {
+            next.extend(out(&mut src, 1).await);
+        }
+        next.sort_by_key(key);
+        assert_eq!(next.iter().map(key).collect::<Vec<_>>(), ["a1", "b2"]);
+        assert!(
+            nacked.elapsed() >= Duration::from_secs(2),
+            "a1 came back early"
+        );
+        assert_eq!(
+            more(&mut src).await,
+            Vec::<String>::new(),
+            "a2 waits for a1 again"
+        );
+        for d in next {
+            d.ack().await.expect("ack");
+        }
+        for want in ["a2", "a3"] {
+            let got = out(&mut src, 1).await;
+            assert_eq!(
+                got.iter().map(key).collect::<Vec<_>>(),
+                [want],
+                "a's rest in order"
+            );
+            for d in got {
+                d.ack().await.expect("ack");
+            }
+        }
+        src.close().await.expect("close");
+        let dlq = support::config(&url, &names).dead_letter_stream_name();
+        support::delete_streams(&url, &[names.stream, dlq]).await;
+    }
+}
+
+/// Header names and values of every shape the client admits (printable-ASCII names, one
+/// line of UTF-8, from the core's fuzz generators) reach a consumer byte for byte; what it
+/// does not admit is refused by the publisher, naming the header, and nothing is sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fuzzed_headers_survive_the_server_byte_for_byte() {
+    use idemq_core::testkit::fuzz::{bytes, text};
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    let Some(url) = support::nats_url() else {
+        return;
+    };
+    let names = support::Names::fresh("fuzz-headers");
+    let mut src = support::source(support::config(&url, &names)).await;
+    let publisher = support::publisher(&url).await;
+    let mut sent: Vec<OutgoingMessage> = Vec::new();
+    let mut refused = 0;
+    for seed in 0..300u64 {
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut m = OutgoingMessage::new(names.subject.clone(), bytes(&mut rng))
+            .with_dedup_key(format!("fuzz-{seed}"));
+        for _ in 0..rng.gen_range(0..6) {
+            let name = if rng.gen_bool(0.8) {
+                (0..rng.gen_range(1..24))
+                    .map(|_| char::from(rng.gen_range(b'!'..=b'~')))
+                    .filter(|c| *c != ':')
+                    .collect()
+            } else {
+                text(&mut rng, 24)
+            };
+            let value = String::from_utf8_lossy(&bytes(&mut rng)).into_owned();
+            let value = if rng.gen_bool(0.8) {
+                value.replace(['\r', '\n'], " ").trim().to_string()
+            } else {
+                value
+            };
+            m = m.with_header(name, value);
+        }
+        match publisher.publish(m.clone()).await {
+            Ok(_) => sent.push(m),
+            Err(idemq_core::PublishError::Rejected(why)) => {
+                refused += 1;
+                assert!(why.contains("header"), "seed {seed}: {why}");
+            }
+            Err(e) => panic!("seed {seed}: {e}"),
+        }
+    }
+    assert!(
+        sent.len() > 100 && refused > 10,
+        "{} sent, {refused} refused",
+        sent.len()
+    );
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while got.len() < sent.len() && tokio::time::Instant::now() < deadline {
+        if let Ok(Ok(Some(batch))) =
+            tokio::time::timeout(Duration::from_secs(2), src.poll(64)).await
+        {
+            for d in batch {
+                got.push(d.envelope.clone());
+                d.ack().await.expect("ack");
+            }
+        }
+    }
+    assert_eq!(got.len(), sent.len(), "every message sent arrives");
+    for (m, env) in sent.iter().zip(&got) {
+        assert_eq!(env.payload, m.payload);
+        assert_eq!(env.message_id, m.dedup_key);
+        for (name, value) in m.wire_headers().iter() {
+            assert!(
+                env.headers.iter().any(|(n, v)| n == name && v == value),
+                "{:?}: header {name:?} = {:?} did not arrive as sent",
+                m.dedup_key,
+                String::from_utf8_lossy(value)
+            );
+        }
+    }
+    src.close().await.expect("close");
+    let dlq = support::config(&url, &names).dead_letter_stream_name();
+    support::delete_streams(&url, &[names.stream, dlq]).await;
+}
