@@ -3,9 +3,66 @@
 //! Adapters convert their native message into an [`Envelope`] without losing anything a
 //! handler or a key strategy may need; handlers see only the envelope.
 
-use crate::key::DedupSlot;
 use bytes::Bytes;
 use std::fmt;
+
+/// The header every adapter writes the dedup key into (and reads it back from).
+pub const DEDUP_HEADER: &str = "idemq-dedup-key";
+
+/// One place where a broker's producers put a dedup key: an adapter lists its slots, in
+/// order, in its [`BrokerKind`](crate::BrokerKind), and [`KeySource::DedupHeader`] takes the
+/// first that holds a value. An empty value is an error naming its slot (a producer bug,
+/// not a reason to look further); a value that is not UTF-8 is an error too.
+///
+/// ```
+/// use idemq_core::{BrokerKind, DedupSlot, Envelope, KeyStrategy, DEDUP_HEADER};
+/// // A broker whose clients put several space-separated keys in the message key, the
+/// // dedup key first.
+/// fn first_word(env: &Envelope) -> Option<&[u8]> {
+///     let key = env.key.as_deref()?;
+///     Some(key.split(|b| *b == b' ').find(|w| !w.is_empty()).unwrap_or_default())
+/// }
+/// const SPACED: BrokerKind = BrokerKind::new(
+///     "spaced",
+///     &[
+///         DedupSlot::Header(DEDUP_HEADER),
+///         DedupSlot::Custom { describe: "the first word of the message key", read: first_word },
+///     ],
+/// );
+/// let keys = KeyStrategy::dedup_header("billing").unwrap();
+/// let env = Envelope::new(SPACED, "orders", "{}").with_key("pay-7 order-42");
+/// assert_eq!(keys.derive(&env).unwrap().as_str(), "billing:pay-7");
+/// let none = keys.derive(&Envelope::new(SPACED, "orders", "{}")).unwrap_err().to_string();
+/// assert!(none.contains("the first word of the message key"), "{none}");
+/// ```
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub enum DedupSlot {
+    /// A header (or property the adapter copies into [`Envelope::headers`]) of this name.
+    Header(&'static str),
+    /// The broker's message id, [`Envelope::message_id`], where the broker lets the
+    /// producer choose it (AMQP `message_id`, for example).
+    MessageId,
+    /// A place only the adapter knows how to read: `read` returns the raw value, `None` when
+    /// the message has none; `describe` names it in errors (e.g. "RocketMQ `KEYS`").
+    Custom {
+        /// What the slot is called in the broker's own terms.
+        describe: &'static str,
+        /// Reads the slot's value from the envelope the adapter built.
+        read: fn(&Envelope) -> Option<&[u8]>,
+    },
+}
+
+impl DedupSlot {
+    /// How errors name the slot; `broker` qualifies the message id.
+    pub(crate) fn describe(self, broker: crate::BrokerKind) -> String {
+        match self {
+            DedupSlot::Header(h) => format!("header `{h}`"),
+            DedupSlot::MessageId => format!("the {broker} message id (`message_id`)"),
+            DedupSlot::Custom { describe, .. } => describe.to_string(),
+        }
+    }
+}
 
 /// Which broker delivered a message: a label its adapter provides, with the places its
 /// producers put a dedup key.
@@ -41,10 +98,7 @@ impl BrokerKind {
     /// dedup key is idemq's header, else the message id its publisher sets.
     pub const MEMORY: BrokerKind = BrokerKind::new(
         "memory",
-        &[
-            DedupSlot::Header(crate::publish::DEDUP_HEADER),
-            DedupSlot::MessageId,
-        ],
+        &[DedupSlot::Header(DEDUP_HEADER), DedupSlot::MessageId],
     );
 
     /// A broker named `name` (the `broker` label of metrics and tracing fields: short and

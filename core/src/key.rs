@@ -30,7 +30,7 @@
 //! same key `42`. That is deliberate (producers drift between the two for ids); a payload
 //! conflict check still tells different payloads apart.
 
-use crate::envelope::Envelope;
+use crate::envelope::{DedupSlot, Envelope};
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 use std::borrow::Cow;
@@ -249,7 +249,7 @@ pub enum KeySource {
     /// The key an idemq [`Publisher`](crate::publish::Publisher) wrote, or a producer
     /// outside idemq put where its broker keeps one: the [`DedupSlot`]s of the envelope's
     /// [`BrokerKind`](crate::BrokerKind), in order, as its adapter declares them (typically
-    /// the [`DEDUP_HEADER`](crate::publish::DEDUP_HEADER) header first, then the broker's
+    /// the [`DEDUP_HEADER`](crate::envelope::DEDUP_HEADER) header first, then the broker's
     /// native places; see each adapter's constant). A message with none of them is
     /// dead-lettered with a reason naming every slot looked in.
     DedupHeader,
@@ -408,66 +408,13 @@ impl KeyStrategy {
             KeySource::JsonPointer(p) => format!("JSON pointer `{p}`"),
             KeySource::Fingerprint(_) => "fingerprint".into(),
             KeySource::BrokerMessageId => "the broker message id".into(),
-            KeySource::DedupHeader => format!("header `{}`", crate::publish::DEDUP_HEADER),
+            KeySource::DedupHeader => format!("header `{}`", crate::envelope::DEDUP_HEADER),
             KeySource::Custom(_) => "custom key function".into(),
         }
     }
 }
 
-/// One place where a broker's producers put a dedup key: an adapter lists its slots, in
-/// order, in its [`BrokerKind`](crate::BrokerKind), and [`KeySource::DedupHeader`] takes the
-/// first that holds a value. An empty value is an error naming its slot (a producer bug,
-/// not a reason to look further); a value that is not UTF-8 is an error too.
-///
-/// ```
-/// use idemq_core::{BrokerKind, DedupSlot, Envelope, KeyStrategy, DEDUP_HEADER};
-/// // A broker whose clients put several space-separated keys in the message key, the
-/// // dedup key first.
-/// fn first_word(env: &Envelope) -> Option<&[u8]> {
-///     let key = env.key.as_deref()?;
-///     Some(key.split(|b| *b == b' ').find(|w| !w.is_empty()).unwrap_or_default())
-/// }
-/// const SPACED: BrokerKind = BrokerKind::new(
-///     "spaced",
-///     &[
-///         DedupSlot::Header(DEDUP_HEADER),
-///         DedupSlot::Custom { describe: "the first word of the message key", read: first_word },
-///     ],
-/// );
-/// let keys = KeyStrategy::dedup_header("billing").unwrap();
-/// let env = Envelope::new(SPACED, "orders", "{}").with_key("pay-7 order-42");
-/// assert_eq!(keys.derive(&env).unwrap().as_str(), "billing:pay-7");
-/// let none = keys.derive(&Envelope::new(SPACED, "orders", "{}")).unwrap_err().to_string();
-/// assert!(none.contains("the first word of the message key"), "{none}");
-/// ```
-#[derive(Debug, Clone, Copy)]
-#[non_exhaustive]
-pub enum DedupSlot {
-    /// A header (or property the adapter copies into [`Envelope::headers`]) of this name.
-    Header(&'static str),
-    /// The broker's message id, [`Envelope::message_id`], where the broker lets the
-    /// producer choose it (AMQP `message_id`, for example).
-    MessageId,
-    /// A place only the adapter knows how to read: `read` returns the raw value, `None` when
-    /// the message has none; `describe` names it in errors (e.g. "RocketMQ `KEYS`").
-    Custom {
-        /// What the slot is called in the broker's own terms.
-        describe: &'static str,
-        /// Reads the slot's value from the envelope the adapter built.
-        read: fn(&Envelope) -> Option<&[u8]>,
-    },
-}
-
 impl DedupSlot {
-    /// How errors name the slot; `broker` qualifies the message id.
-    fn describe(self, broker: crate::BrokerKind) -> String {
-        match self {
-            DedupSlot::Header(h) => format!("header `{h}`"),
-            DedupSlot::MessageId => format!("the {broker} message id (`message_id`)"),
-            DedupSlot::Custom { describe, .. } => describe.to_string(),
-        }
-    }
-
     fn read(self, env: &Envelope) -> Result<Option<&str>, KeyError> {
         let raw: Option<&[u8]> = match self {
             DedupSlot::Header(h) => env.headers.get(h).map(|v| v.as_ref()),
@@ -834,7 +781,7 @@ mod tests {
     const PLUGGED: BrokerKind = BrokerKind::new(
         "plugged",
         &[
-            DedupSlot::Header(crate::publish::DEDUP_HEADER),
+            DedupSlot::Header(crate::envelope::DEDUP_HEADER),
             DedupSlot::Header("x-plugin-key"),
             DedupSlot::MessageId,
         ],
@@ -853,7 +800,7 @@ mod tests {
     const WORDY: BrokerKind = BrokerKind::new(
         "wordy",
         &[
-            DedupSlot::Header(crate::publish::DEDUP_HEADER),
+            DedupSlot::Header(crate::envelope::DEDUP_HEADER),
             DedupSlot::Custom {
                 describe: "Wordy `KEYS`",
                 read: first_word,
@@ -871,7 +818,7 @@ mod tests {
         assert_eq!(k.derive(&stamped).unwrap().as_str(), "g:pay-7");
         let ours = stamped
             .clone()
-            .with_header(crate::publish::DEDUP_HEADER, "pay-8");
+            .with_header(crate::envelope::DEDUP_HEADER, "pay-8");
         assert_eq!(k.derive(&ours).unwrap().as_str(), "g:pay-8");
         let id_only = Envelope::new(PLUGGED, "payments", "{}").with_message_id("pay-9");
         assert_eq!(k.derive(&id_only).unwrap().as_str(), "g:pay-9");

@@ -35,14 +35,14 @@ pub use engine::{
     ConsumerConfig, ConsumerError, ConsumerStats, DeliveryOrder, Health, HealthReport, HealthState,
     IdempotentConsumer, LeaseKeepAlive, LeaseState, LossCause, RetryPolicy,
 };
-pub use envelope::{BrokerKind, Envelope, Headers, Position, SourceRef, TRACEPARENT_HEADER};
+pub use envelope::{
+    BrokerKind, DedupSlot, Envelope, Headers, Position, SourceRef, TRACEPARENT_HEADER,
+};
 pub use handler::{
     BatchHandler, BoxError, ClaimedMessage, Handler, HandlerError, HandlerResult, LeaseLost,
     LeaseWatch,
 };
-pub use key::{
-    ConsumerGroup, DedupKey, DedupSlot, Field, KeyError, KeySource, KeyStrategy, OversizeKey,
-};
+pub use key::{ConsumerGroup, DedupKey, Field, KeyError, KeySource, KeyStrategy, OversizeKey};
 pub use memory::MemoryStore;
 pub use publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher, DEDUP_HEADER};
 pub use source::{Delivery, Settle, Settlement, Source, SourceError};

@@ -18,14 +18,13 @@
 //! [`DEDUP_HEADER`] *and* into the broker's native slot (for example AMQP `message_id`, or
 //! RocketMQ `KEYS`), so a message relayed from one broker to another keeps its key, and
 //! [`KeySource::DedupHeader`](crate::key::KeySource::DedupHeader) reads it back on any
-//! broker from the [`DedupSlot`](crate::key::DedupSlot)s its adapter declares.
+//! broker from the [`DedupSlot`](crate::DedupSlot)s its adapter declares.
 
 use crate::envelope::{Headers, Position};
 use async_trait::async_trait;
 use bytes::Bytes;
 
-/// The header every adapter writes the dedup key into (and reads it back from).
-pub const DEDUP_HEADER: &str = "idemq-dedup-key";
+pub use crate::envelope::DEDUP_HEADER;
 
 /// A message to publish.
 ///
