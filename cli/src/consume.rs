@@ -1,6 +1,7 @@
 //! `idemq consume`: a generic idempotent sink for trying things out. It consumes a Kafka
-//! topic, a RabbitMQ queue or a RocketMQ topic through the idempotent consumer over any
-//! store URL, and prints each message processed (not its duplicates) as one JSON line.
+//! topic, a RabbitMQ queue, a RocketMQ topic or a NATS JetStream stream through the
+//! idempotent consumer over any store URL, and prints each message processed (not its
+//! duplicates) as one JSON line.
 //!
 //! Printing is the handler's effect, and it happens before the dedup record is completed:
 //! a run killed in between printed lines that the next run prints again (`"takeover":
@@ -22,8 +23,10 @@ use std::time::{Duration, Instant};
 #[derive(Args)]
 pub struct ConsumeArgs {
     /// What to consume: kafka://HOST:PORT[,HOST:PORT]/TOPIC,
-    /// amqp://USER:PASS@HOST:PORT/VHOST?queue=QUEUE, or rocketmq://NAMESRV:PORT/TOPIC
-    /// (each needs idemq built with that broker's feature).
+    /// amqp://USER:PASS@HOST:PORT/VHOST?queue=QUEUE, rocketmq://NAMESRV:PORT/TOPIC, or
+    /// nats://[USER:PASS@]HOST:PORT[,HOST:PORT]/STREAM[?subject=FILTER&durable=NAME&dlq=SUBJECT]
+    /// (the durable consumer defaults to --group; each needs idemq built with that broker's
+    /// feature).
     #[arg(long)]
     broker: String,
     /// The dedup store: sqlite://file.db?mode=rwc, postgres://…, mysql://…, redis://…, memory://
@@ -31,10 +34,12 @@ pub struct ConsumeArgs {
     store: String,
     /// Where the business key is: header:NAME, json:/POINTER, dedup-header (the
     /// `idemq-dedup-key` header, else the broker's native slots: on RabbitMQ
-    /// `x-deduplication-header` then `message_id`, on RocketMQ `KEYS`), message-key.
+    /// `x-deduplication-header` then `message_id`, on RocketMQ `KEYS`, on NATS
+    /// `Nats-Msg-Id`), message-key.
     #[arg(long)]
     key: String,
-    /// Consumer group: the Kafka/RocketMQ group and the dedup key's namespace.
+    /// Consumer group: the Kafka/RocketMQ group (the NATS durable consumer unless the URL
+    /// names one) and the dedup key's namespace.
     #[arg(long, default_value = "idemq-consume")]
     group: String,
     /// Stop after this many seconds without a new message once the source is ready (a
@@ -74,9 +79,9 @@ impl KafkaArgs {
 /// Why the broker URL was not usable.
 #[derive(Debug, thiserror::Error)]
 enum BrokerUrlError {
-    #[error("`{0}` is not a broker URL: expected kafka://host:port/topic, amqp://host:port/vhost?queue=q or rocketmq://namesrv:port/topic")]
+    #[error("`{0}` is not a broker URL: expected kafka://host:port/topic, amqp://host:port/vhost?queue=q, rocketmq://namesrv:port/topic or nats://host:port/stream")]
     NotAUrl(String),
-    #[error("unknown broker URL scheme `{0}`: use kafka://, amqp:// (or amqps://) or rocketmq://")]
+    #[error("unknown broker URL scheme `{0}`: use kafka://, amqp:// (or amqps://), rocketmq:// or nats://")]
     UnknownScheme(String),
     #[error("broker URL scheme `{scheme}` needs idemq built with feature `{feature}` (cargo build --features {feature})")]
     #[allow(dead_code)] // only built without some broker feature
@@ -127,7 +132,7 @@ fn split_url(url: &str) -> Option<(&str, &str, &str, Option<&str>)> {
 
 #[allow(unused_variables)] // without broker features, only the refusals use the arguments
 async fn open_source(url: &str, group: &str, kafka: &KafkaArgs) -> anyhow::Result<Box<dyn Source>> {
-    let shown = idemq::core::secrets::redact_url(url);
+    let shown = shown_url(url);
     let scheme = url
         .split_once("://")
         .map(|(s, _)| s.to_ascii_lowercase())
@@ -204,14 +209,73 @@ async fn open_source(url: &str, group: &str, kafka: &KafkaArgs) -> anyhow::Resul
             let cfg = idemq::rocketmq::SourceConfig::new(namesrv, group, topic);
             Ok(Box::new(idemq::rocketmq::RocketSource::connect(cfg).await?))
         }
+        #[cfg(feature = "nats")]
+        "nats" => Ok(Box::new(
+            idemq::nats::NatsSource::connect(nats_config(url, group)?).await?,
+        )),
         #[cfg(not(feature = "kafka"))]
         "kafka" => Err(disabled(scheme, "kafka")),
         #[cfg(not(feature = "rabbitmq"))]
         "amqp" | "amqps" => Err(disabled(scheme, "rabbitmq")),
         #[cfg(not(feature = "rocketmq"))]
         "rocketmq" => Err(disabled(scheme, "rocketmq")),
+        #[cfg(not(feature = "nats"))]
+        "nats" => Err(disabled(scheme, "nats")),
         _ => Err(BrokerUrlError::UnknownScheme(scheme).into()),
     }
+}
+
+/// `url` for messages: without the password of its user info, and, on a `nats://` URL,
+/// without a bare token (`nats://TOKEN@host`), which is a credential there.
+fn shown_url(url: &str) -> String {
+    let shown = idemq::core::secrets::redact_url(url);
+    match shown.split_once("://") {
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("nats") => {
+            let authority = rest.split(['/', '?']).next().unwrap_or("");
+            match authority.rfind('@') {
+                Some(at) if !authority[..at].contains(':') => {
+                    format!("{scheme}://***{}", &rest[at..])
+                }
+                _ => shown,
+            }
+        }
+        _ => shown,
+    }
+}
+
+/// The source settings a `nats://` URL names: servers (with their credentials) before the
+/// path, the stream as the path, `subject=` (repeatable), `durable=` (default: the group)
+/// and `dlq=` in the query.
+#[cfg(feature = "nats")]
+fn nats_config(url: &str, group: &str) -> anyhow::Result<idemq::nats::NatsSourceConfig> {
+    let shown = shown_url(url);
+    let (scheme, servers, stream, query) =
+        split_url(url).ok_or_else(|| BrokerUrlError::NotAUrl(shown.clone()))?;
+    if stream.is_empty() || stream.contains('/') {
+        return Err(BrokerUrlError::Missing {
+            url: shown,
+            what: "stream",
+            example: "nats://127.0.0.1:4222/ORDERS?subject=orders.>",
+        }
+        .into());
+    }
+    let mut cfg =
+        idemq::nats::NatsSourceConfig::new(format!("{scheme}://{servers}"), stream, group);
+    for (k, v) in query
+        .unwrap_or("")
+        .split('&')
+        .filter_map(|p| p.split_once('='))
+    {
+        match k {
+            "subject" => cfg.subjects.push(v.to_string()),
+            "durable" => cfg.durable = v.to_string(),
+            "dlq" => cfg.dead_letter_subject = Some(v.to_string()),
+            other => anyhow::bail!(
+                "`{shown}`: unknown parameter `{other}` (nats:// takes subject=, durable= and dlq=)"
+            ),
+        }
+    }
+    Ok(cfg)
 }
 
 #[allow(dead_code)] // only built without some broker feature
@@ -814,5 +878,39 @@ mod tests {
                 .to_string();
             assert!(e.contains("feature `kafka`"), "{e}");
         }
+    }
+
+    /// What `open_source` answers for `url`, which must fail.
+    #[cfg(feature = "nats")]
+    async fn refusal(url: &str) -> String {
+        match open_source(url, "g", &KafkaArgs::default()).await {
+            Ok(_) => panic!("{url} was accepted"),
+            Err(e) => e.to_string(),
+        }
+    }
+
+    #[cfg(feature = "nats")]
+    #[tokio::test]
+    async fn nats_urls_say_what_is_wrong_without_their_credentials() {
+        let no_stream = refusal("nats://s3cr3t@127.0.0.1:1").await;
+        assert!(no_stream.contains("names no stream"), "{no_stream}");
+        let unknown = refusal("nats://u:hunter2@127.0.0.1:1/S?queue=q").await;
+        assert!(unknown.contains("unknown parameter `queue`"), "{unknown}");
+        // An unreachable server: named without the token, with what to check.
+        let down = refusal("nats://s3cr3t@127.0.0.1:1/ORDERS").await;
+        assert!(
+            down.contains("cannot connect to nats at nats://***@127.0.0.1:1"),
+            "{down}"
+        );
+        for e in [&no_stream, &unknown, &down] {
+            assert!(!e.contains("s3cr3t") && !e.contains("hunter2"), "{e}");
+        }
+        let url =
+            "nats://u:p@h1:4222,h2:4222/ORDERS?subject=orders.>&subject=refunds.*&dlq=dead.orders";
+        let cfg = nats_config(url, "billing").expect("a nats URL");
+        assert_eq!(cfg.url, "nats://u:p@h1:4222,h2:4222");
+        assert_eq!([cfg.stream, cfg.durable], ["ORDERS", "billing"]);
+        assert_eq!(cfg.subjects, ["orders.>", "refunds.*"]);
+        assert_eq!(cfg.dead_letter_subject.as_deref(), Some("dead.orders"));
     }
 }

@@ -178,6 +178,75 @@ async fn dedup_header_reads_the_dedup_plugins_header_as_pika_sends_it() {
     }
 }
 
+/// A NATS stream through `--broker nats://…/STREAM`: messages keyed in idemq's header (as a
+/// bridge from another broker sends them, resends included, which the stream's own dedup
+/// cannot see) and in `Nats-Msg-Id` alone (as any NATS producer sets it), each printed once.
+#[cfg(feature = "nats")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_stream_is_consumed_once_per_key_from_either_slot() {
+    use idemq::nats::async_nats;
+    let Some(url) = server_url("IDEMQ_TEST_NATS_URL") else {
+        return;
+    };
+    let tag = format!("{:08x}", rand::random::<u32>());
+    let (stream, root) = (format!("IDEMQ_CLI_{tag}"), format!("idemq-cli.{tag}"));
+    let js = async_nats::jetstream::new(async_nats::connect(url.as_str()).await.expect("connect"));
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: stream.clone(),
+        subjects: vec![format!("{root}.>")],
+        ..Default::default()
+    })
+    .await
+    .expect("create the stream");
+    let send = |header: &'static str, i: u32| {
+        let js = js.clone();
+        let subject = format!("{root}.payments");
+        async move {
+            let mut h = async_nats::HeaderMap::new();
+            h.insert(header, format!("pay-{i}").as_str());
+            js.publish_with_headers(subject, h, format!("{{\"amount\":{i}}}").into())
+                .await
+                .expect("publish")
+                .await
+                .expect("PubAck");
+        }
+    };
+    for i in (0..12).chain(0..4) {
+        send(idemq::DEDUP_HEADER, i).await;
+    }
+    for i in 12..16 {
+        send("Nats-Msg-Id", i).await;
+    }
+    let store = TempStore::new("nats");
+    let (broker, store_url) = (format!("{url}/{stream}?subject={root}.>"), store.url());
+    let args: Vec<&str> = "consume --key dedup-header --idle-exit 5"
+        .split(' ')
+        .chain(["--broker", broker.as_str(), "--store", store_url.as_str()])
+        .collect();
+    let out = idemq(&args, Duration::from_secs(120)).await;
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(out.status.success(), "{stderr}");
+    let mut printed: Vec<String> = json_lines(&stdout)
+        .iter()
+        .map(|v| v["key"].as_str().unwrap_or("<no key>").to_string())
+        .collect();
+    printed.sort_by_key(|k| {
+        k.trim_start_matches("pay-")
+            .parse::<u32>()
+            .unwrap_or(u32::MAX)
+    });
+    let want: Vec<String> = (0..16).map(|i| format!("pay-{i}")).collect();
+    assert_eq!(printed, want, "each payment printed once:\n{stderr}");
+    let counts = "processed=16 duplicates_skipped=4 dead_lettered=0";
+    assert!(stderr.contains(counts), "{stderr}");
+    for s in [stream.clone(), format!("{stream}_DLQ")] {
+        let _ = js.delete_stream(&s).await;
+    }
+}
+
 #[cfg(feature = "kafka")]
 mod kafka {
     use super::*;

@@ -67,26 +67,26 @@ impl SourceFixture for StreamFixture {
         Box::new(support::source(self.config(true)).await)
     }
     async fn dead_letters(&self) -> Vec<(Envelope, String)> {
-        let dlq = self.config(self.ordered).dead_letter_stream_name();
-        support::read_stream(&self.url, &dlq)
+        let stream = self.config(self.ordered).dead_letter_stream_name();
+        let mut out = Vec::new();
+        for e in support::read_stream(&self.url, &stream)
             .await
             .unwrap_or_default()
-            .into_iter()
-            .map(|e| {
-                let why = e
-                    .headers
-                    .get_str(DLQ_REASON)
-                    .unwrap_or_default()
-                    .to_string();
-                (e, why)
-            })
-            .collect()
+        {
+            let reason = e.headers.get_str(DLQ_REASON).map(str::to_owned);
+            out.push((e, reason.unwrap_or_default()));
+        }
+        out
     }
 }
 
+/// The harness, or `None` (a skip) without `IDEMQ_TEST_NATS_URL`.
 fn harness(ordered: bool) -> Option<Arc<dyn SourceHarness>> {
-    let url = support::nats_url()?;
-    Some(Arc::new(Nats { url, ordered }) as Arc<dyn SourceHarness>)
+    let nats: Arc<dyn SourceHarness> = Arc::new(Nats {
+        url: support::nats_url()?,
+        ordered,
+    });
+    Some(nats)
 }
 
 idemq_core::source_contract_tests!(async { harness(false) });
