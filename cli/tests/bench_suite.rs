@@ -24,6 +24,7 @@ const SMOKE: &[&str] = &[
     "growth-redis",
     "growth-local",
     "broker-rabbitmq",
+    "broker-nats",
     "kafka-producer",
 ];
 
@@ -147,23 +148,22 @@ fn smoke_profile_writes_results_report_and_plots() {
             .collect();
         assert_eq!(retained, [0, 2_000, 10_000], "{g}");
     }
-    let rabbit = result("broker-rabbitmq");
-    for k in [
-        "bare",
-        "memory",
-        "handwritten",
-        "bound3",
-        "unique_keyed",
-        "unique",
-        "batch_redis",
-        "batch_postgres",
-        "postgres",
-        "redis",
-    ] {
-        assert!(
-            rabbit[k].as_f64().unwrap_or(0.0) > 0.0,
-            "rabbitmq {k}: {rabbit}"
-        );
+    for broker in ["rabbitmq", "nats"] {
+        let r = result(&format!("broker-{broker}"));
+        for k in [
+            "bare",
+            "memory",
+            "handwritten",
+            "bound3",
+            "unique_keyed",
+            "unique",
+            "batch_redis",
+            "batch_postgres",
+            "postgres",
+            "redis",
+        ] {
+            assert!(r[k].as_f64().unwrap_or(0.0) > 0.0, "{broker} {k}: {r}");
+        }
     }
     let intervals: Vec<u64> = result("kafka-producer")["intervals"]
         .as_array()

@@ -7,11 +7,18 @@
 
 #[cfg(all(
     feature = "postgres",
-    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+    any(
+        feature = "kafka",
+        feature = "rabbitmq",
+        feature = "rocketmq",
+        feature = "nats"
+    )
 ))]
 pub mod broker;
 #[cfg(all(feature = "postgres", feature = "kafka"))]
 pub mod kafka;
+#[cfg(all(feature = "postgres", feature = "nats"))]
+mod nats;
 #[cfg(all(feature = "postgres", feature = "rabbitmq"))]
 mod rabbitmq;
 #[cfg(all(feature = "postgres", feature = "rocketmq"))]
@@ -333,7 +340,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<ExitCode> {
 
 #[cfg(all(
     feature = "postgres",
-    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+    any(
+        feature = "kafka",
+        feature = "rabbitmq",
+        feature = "rocketmq",
+        feature = "nats"
+    )
 ))]
 async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
     let run = broker::BrokerRun {
@@ -359,7 +371,12 @@ async fn run_brokers(args: &BenchArgs) -> anyhow::Result<ExitCode> {
 /// The benchmark of broker `name`.
 #[cfg(all(
     feature = "postgres",
-    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+    any(
+        feature = "kafka",
+        feature = "rabbitmq",
+        feature = "rocketmq",
+        feature = "nats"
+    )
 ))]
 async fn make_broker(name: &str, batch: usize) -> anyhow::Result<Box<dyn broker::BrokerBench>> {
     // Each broker module adds its arm here.
@@ -370,6 +387,8 @@ async fn make_broker(name: &str, batch: usize) -> anyhow::Result<Box<dyn broker:
         "rocketmq" => Some(Box::new(rocketmq::RocketBench::from_env()?)),
         #[cfg(feature = "kafka")]
         "kafka" => Some(Box::new(kafka::KafkaBench::from_env(batch).await?)),
+        #[cfg(feature = "nats")]
+        "nats" => Some(Box::new(nats::NatsBench::from_env(batch)?)),
         _ => None,
     };
     let _ = batch;
@@ -386,7 +405,12 @@ async fn make_broker(name: &str, batch: usize) -> anyhow::Result<Box<dyn broker:
 /// idempotent), `kafka-group` (1, 2, 4 consumers of one group).
 #[cfg(all(
     feature = "postgres",
-    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+    any(
+        feature = "kafka",
+        feature = "rabbitmq",
+        feature = "rocketmq",
+        feature = "nats"
+    )
 ))]
 async fn brokers_json(name: &str, sizes: &sizes::Sizes) -> anyhow::Result<serde_json::Value> {
     use serde_json::json;
@@ -470,7 +494,12 @@ async fn brokers_json(name: &str, sizes: &sizes::Sizes) -> anyhow::Result<serde_
 /// (`IDEMQ_KAFKA_LIBS/kafka_<scala>-<version>.jar`), or "" when unknown.
 #[cfg(all(
     feature = "postgres",
-    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+    any(
+        feature = "kafka",
+        feature = "rabbitmq",
+        feature = "rocketmq",
+        feature = "nats"
+    )
 ))]
 fn kafka_version() -> String {
     let Some(dir) = std::env::var_os("IDEMQ_KAFKA_LIBS") else {
@@ -493,7 +522,12 @@ fn kafka_version() -> String {
 
 #[cfg(not(all(
     feature = "postgres",
-    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+    any(
+        feature = "kafka",
+        feature = "rabbitmq",
+        feature = "rocketmq",
+        feature = "nats"
+    )
 )))]
 async fn brokers_json(_name: &str, _sizes: &sizes::Sizes) -> anyhow::Result<serde_json::Value> {
     anyhow::bail!("the broker scenarios need a build with the postgres feature and the broker's (--all-features)")
@@ -501,7 +535,12 @@ async fn brokers_json(_name: &str, _sizes: &sizes::Sizes) -> anyhow::Result<serd
 
 #[cfg(not(all(
     feature = "postgres",
-    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+    any(
+        feature = "kafka",
+        feature = "rabbitmq",
+        feature = "rocketmq",
+        feature = "nats"
+    )
 )))]
 async fn run_brokers(_args: &BenchArgs) -> anyhow::Result<ExitCode> {
     anyhow::bail!(
@@ -512,13 +551,19 @@ async fn run_brokers(_args: &BenchArgs) -> anyhow::Result<ExitCode> {
 
 #[cfg(all(
     feature = "postgres",
-    any(feature = "kafka", feature = "rabbitmq", feature = "rocketmq")
+    any(
+        feature = "kafka",
+        feature = "rabbitmq",
+        feature = "rocketmq",
+        feature = "nats"
+    )
 ))]
 fn built_brokers() -> Vec<&'static str> {
     [
         cfg!(feature = "kafka").then_some("kafka"),
         cfg!(feature = "rabbitmq").then_some("rabbitmq"),
         cfg!(feature = "rocketmq").then_some("rocketmq"),
+        cfg!(feature = "nats").then_some("nats"),
     ]
     .into_iter()
     .flatten()

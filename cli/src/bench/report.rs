@@ -7,6 +7,9 @@ use serde_json::Value;
 use std::fmt::Write as _;
 use std::path::Path;
 
+/// The brokers of the `broker-<name>` scenarios, in the report's order.
+const BROKERS: [&str; 4] = ["rabbitmq", "kafka", "rocketmq", "nats"];
+
 /// Where the plots go, relative to the report.
 const PLOTS: &str = "perf";
 
@@ -433,7 +436,7 @@ fn ratios(d: &Doc<'_>, md: &mut String) {
         Target::None,
         &why("storm"),
     );
-    for b in ["rabbitmq", "kafka", "rocketmq"] {
+    for b in BROKERS {
         let name = format!("broker-{b}");
         let r = d.result(&name);
         let pair = |ours: &str, base: &str| r.and_then(|r| Some((f(&r[ours])?, f(&r[base])?)));
@@ -905,7 +908,7 @@ fn brokers(d: &Doc<'_>, md: &mut String) {
         md,
         "## Brokers: idempotent consumers against the consumers users would write\n"
     );
-    let depth = ["rabbitmq", "kafka", "rocketmq"]
+    let depth = BROKERS
         .iter()
         .find_map(|b| d.result(&format!("broker-{b}"))?["pipeline_depth"].as_u64())
         .map_or("a few".into(), |p| p.to_string());
@@ -938,7 +941,7 @@ fn brokers(d: &Doc<'_>, md: &mut String) {
         md,
         "| broker | messages | bare | idemq + memory | hand-written | unique-keyed | unique | batch-redis | bound3 | batch-postgres | postgres (per message) | redis (per message) |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
     );
-    for b in ["rabbitmq", "kafka", "rocketmq"] {
+    for b in BROKERS {
         let name = format!("broker-{b}");
         match d.result(&name) {
             Some(r) => {

@@ -102,8 +102,8 @@ pub async fn run(name: &str, sizes: &Sizes) -> anyhow::Result<Value> {
             #[cfg(not(feature = "layered"))]
             return Err(not_built("layered"));
         }
-        "broker-rabbitmq" | "broker-kafka" | "broker-rocketmq" | "kafka-producer"
-        | "kafka-group" => super::brokers_json(name, sizes).await,
+        "broker-rabbitmq" | "broker-kafka" | "broker-rocketmq" | "broker-nats"
+        | "kafka-producer" | "kafka-group" => super::brokers_json(name, sizes).await,
         other => anyhow::bail!("unknown scenario {other:?}"),
     }
 }

@@ -81,6 +81,7 @@ pub const SCENARIOS: &[&str] = &[
     "broker-rabbitmq",
     "broker-kafka",
     "broker-rocketmq",
+    "broker-nats",
     "kafka-producer",
     "kafka-group",
 ];
