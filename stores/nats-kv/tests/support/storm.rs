@@ -29,14 +29,18 @@ struct Stats {
     in_flight: AtomicUsize,
     fenced: AtomicUsize,
     done: AtomicUsize,
-    successes: Mutex<Vec<Instant>>,
+    /// (issued, answered) of every answered store call.
+    successes: Mutex<Vec<(Instant, Instant)>>,
     first_error: Mutex<Option<String>>,
 }
 
 impl Stats {
-    fn ok(&self) {
+    fn ok(&self, issued: Instant) {
         self.ops.fetch_add(1, Ordering::Relaxed);
-        self.successes.lock().unwrap().push(Instant::now());
+        self.successes
+            .lock()
+            .unwrap()
+            .push((issued, Instant::now()));
     }
     fn err(&self, e: &idemq_core::StoreError) {
         assert!(e.is_retryable(), "unexpected non-retryable error: {e}");
@@ -69,8 +73,9 @@ pub struct Report {
     pub fenced: usize,
     /// Handler runs beyond one per key (must be 0).
     pub reruns: usize,
-    /// From the disruption's start to the first store call answered after it.
-    pub first_answer_after: Duration,
+    /// From the disruption's start to the first answer of a store call issued after the
+    /// disruption was done (the server killed or restarted): the time to recover.
+    pub recovered_after: Duration,
     /// The longest time without any answered store call, from the disruption on.
     pub longest_stall: Duration,
 }
@@ -85,6 +90,7 @@ async fn deliver(
 ) {
     let req = ClaimRequest::new(key.clone(), LEASE).with_worker("storm");
     loop {
+        let issued = Instant::now();
         match store.claim(&req).await {
             Err(e) => {
                 // Store down: no ack, back off, redeliver. Never "skip".
@@ -92,14 +98,14 @@ async fn deliver(
                 backoff().await;
             }
             Ok(ClaimOutcome::InFlight { .. }) => {
-                stats.ok();
+                stats.ok(issued);
                 // A claim whose reply was lost: its lease must run out first.
                 stats.in_flight.fetch_add(1, Ordering::Relaxed);
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             Ok(ClaimOutcome::PayloadConflict(r)) => panic!("no payload hashes here: {r:?}"),
             Ok(ClaimOutcome::Duplicate(_)) => {
-                stats.ok();
+                stats.ok(issued);
                 let mut t = tally.lock().unwrap();
                 assert!(
                     t[i].commits + t[i].ambiguous_completes > 0,
@@ -110,23 +116,24 @@ async fn deliver(
                 return;
             }
             Ok(ClaimOutcome::Acquired(lease)) => {
-                stats.ok();
+                stats.ok(issued);
                 tally.lock().unwrap()[i].handler_runs += 1;
                 // Complete with the same token until the store answers.
                 loop {
+                    let issued = Instant::now();
                     match store
                         .complete(key, lease.token, Some("done".into()), RETAIN)
                         .await
                     {
                         Ok(CompleteOutcome::Completed) => {
-                            stats.ok();
+                            stats.ok(issued);
                             let mut t = tally.lock().unwrap();
                             t[i].commits += 1;
                             t[i].acked_at = Some(Instant::now());
                             return;
                         }
                         Ok(CompleteOutcome::Fenced) => {
-                            stats.ok();
+                            stats.ok(issued);
                             stats.fenced.fetch_add(1, Ordering::Relaxed);
                             break;
                         }
@@ -142,17 +149,31 @@ async fn deliver(
     }
 }
 
-fn recovery(successes: &[Instant], from: Instant) -> (Duration, Duration) {
-    let mut after: Vec<Instant> = successes.iter().copied().filter(|t| *t >= from).collect();
+/// (time to recover, longest stall): see [`Report`].
+fn recovery(
+    successes: &[(Instant, Instant)],
+    from: Instant,
+    done: Instant,
+) -> (Duration, Duration) {
+    let recovered = successes
+        .iter()
+        .filter(|(issued, _)| *issued >= done)
+        .map(|(_, answered)| answered.duration_since(from))
+        .min()
+        .unwrap_or(Duration::MAX);
+    let mut after: Vec<Instant> = successes
+        .iter()
+        .map(|(_, a)| *a)
+        .filter(|t| *t >= from)
+        .collect();
     after.sort();
-    let first = after
+    let mut longest = after
         .first()
         .map_or(Duration::MAX, |t| t.duration_since(from));
-    let mut longest = first;
     for w in after.windows(2) {
         longest = longest.max(w[1].duration_since(w[0]));
     }
-    (first, longest)
+    (recovered, longest)
 }
 
 /// Runs `n` keys through `workers` workers over `stores`; once `n / 3` keys are done,
@@ -211,6 +232,7 @@ where
     let errors_before = stats.errors.load(Ordering::Relaxed);
     let disrupted_at = Instant::now();
     disrupt().await;
+    let disruption_done = Instant::now();
 
     let deadline = Instant::now() + Duration::from_secs(180);
     for t in tasks {
@@ -254,8 +276,11 @@ where
         let rec = rec.unwrap_or_else(|| panic!("acknowledged key m-{i} lost"));
         assert_eq!(rec.status, idemq_core::RecordStatus::Completed, "m-{i}");
     }
-    let (first_answer_after, longest_stall) =
-        recovery(&stats.successes.lock().unwrap(), disrupted_at);
+    let (recovered_after, longest_stall) = recovery(
+        &stats.successes.lock().unwrap(),
+        disrupted_at,
+        disruption_done,
+    );
     let first_error = stats.first_error.lock().unwrap().clone();
     Report {
         keys: n,
@@ -265,7 +290,7 @@ where
         in_flight_waits: stats.in_flight.load(Ordering::Relaxed),
         fenced: stats.fenced.load(Ordering::Relaxed),
         reruns: runs - n,
-        first_answer_after,
+        recovered_after,
         longest_stall,
     }
 }
