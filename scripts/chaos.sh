@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The fault-injection soak (tests/chaos.rs) against the servers of scripts/servers.sh:
-# broker (Kafka flows 1-3, RabbitMQ queues and streams, RocketMQ) × store pairs, consumer
+# broker (Kafka flows 1-3, RabbitMQ queues and streams, RocketMQ, NATS JetStream) × store pairs, consumer
 # processes SIGKILLed, self-aborted and SIGSTOPped past their lease, the store's server
 # crashed and the broker restarted mid-run; exits non-zero on any double effect or loss.
 #

@@ -7,7 +7,8 @@
 //! of the first tenth, while two consumer processes apply each message once to a ledger
 //! that has no unique constraint, written together with what makes it "done":
 //!
-//! - Kafka flow 1, RabbitMQ queues, RabbitMQ streams, RocketMQ over a SQL store: a ledger
+//! - Kafka flow 1, RabbitMQ queues, RabbitMQ streams, RocketMQ, NATS JetStream over a SQL
+//!   store: a ledger
 //!   row in the transaction that completes the dedup record (`begin_for` … `commit`);
 //! - Kafka flow 1 with a batch handler (`postgres_batch`): a polled batch's ledger rows and
 //!   their keys in one transaction (`SqlStore::batch_handler` over `SqlStore::unique_index`);
@@ -29,7 +30,8 @@
 //! - crashes the store's server once (`scripts/servers.sh restart-postgres`,
 //!   `restart-mariadb`: no clean shutdown; `restart-redis`);
 //! - restarts the broker once on the pairs that ask for it (`restart-kafka`,
-//!   `restart-rabbitmq`, `restart-rocketmq`; every pair with `IDEMQ_CHAOS_BROKER_RESTART=all`,
+//!   `restart-rabbitmq`, `restart-rocketmq`, `restart-nats`; every pair with
+//!   `IDEMQ_CHAOS_BROKER_RESTART=all`,
 //!   none with `=never`);
 //!
 //! and then requires every key's effect exactly once (`double_effects=0 lost=0`) and every
@@ -50,6 +52,7 @@
     feature = "rabbitmq",
     feature = "rabbitmq-streams",
     feature = "rocketmq",
+    feature = "nats",
     feature = "postgres",
     feature = "mysql",
     feature = "redis",
@@ -67,6 +70,7 @@ use idemq::kafka::{
     KafkaToDatabase, TransactionalProcessor, TxnError, TxnOptions,
 };
 use idemq::layered::LayeredStore;
+use idemq::nats::{NatsPublisher, NatsPublisherConfig, NatsSource, NatsSourceConfig};
 use idemq::rabbitmq::stream::{
     StreamPublisher, StreamPublisherConfig, StreamSource, StreamSourceConfig,
 };
@@ -107,6 +111,8 @@ enum Broker {
     /// RabbitMQ streams (one named reader per consumer slot).
     RabbitStream,
     RocketMq,
+    /// NATS JetStream: one durable pull consumer shared by the consumer processes.
+    Nats,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -123,13 +129,14 @@ enum Store {
     Changelog,
 }
 
-const BROKERS: [Broker; 6] = [
+const BROKERS: [Broker; 7] = [
     Broker::Kafka,
     Broker::KafkaTxn,
     Broker::KafkaDb,
     Broker::RabbitMq,
     Broker::RabbitStream,
     Broker::RocketMq,
+    Broker::Nats,
 ];
 const STORES: [Store; 6] = [
     Store::Postgres,
@@ -155,6 +162,7 @@ impl Broker {
             Self::RabbitMq => "rabbitmq",
             Self::RabbitStream => "rabbitmq_stream",
             Self::RocketMq => "rocketmq",
+            Self::Nats => "nats",
         }
     }
     fn env(self) -> &'static str {
@@ -163,6 +171,7 @@ impl Broker {
             Self::RabbitMq => "IDEMQ_TEST_AMQP_URL",
             Self::RabbitStream => "IDEMQ_TEST_RABBITMQ_STREAM_URL",
             Self::RocketMq => "IDEMQ_TEST_ROCKETMQ_NAMESRV",
+            Self::Nats => "IDEMQ_TEST_NATS_URL",
         }
     }
     /// The command that restarts the broker (same port, same data).
@@ -171,6 +180,7 @@ impl Broker {
             Self::Kafka | Self::KafkaTxn | Self::KafkaDb => "IDEMQ_TEST_KAFKA_RESTART_CMD",
             Self::RabbitMq | Self::RabbitStream => "IDEMQ_TEST_RABBITMQ_RESTART_CMD",
             Self::RocketMq => "IDEMQ_TEST_ROCKETMQ_RESTART_CMD",
+            Self::Nats => "IDEMQ_TEST_NATS_RESTART_CMD",
         }
     }
 }
@@ -532,6 +542,15 @@ async fn child_source(plan: &Plan, url: &str) -> Box<dyn Source> {
                 .await
                 .expect("rocketmq source"),
         ),
+        // The consumer processes share the durable consumer (the group); a killed or paused
+        // one's messages come back to the other after AckWait.
+        Broker::Nats => {
+            let mut cfg = NatsSourceConfig::new(url, &plan.destination, &plan.group);
+            cfg.batch = 64;
+            cfg.ack_wait = Duration::from_secs(5);
+            cfg.fetch_wait = Duration::from_secs(1);
+            Box::new(NatsSource::connect(cfg).await.expect("nats source"))
+        }
         Broker::KafkaTxn | Broker::KafkaDb => unreachable!("{:?} has its own child", plan.broker),
     }
 }
@@ -886,6 +905,25 @@ async fn create_destination(broker: Broker, url: &str, destination: &str) {
             .expect("declare queue");
             s.close().await.expect("close declaring source");
         }
+        // A stream named after the subject, capturing it, with the shortest duplicate window
+        // the server takes (100 ms; the default 2 min would drop the replay of the first
+        // tenth by `Nats-Msg-Id` before a consumer could meet it). The resends right behind
+        // their first copy are dropped by the stream: that is its dedup at work.
+        Broker::Nats => {
+            use idemq::nats::async_nats::jetstream;
+            let client = idemq::nats::async_nats::connect(url)
+                .await
+                .expect("connect to nats");
+            jetstream::new(client)
+                .create_stream(jetstream::stream::Config {
+                    name: destination.to_string(),
+                    subjects: vec![destination.to_string()],
+                    duplicate_window: Duration::from_millis(100),
+                    ..Default::default()
+                })
+                .await
+                .expect("create the stream");
+        }
         Broker::RabbitStream | Broker::RocketMq => {}
     }
 }
@@ -920,6 +958,11 @@ async fn connect_publisher(
         }
         Broker::RocketMq => Box::new(
             RocketPublisher::connect(PublisherConfig::new(url, unique("producer")))
+                .await
+                .map_err(|e| e.to_string())?,
+        ),
+        Broker::Nats => Box::new(
+            NatsPublisher::connect(NatsPublisherConfig::new(url))
                 .await
                 .map_err(|e| e.to_string())?,
         ),
@@ -1400,4 +1443,5 @@ pairs! {
     chaos_rocketmq_mysql: RocketMq, MySql, true;
     chaos_rocketmq_redis: RocketMq, Redis, false;
     chaos_rocketmq_layered: RocketMq, Layered, false;
+    chaos_nats_postgres: Nats, Postgres, true;
 }

@@ -5,7 +5,7 @@ use crate::envelope::outgoing_headers;
 use crate::link::{connect, Link};
 use crate::{NatsError, MSG_ID_HEADER};
 use async_nats::jetstream;
-use async_nats::jetstream::context::PublishErrorKind;
+use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage as Publish;
 use async_nats::jetstream::publish::PublishAck;
 use async_trait::async_trait;
@@ -152,17 +152,19 @@ impl NatsPublisher {
         &self,
         msg: &OutgoingMessage,
     ) -> Result<NatsPublished, PublishError> {
-        let outcome = self.send(msg).await;
-        let label = match &outcome {
-            Ok(p) if p.duplicate => "duplicate",
-            Ok(_) => "stored",
-            Err(_) => "failed",
+        let outcome = match self.dispatch(msg).await {
+            Ok((id, ack)) => confirmed(msg, id, ack).await,
+            Err(e) => Err(e),
         };
-        metrics::counter!(crate::metrics::PUBLISHED, "outcome" => label).increment(1);
+        count(&outcome);
         outcome
     }
 
-    async fn send(&self, msg: &OutgoingMessage) -> Result<NatsPublished, PublishError> {
+    /// Sends `msg` without waiting for its `PubAck`: its `Nats-Msg-Id` and the ack to await.
+    async fn dispatch(
+        &self,
+        msg: &OutgoingMessage,
+    ) -> Result<(Option<String>, PublishAckFuture), PublishError> {
         let headers = outgoing_headers(msg)
             .map_err(|why| PublishError::Rejected(format!("{}: {why}", msg.destination)))?;
         // While the client is cut off it would queue the message and send it after the
@@ -174,23 +176,70 @@ impl NatsPublisher {
         let publish = Publish::build()
             .payload(msg.payload.clone())
             .headers(headers);
-        let ack = send_and_confirm(&self.js, msg.destination.clone(), publish).await?;
-        Ok(NatsPublished {
-            receipt: PublishReceipt {
-                destination: msg.destination.clone(),
-                partition: None,
-                position: Some(Position::Sequence(ack.sequence)),
-                message_id,
-            },
-            stream: ack.stream,
-            duplicate: ack.duplicate,
-        })
+        let ack = self
+            .js
+            .send_publish(msg.destination.clone(), publish)
+            .await
+            .map_err(|e| publish_error(&e, &msg.destination, false))?;
+        Ok((message_id, ack))
     }
+}
+
+/// Waits for the `PubAck` of `msg`, sent with `message_id`.
+async fn confirmed(
+    msg: &OutgoingMessage,
+    message_id: Option<String>,
+    ack: PublishAckFuture,
+) -> Result<NatsPublished, PublishError> {
+    let ack = ack
+        .await
+        .map_err(|e| publish_error(&e, &msg.destination, true))?;
+    Ok(NatsPublished {
+        receipt: PublishReceipt {
+            destination: msg.destination.clone(),
+            partition: None,
+            position: Some(Position::Sequence(ack.sequence)),
+            message_id,
+        },
+        stream: ack.stream,
+        duplicate: ack.duplicate,
+    })
+}
+
+/// Counts a publish by its outcome ([`crate::metrics::PUBLISHED`]).
+fn count(outcome: &Result<NatsPublished, PublishError>) {
+    let label = match outcome {
+        Ok(p) if p.duplicate => "duplicate",
+        Ok(_) => "stored",
+        Err(_) => "failed",
+    };
+    metrics::counter!(crate::metrics::PUBLISHED, "outcome" => label).increment(1);
 }
 
 #[async_trait]
 impl Publisher for NatsPublisher {
     async fn publish(&self, msg: OutgoingMessage) -> Result<PublishReceipt, PublishError> {
         self.publish_acked(&msg).await.map(|p| p.receipt)
+    }
+
+    /// Pipelined: every message is sent first, then the `PubAck`s are awaited in order.
+    async fn publish_batch(
+        &self,
+        msgs: Vec<OutgoingMessage>,
+    ) -> Vec<Result<PublishReceipt, PublishError>> {
+        let mut sent = Vec::with_capacity(msgs.len());
+        for m in &msgs {
+            sent.push(self.dispatch(m).await);
+        }
+        let mut out = Vec::with_capacity(msgs.len());
+        for (m, s) in msgs.iter().zip(sent) {
+            let outcome = match s {
+                Ok((id, ack)) => confirmed(m, id, ack).await,
+                Err(e) => Err(e),
+            };
+            count(&outcome);
+            out.push(outcome.map(|p| p.receipt));
+        }
+        out
     }
 }

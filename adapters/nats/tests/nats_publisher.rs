@@ -47,6 +47,23 @@ async fn a_second_publish_with_the_same_key_is_stored_once_and_reported_a_duplic
         Some(Position::Sequence(_))
     ));
 
+    // Pipelined, the same: a resend inside the batch names the first copy.
+    let batch: Vec<OutgoingMessage> = ["pay-9", "pay-9", "pay-10"]
+        .iter()
+        .map(|k| m.clone().with_dedup_key(*k))
+        .collect();
+    let receipts: Vec<_> = p
+        .publish_batch(batch)
+        .await
+        .into_iter()
+        .map(|r| r.expect("batch publish").position)
+        .collect();
+    assert_eq!(
+        receipts[0], receipts[1],
+        "the resend names the stored message"
+    );
+    assert_ne!(receipts[1], receipts[2]);
+
     let stored = support::read_stream(&url, &names.stream)
         .await
         .expect("read the stream");
@@ -61,10 +78,7 @@ async fn a_second_publish_with_the_same_key_is_stored_once_and_reported_a_duplic
         .collect();
     assert_eq!(
         keys,
-        [
-            (Some("pay-7"), Some("pay-7")),
-            (Some("pay-8"), Some("pay-8"))
-        ],
+        ["pay-7", "pay-8", "pay-9", "pay-10"].map(|k| (Some(k), Some(k))),
         "one stored message per key, the key in Nats-Msg-Id and idemq's header"
     );
     assert_eq!(stored[0].key.as_deref(), Some(&b"order-7"[..]));
