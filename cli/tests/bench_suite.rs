@@ -18,6 +18,7 @@ const SMOKE: &[&str] = &[
     "store-postgres",
     "store-mysql",
     "store-redis",
+    "store-nats-kv",
     "local-layer",
     "storm",
     "growth-postgres",
@@ -99,7 +100,9 @@ fn smoke_profile_writes_results_report_and_plots() {
             .find(|s| s["name"] == name)
             .expect("scenario present")["result"]
     };
-    for store in ["memory", "layered", "sqlite", "postgres", "mysql", "redis"] {
+    for store in [
+        "memory", "layered", "sqlite", "postgres", "mysql", "redis", "nats-kv",
+    ] {
         let r = result(&format!("store-{store}"));
         let points = r["points"].as_array().expect("points");
         let batches: Vec<u64> = points.iter().filter_map(|p| p["batch"].as_u64()).collect();

@@ -346,6 +346,13 @@ fn ratios(d: &Doc<'_>, md: &mut String) {
         Target::Beat(0.83),
         &why("store-redis"),
     );
+    t.row(
+        "NATS KV: batched claims / raw KV creates",
+        ratio_at_top(d.result("store-nats-kv"), "claim"),
+        "",
+        Target::None,
+        &why("store-nats-kv"),
+    );
     for (store, name) in [("store-mysql", "MariaDB"), ("store-sqlite", "SQLite")] {
         t.row(
             &format!("{name}: batched claims / raw multi-row insert"),
@@ -610,6 +617,7 @@ fn stores(d: &Doc<'_>, md: &mut String, plots: &Path) -> anyhow::Result<()> {
         ("postgres", "PostgreSQL"),
         ("mysql", "MariaDB"),
         ("redis", "Redis"),
+        ("nats-kv", "NATS KV"),
     ];
     let mut claims = Vec::new();
     let mut both = Vec::new();

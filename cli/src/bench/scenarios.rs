@@ -72,6 +72,15 @@ pub async fn run(name: &str, sizes: &Sizes) -> anyhow::Result<Value> {
             #[cfg(not(feature = "redis"))]
             return Err(not_built("redis"));
         }
+        "store-nats-kv" => {
+            #[cfg(feature = "nats-kv")]
+            {
+                let b = stores::NatsKv::open(&env_url("IDEMQ_TEST_NATS_URL")?).await?;
+                return stores::sweep("nats-kv", &b, sizes).await;
+            }
+            #[cfg(not(feature = "nats-kv"))]
+            return Err(not_built("nats-kv"));
+        }
         "local-layer" => {
             #[cfg(feature = "layered")]
             return stores::local_layer(sizes).await;

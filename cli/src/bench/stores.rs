@@ -507,6 +507,67 @@ impl StoreBench for Redis {
     }
 }
 
+/// The NATS JetStream KV store (a fresh bucket, one node) and raw KV `create`s of fresh
+/// keys on the same bucket, all of a call in flight at once (KV has no multi-key write).
+#[cfg(feature = "nats-kv")]
+pub(crate) struct NatsKv {
+    store: Arc<idemq::nats_kv::NatsKvStore>,
+    raw: idemq::nats_kv::async_nats::jetstream::kv::Store,
+    js: idemq::nats_kv::async_nats::jetstream::Context,
+    bucket: String,
+}
+
+#[cfg(feature = "nats-kv")]
+impl NatsKv {
+    pub(crate) async fn open(url: &str) -> anyhow::Result<Self> {
+        use idemq::nats_kv::{async_nats, NatsKvOptions, NatsKvStore};
+        let bucket = format!("idemq_bench_{:08x}", rand::random::<u32>());
+        let options = NatsKvOptions {
+            bucket: bucket.clone(),
+            ..NatsKvOptions::default()
+        };
+        let store = NatsKvStore::connect(url, options).await?;
+        let js = async_nats::jetstream::new(store.client().clone());
+        let raw = js.get_key_value(&bucket).await?;
+        Ok(Self {
+            store: Arc::new(store),
+            raw,
+            js,
+            bucket,
+        })
+    }
+}
+
+#[cfg(feature = "nats-kv")]
+#[async_trait]
+impl StoreBench for NatsKv {
+    fn store(&self) -> Arc<dyn DedupStore> {
+        self.store.clone()
+    }
+    fn baseline(&self) -> &'static str {
+        "KV create of each fresh key (revision 0), all of a call in flight at once"
+    }
+    async fn raw(&self, keys: &[String]) -> anyhow::Result<()> {
+        let creates = keys.iter().map(|k| {
+            let value = FencingToken::random().0.to_be_bytes().to_vec();
+            // KV keys allow `-/_=.` besides letters and digits: the group's `:` becomes `=`.
+            self.raw.create(format!("raw.{}", k.replace(':', "=")), value.into())
+        });
+        for r in futures::future::join_all(creates).await {
+            r?;
+        }
+        Ok(())
+    }
+    async fn server(&self) -> anyhow::Result<String> {
+        let info = self.store.client().server_info();
+        Ok(format!("nats-server {}", info.version))
+    }
+    async fn cleanup(&self) -> anyhow::Result<()> {
+        self.js.delete_key_value(&self.bucket).await?;
+        Ok(())
+    }
+}
+
 /// A primary that keeps nothing: every claim acquires, every completion succeeds. Under
 /// the layered store it isolates the local layer's own cost (time and memory).
 pub(crate) struct NullStore;

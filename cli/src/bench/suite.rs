@@ -73,6 +73,7 @@ pub const SCENARIOS: &[&str] = &[
     "store-postgres",
     "store-mysql",
     "store-redis",
+    "store-nats-kv",
     "local-layer",
     "storm",
     "growth-postgres",
