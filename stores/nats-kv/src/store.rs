@@ -229,8 +229,9 @@ impl NatsKvStore {
     }
 
     /// Reads `key` and, while the record is owned by `token`, rewrites it with `change`
-    /// (compare-and-set, re-read on a conflict). `owned` says what an owner's record that
-    /// needs no write answers (`Some`), `change` builds the new record and its TTL.
+    /// (compare-and-set at the revision read; read again on a conflict). A missing record or
+    /// another token answers `fenced`; `settled` answers an owner's record that needs no
+    /// write (`Some`); `change` builds the new record, its TTL and the answer.
     async fn fenced_update<T>(
         &self,
         key: &DedupKey,
@@ -242,7 +243,7 @@ impl NatsKvStore {
         let kv_key = self.kv_key(key);
         let b = &self.inner.bucket;
         let mut slot = b.read(&kv_key).await?;
-        for round in 0..MAX_ROUNDS {
+        for _ in 0..MAX_ROUNDS {
             let Some(r) = slot.record.as_ref() else {
                 return Ok(fenced);
             };
@@ -259,9 +260,7 @@ impl NatsKvStore {
             {
                 Some(_) => return Ok(answer),
                 None => {
-                    if round > 0 || slot.revision != 0 {
-                        metrics::counter!(CAS_RETRIES).increment(1);
-                    }
+                    metrics::counter!(CAS_RETRIES).increment(1);
                     slot = b.read(&kv_key).await?;
                 }
             }
