@@ -1,5 +1,5 @@
-//! Kafka → PostgreSQL exactly once, with no Kafka transaction (idemq-kafka's "flow 3",
-//! `KafkaToDatabase`): each record's effect (a row in the payments table), its dedup record
+//! Kafka → PostgreSQL exactly once, with no Kafka transaction (Kafka's "flow 3", idemq-sql's
+//! `LogToDatabase`): each record's effect (a row in the payments table), its dedup record
 //! and its partition's next offset commit in **one PostgreSQL transaction**
 //! (`flow.begin(&msg)`, the effect through `&mut *tx`, `tx.commit()`), and the source starts
 //! every assigned partition at the offset stored in the database, not at Kafka's committed
@@ -31,10 +31,8 @@
 use idemq::kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use idemq::kafka::rdkafka::client::DefaultClientContext;
 use idemq::kafka::rdkafka::ClientConfig;
-use idemq::kafka::{
-    KafkaProducerConfig, KafkaPublisher, KafkaSource, KafkaSourceConfig, KafkaToDatabase,
-};
-use idemq::sql::{sqlx, PgStore, SqlResultExt, SqlStoreOptions};
+use idemq::kafka::{KafkaProducerConfig, KafkaPublisher, KafkaSource, KafkaSourceConfig};
+use idemq::sql::{sqlx, LogToDatabase, PgStore, SqlResultExt, SqlStoreOptions};
 use idemq::{ConsumerConfig, DeliveryOrder, OutgoingMessage, Publisher};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -136,12 +134,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 
     // --- Flow 3: effect + dedup record + offset in one PostgreSQL transaction. ---
-    let flow = KafkaToDatabase::new(store.clone(), &group).await?;
-    let mut source = KafkaSource::new(flow.source_config(KafkaSourceConfig::new(
-        &brokers,
-        &group,
-        &[&topic],
-    ))?)?;
+    let flow = LogToDatabase::new(store.clone(), &group).await?;
+    let mut source = KafkaSource::new(
+        KafkaSourceConfig::new(&brokers, &group, &[&topic]).offsets_from(flow.offset_store()?),
+    )?;
     let insert: Arc<str> =
         format!("INSERT INTO {effects} (payment_id, amount, part, off) VALUES ($1, $2, $3, $4)")
             .into();

@@ -14,7 +14,7 @@
 //!   their keys in one transaction (`SqlStore::batch_handler` over `SqlStore::unique_index`);
 //! - the same over Redis or the layered store: a ledger list entry written by the script that
 //!   completes the record (`RedisStore::complete_with`);
-//! - Kafka flow 3 (`KafkaToDatabase`): a ledger row, the dedup record and the partition's next
+//! - Kafka flow 3 (`LogToDatabase`): a ledger row, the dedup record and the partition's next
 //!   offset in one database transaction, partitions started at the stored offsets;
 //! - Kafka flow 2 (`TransactionalProcessor`): one output record per input in the Kafka
 //!   transaction that also carries the consumed offsets and the business-dedup changelog;
@@ -67,7 +67,7 @@ use idemq::kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use idemq::kafka::rdkafka::{ClientConfig, Message};
 use idemq::kafka::{
     BusinessDedup, KafkaProducerConfig, KafkaPublisher, KafkaSource, KafkaSourceConfig,
-    KafkaToDatabase, TransactionalProcessor, TxnError, TxnOptions,
+    TransactionalProcessor, TxnError, TxnOptions,
 };
 use idemq::layered::LayeredStore;
 use idemq::nats::{NatsPublisher, NatsPublisherConfig, NatsSource, NatsSourceConfig};
@@ -79,8 +79,8 @@ use idemq::redis::redis::cmd as redis_cmd;
 use idemq::redis::RedisStore;
 use idemq::rocketmq::{PublisherConfig, RocketPublisher, RocketSource, SourceConfig};
 use idemq::sql::{
-    handler_error, sqlx, MySqlStore, PgStore, SourceOffsets, SqlBackend, SqlStore, SqlStoreOptions,
-    TableName, Val,
+    handler_error, sqlx, LogToDatabase, MySqlStore, PgStore, SourceOffsets, SqlBackend, SqlStore,
+    SqlStoreOptions, TableName, Val,
 };
 use idemq::{
     ClaimedMessage, ConsumerConfig, DedupStore, DeliveryOrder, HandlerError, HandlerResult,
@@ -584,7 +584,7 @@ async fn tripped<F: std::future::Future<Output = HandlerResult>>(
 /// (dedup record and offset too).
 enum SqlTx<DB: SqlBackend> {
     Store(SqlStore<DB>),
-    Flow(KafkaToDatabase<DB>),
+    Flow(LogToDatabase<DB>),
 }
 
 impl<DB: SqlBackend> SqlTx<DB> {
@@ -633,12 +633,10 @@ async fn sql_child<DB: SqlBackend>(
         plan.ledger
     ));
     let (tx, mut source): (SqlTx<DB>, Box<dyn Source>) = if plan.broker == Broker::KafkaDb {
-        let flow = KafkaToDatabase::new(store.clone(), &plan.group)
+        let flow = LogToDatabase::new(store.clone(), &plan.group)
             .await
             .expect("flow 3");
-        let cfg = flow
-            .source_config(kafka_config(plan, url))
-            .expect("offsets");
+        let cfg = kafka_config(plan, url).offsets_from(flow.offset_store().expect("offsets"));
         let source = KafkaSource::new(cfg).expect("kafka source");
         (SqlTx::Flow(flow), Box::new(source))
     } else {

@@ -44,18 +44,20 @@
 //! offset): the keys seen live in a compacted changelog topic written in the same transaction
 //! ([`BusinessDedup`]).
 //!
-//! **Kafka → database exactly once** (feature `sql`, with `postgres` / `mysql`).
-//! [`KafkaToDatabase`] runs each record's effect, its dedup record and its partition's next
-//! offset ([`idemq_sql::SourceOffsets`], greatest wins) in **one database transaction**
-//! ([`KafkaTx::commit`]); a source configured with
-//! [`KafkaSourceConfig::offsets_from`] (an [`OffsetStore`]) starts every assigned partition
-//! at the offset stored in the database, set on the assignment inside the rebalance
-//! callback, not at Kafka's committed offset. A crash anywhere loses nothing (the position
-//! only moves with the effect) and repeats nothing (the effect only commits with its dedup
-//! record and position), with no Kafka transaction; Kafka commits remain as an advisory copy
-//! for lag monitoring. [`KafkaToDatabase::consumer`] builds the engine and refuses any
-//! ordering but `DeliveryOrder::PerPartition` (a partition's records must commit in offset
-//! order); the source redelivers a partition's sent-back records in offset order.
+//! **Kafka → database exactly once** (Flow 3, with idemq-sql's `LogToDatabase`). Each
+//! record's effect, its dedup record and its partition's next offset (greatest wins) commit
+//! in **one database transaction**; a source configured with
+//! [`KafkaSourceConfig::offsets_from`] (an
+//! [`OffsetStore`](idemq_core::adapter::OffsetStore), here the flow's
+//! `offset_store()`) starts every assigned partition at the offset stored in the database,
+//! set on the assignment inside the rebalance callback, not at Kafka's committed offset. A
+//! crash anywhere loses nothing (the position only moves with the effect) and repeats
+//! nothing (the effect only commits with its dedup record and position), with no Kafka
+//! transaction; Kafka commits remain as an advisory copy for lag monitoring. The flow's
+//! engine refuses any ordering but `DeliveryOrder::PerPartition` (a partition's records must
+//! commit in offset order); the source redelivers a partition's sent-back records in offset
+//! order. This crate depends on no store: the flow lives in idemq-sql, and any
+//! [`OffsetStore`](idemq_core::adapter::OffsetStore) works here.
 //!
 //! **Producing.** [`KafkaProducerConfig`] keeps librdkafka's keys as they are and adds
 //! [`KafkaProducerConfig::idempotent`] and [`KafkaProducerConfig::transactional`] with a
@@ -76,13 +78,10 @@
 
 mod commit;
 mod config;
-mod db_offsets;
 mod envelope;
 pub mod metrics;
 mod publisher;
 mod source;
-#[cfg(feature = "sql")]
-mod to_database;
 mod transactional;
 
 pub use commit::commit_transaction;
@@ -90,7 +89,6 @@ pub use config::{
     ConfigError, ConfigProblem, KafkaProducerConfig, ProducerMode, Rule, RuleVerdict,
     DEFAULT_BROKER_MAX_TRANSACTION_TIMEOUT, MAX_IDEMPOTENT_IN_FLIGHT,
 };
-pub use db_offsets::{OffsetStore, OffsetStoreError};
 pub use envelope::{escape_header_name, to_envelope, NULL_HEADER_TYPE, UNREADABLE_HEADERS};
 
 /// Kafka's [`BrokerKind`](idemq_core::BrokerKind), stamped on every envelope this adapter
@@ -105,8 +103,6 @@ pub use publisher::{partition_of, publish_error, KafkaPublisher};
 pub use source::{
     KafkaSource, KafkaSourceConfig, DLQ_OFFSET, DLQ_PARTITION, DLQ_REASON, DLQ_TOPIC,
 };
-#[cfg(feature = "sql")]
-pub use to_database::{check_ordering, DbOffsetStore, KafkaToDatabase, KafkaTx, NoKafkaPosition};
 pub use transactional::{BusinessDedup, TransactionalProcessor, TxnError, TxnOptions};
 
 /// Re-export of the rdkafka version this crate is built on.

@@ -1,12 +1,12 @@
 //! The consumer-group [`Source`].
 
-use crate::db_offsets::OffsetStore;
 use crate::envelope::{convert, ValueChunks, UNREADABLE_HEADERS};
 use crate::publisher::{produce, KafkaPublisher};
 use crate::KafkaSourceError;
 use async_trait::async_trait;
 use idemq_core::adapter::{
-    DelayedRedelivery, Epoch, HeldSettle, LocallyHeld, OffsetTracker, PartitionId, SharedState,
+    DelayedRedelivery, Epoch, HeldSettle, LocallyHeld, OffsetStore, OffsetTracker, PartitionId,
+    SharedState,
 };
 use idemq_core::envelope::{props, Headers};
 use idemq_core::source::{Delivery, Readiness, ReadinessProbe, Source, SourceError};
@@ -92,6 +92,17 @@ impl KafkaSourceConfig {
 
     /// Starts every assigned partition at the offset `store` holds for it, not at Kafka's
     /// committed offset (builder form; see [`OffsetStore`]).
+    ///
+    /// ```no_run
+    /// # async fn demo(store: idemq_sql::PgStore) -> Result<(), Box<dyn std::error::Error>> {
+    /// use idemq_kafka::{KafkaSource, KafkaSourceConfig};
+    /// // Flow 3: the offsets are written with the effects (idemq-sql's LogToDatabase).
+    /// let flow = idemq_sql::LogToDatabase::new(store, "billing").await?;
+    /// let cfg = KafkaSourceConfig::new("127.0.0.1:9092", "billing", &["payments"])
+    ///     .offsets_from(flow.offset_store()?);
+    /// assert!(cfg.offset_store.is_some());
+    /// # Ok(()) }
+    /// ```
     pub fn offsets_from(mut self, store: impl OffsetStore) -> Self {
         self.offset_store = Some(Arc::new(store));
         self

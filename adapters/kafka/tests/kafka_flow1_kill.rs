@@ -17,8 +17,6 @@
 //! Then the ledger holds exactly one row per payment: the redelivered record and every
 //! resent copy met a completed dedup record.
 
-#![cfg(feature = "postgres")]
-
 mod support;
 
 use idemq_core::engine::{ConsumerConfig, RetryPolicy};

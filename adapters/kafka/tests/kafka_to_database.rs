@@ -2,7 +2,7 @@
 //!
 //! 20 000 records (`IDEMQ_K2DB_MESSAGES` scales it) on a 4-partition topic are consumed by a
 //! **real child process** (this test binary re-run with `IDEMQ_K2DB_CHILD`) whose handler
-//! writes one effect row per record through [`KafkaToDatabase`]: effect, dedup record and
+//! writes one effect row per record through idemq-sql's `LogToDatabase`: effect, dedup record and
 //! the partition's next offset in one database transaction. The parent kills the child with
 //! **SIGKILL** 5 times, each at a random point (a random effect count, then a random few
 //! milliseconds more, so the kill lands mid-transaction, mid-batch or mid-rebalance), and
@@ -24,7 +24,6 @@
 
 mod support;
 
-#[cfg(all(feature = "postgres", feature = "mysql"))]
 mod flow3 {
     use super::support;
     use idemq_core::engine::{ConsumerConfig, DeliveryOrder, RetryPolicy};
@@ -33,10 +32,10 @@ mod flow3 {
     use idemq_core::ClaimedMessage;
     use idemq_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
     use idemq_kafka::rdkafka::ClientConfig;
-    use idemq_kafka::{KafkaSource, KafkaToDatabase};
+    use idemq_kafka::KafkaSource;
     use idemq_sql::{
-        Kind, MySqlStore, PgStore, SourceOffsets, SqlBackend, SqlStore, SqlStoreOptions, TableName,
-        Val,
+        Kind, LogToDatabase, MySqlStore, PgStore, SourceOffsets, SqlBackend, SqlStore,
+        SqlStoreOptions, TableName, Val,
     };
     use std::collections::BTreeMap;
     use std::time::Duration;
@@ -119,14 +118,14 @@ mod flow3 {
         }
     }
 
-    async fn flow<DB: SqlBackend>(store: SqlStore<DB>, run: &Run) -> KafkaToDatabase<DB> {
+    async fn flow<DB: SqlBackend>(store: SqlStore<DB>, run: &Run) -> LogToDatabase<DB> {
         let offsets = SourceOffsets::from_pool(
             store.pool().clone(),
             Some(TableName::new(&run.offsets).expect("table")),
         )
         .await
         .expect("offsets table");
-        KafkaToDatabase::with_offsets(store, offsets, &run.group())
+        LogToDatabase::with_offsets(store, offsets, &run.group())
     }
 
     async fn scalar<DB: SqlBackend>(store: &SqlStore<DB>, sql: &str) -> i64 {
@@ -148,7 +147,7 @@ mod flow3 {
         )
     }
 
-    async fn stored<DB: SqlBackend>(flow: &KafkaToDatabase<DB>) -> BTreeMap<i32, i64> {
+    async fn stored<DB: SqlBackend>(flow: &LogToDatabase<DB>) -> BTreeMap<i32, i64> {
         flow.offsets()
             .load_group(flow.group())
             .await
@@ -170,9 +169,8 @@ mod flow3 {
             .try_init();
         let flow = flow(store.clone(), &run).await;
         let kafka_group = format!("{}-child-{:08x}", run.topic, random(u64::from(u32::MAX)));
-        let cfg = flow
-            .source_config(support::source_config(&brokers, &kafka_group, &run.topic))
-            .expect("source config");
+        let cfg = support::source_config(&brokers, &kafka_group, &run.topic)
+            .offsets_from(flow.offset_store().expect("offset store"));
         let mut source = KafkaSource::new(cfg).expect("source");
         drop(store);
         let insert = DB::DIALECT.placeholders(format!(

@@ -1,6 +1,8 @@
-//! Per-partition committable watermarks.
+//! Per-partition committable watermarks, and where a partition starts when its consumed
+//! offsets live outside the broker.
 
 use std::collections::{BTreeSet, HashMap};
+use std::fmt;
 
 /// A partition: topic (or RocketMQ `broker/topic`) and partition / queue id.
 pub type PartitionId = (String, i32);
@@ -152,6 +154,56 @@ impl OffsetTracker {
 
 fn watermark(st: &PartitionState) -> i64 {
     st.outstanding.first().copied().unwrap_or(st.high)
+}
+
+/// Why stored offsets could not be read.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("loading stored offsets failed: {0}")]
+pub struct OffsetStoreError(pub String);
+
+/// Where a source's consumed offsets really live when the broker's own commits are only a
+/// copy: a database table written in the same transaction as the effects, for instance
+/// (`idemq_sql::SourceOffsets::for_group`, which the SQL store's `LogToDatabase` flow uses).
+///
+/// For a source whose client asks, on every assignment of partitions (or queues), where to
+/// start each one: the source calls [`OffsetStore::positions`] there, before it consumes
+/// from them, and starts each partition at the offset returned for it. A partition without
+/// a stored offset starts where the broker's own commit (or its reset policy) says. When the
+/// call fails, the source goes on from the broker's commits; a source that commits only the
+/// offsets whose handler returned (as [`OffsetTracker`] hands them out) never has them pass
+/// what the store holds, so records may be read again and the dedup record absorbs them,
+/// nothing is skipped.
+///
+/// The call blocks the client's thread that asked (Kafka's rebalance callback runs on the
+/// polling thread): keep it short (one query).
+///
+/// ```
+/// use idemq_core::adapter::{OffsetStore, OffsetStoreError, PartitionId};
+/// use std::collections::HashMap;
+///
+/// /// Every partition of `orders` starts at offset 100; the others where the broker says.
+/// #[derive(Debug)]
+/// struct Fixed;
+///
+/// impl OffsetStore for Fixed {
+///     fn positions(&self, parts: &[PartitionId]) -> Result<HashMap<PartitionId, i64>, OffsetStoreError> {
+///         Ok(parts.iter().filter(|p| p.0 == "orders").map(|p| (p.clone(), 100)).collect())
+///     }
+/// }
+///
+/// let store: Box<dyn OffsetStore> = Box::new(Fixed);
+/// let asked = [("orders".to_string(), 0), ("refunds".to_string(), 0)];
+/// let found = store.positions(&asked)?;
+/// assert_eq!(found.get(&("orders".to_string(), 0)), Some(&100));
+/// assert_eq!(found.get(&("refunds".to_string(), 0)), None);
+/// # Ok::<(), OffsetStoreError>(())
+/// ```
+pub trait OffsetStore: fmt::Debug + Send + Sync + 'static {
+    /// The next offset to consume of each of `partitions` that has one stored.
+    fn positions(
+        &self,
+        partitions: &[PartitionId],
+    ) -> Result<HashMap<PartitionId, i64>, OffsetStoreError>;
 }
 
 #[cfg(test)]

@@ -25,7 +25,6 @@ use idemq_core::{
 };
 use sqlx::pool::PoolConnection;
 use sqlx::TransactionManager as _;
-use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
 /// A pooled connection inside a transaction, closed rather than handed back to the pool
@@ -116,18 +115,28 @@ impl<DB: SqlBackend> std::fmt::Debug for PooledTx<DB> {
     }
 }
 
-impl<DB: SqlBackend> Deref for PooledTx<DB> {
-    type Target = DB::Connection;
-    fn deref(&self) -> &DB::Connection {
-        &self.conn
-    }
-}
+/// `Deref` and `DerefMut` to the connection (`DB::Connection`) for a transaction type
+/// `$ty<DB>` whose field `$field` dereferences to it: the effect's statements run through
+/// `&mut *tx` on [`PooledTx`], [`MessageTx`] and `LogToDatabase`'s `OffsetTx` alike.
+macro_rules! deref_to_connection {
+    ($ty:ident, $field:ident) => {
+        impl<DB: SqlBackend> std::ops::Deref for $ty<DB> {
+            type Target = DB::Connection;
+            fn deref(&self) -> &DB::Connection {
+                &self.$field
+            }
+        }
 
-impl<DB: SqlBackend> DerefMut for PooledTx<DB> {
-    fn deref_mut(&mut self) -> &mut DB::Connection {
-        &mut self.conn
-    }
+        impl<DB: SqlBackend> std::ops::DerefMut for $ty<DB> {
+            fn deref_mut(&mut self) -> &mut DB::Connection {
+                &mut self.$field
+            }
+        }
+    };
 }
+pub(crate) use deref_to_connection;
+
+deref_to_connection!(PooledTx, conn);
 
 impl<DB: SqlBackend> Drop for PooledTx<DB> {
     fn drop(&mut self) {
@@ -172,18 +181,7 @@ impl<DB: SqlBackend> std::fmt::Debug for MessageTx<DB> {
     }
 }
 
-impl<DB: SqlBackend> Deref for MessageTx<DB> {
-    type Target = DB::Connection;
-    fn deref(&self) -> &DB::Connection {
-        &self.tx
-    }
-}
-
-impl<DB: SqlBackend> DerefMut for MessageTx<DB> {
-    fn deref_mut(&mut self) -> &mut DB::Connection {
-        &mut self.tx
-    }
-}
+deref_to_connection!(MessageTx, tx);
 
 impl<DB: SqlBackend> MessageTx<DB> {
     /// Completes the message with no stored result and commits (see

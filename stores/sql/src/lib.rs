@@ -23,16 +23,19 @@
 //!   transaction; [`OutboxRelay`] publishes them through any `Publisher` with stable dedup keys.
 //! - **offsets in the database** — [`SourceOffsets`] keeps a consumer's next offset per
 //!   partition in a table written in the business transaction, so a log consumer (Kafka)
-//!   restarts from what committed with its effects, not from the broker's commits.
+//!   restarts from what committed with its effects, not from the broker's commits
+//!   ([`SourceOffsets::for_group`] is the [`OffsetStore`](idemq_core::adapter::OffsetStore)
+//!   the source reads on assignment). [`LogToDatabase`] is that flow whole (Kafka's flow 3):
+//!   its [`OffsetTx`] is a [`MessageTx`] that also records the message's offset.
 //!
 //! Table and column names are [`Ident`]s, validated before they reach SQL text.
 //!
 //! Module order (each uses only modules before it): `sniff`, `ident`, `backend` → `errors`,
 //! `queries`, `migrate`, `exec`, `options`, `entity`, `offsets` → `store` (the [`SqlStore`]
 //! struct, accessors, the `DedupStore` impl) → `complete`, `claim`, `lease`, `scan`, `keys`,
-//! `connect`, `claimed`, `unique` → `outbox`, `batch`. The modules from `complete` to `connect`
-//! add `impl SqlStore` blocks; the `DedupStore` impl calls their methods without importing
-//! them.
+//! `connect`, `claimed`, `unique` → `outbox`, `batch`, `log_flow`. The modules from
+//! `complete` to `connect` add `impl SqlStore` blocks; the `DedupStore` impl calls their
+//! methods without importing them.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), idemq_core::StoreError> {
@@ -72,6 +75,7 @@ mod exec;
 mod ident;
 mod keys;
 mod lease;
+mod log_flow;
 pub mod migrate;
 mod offsets;
 mod options;
@@ -95,8 +99,10 @@ pub use entity::{EntityId, StateMachine, Transition, VersionOutcome, VersionedEn
 pub use errors::{handler_error, is_retryable_sqlx_error, SqlResultExt};
 pub use ident::{is_valid_ident, ColumnName, Ident, TableName, DEFAULT_TABLE, MAX_IDENT_LEN};
 pub use keys::KeyInsert;
+pub use log_flow::{check_log_ordering, LogToDatabase, NoLogPosition, OffsetTx};
 pub use offsets::{
-    offsets_migrations, SourceOffsets, StoredOffset, DEFAULT_OFFSETS_TABLE, MAX_OFFSETS_NAME_BYTES,
+    offsets_migrations, GroupOffsets, SourceOffsets, StoredOffset, DEFAULT_OFFSETS_TABLE,
+    MAX_OFFSETS_NAME_BYTES,
 };
 pub use options::{SqlStoreOptions, SqliteSynchronous};
 pub use outbox::{

@@ -7,6 +7,10 @@
 //! dedup record and position then commit together or not at all: a crash anywhere loses
 //! nothing and repeats nothing, with no broker transaction.
 //!
+//! [`SourceOffsets::for_group`] is one group's view, a [`GroupOffsets`]: the
+//! [`OffsetStore`] a source asks on every assignment where to start each partition
+//! (`KafkaSourceConfig::offsets_from` in idemq-kafka).
+//!
 //! The write is *greatest wins*: an older transaction committing late (a zombie consumer
 //! after a rebalance) never moves a partition's offset back. Migrations live in
 //! `migrations/<backend>/offsets/`, tracked in
@@ -15,10 +19,13 @@
 use crate::backend::{map_sqlx_error, Dialect, Kind, SqlBackend, Val};
 use crate::ident::TableName;
 use crate::migrate::{self, Migration};
+use idemq_core::adapter::{OffsetStore, OffsetStoreError, PartitionId};
 use idemq_core::{now_ms, StoreError};
 use sqlx::Pool;
+use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// The default offsets table.
 pub const DEFAULT_OFFSETS_TABLE: &str = "idemq_source_offsets";
@@ -108,8 +115,8 @@ pub struct StoredOffset {
     pub next_offset: i64,
 }
 
-/// Consumed offsets in a database table, written in the business transaction (the Kafka
-/// adapter's Kafka-to-database flow keeps its offsets here; docs/adapters.md).
+/// Consumed offsets in a database table, written in the business transaction
+/// ([`LogToDatabase`](crate::LogToDatabase) keeps its offsets here; docs/adapters.md).
 ///
 /// ```no_run
 /// # async fn demo(pool: idemq_sql::sqlx::PgPool) -> Result<(), idemq_core::StoreError> {
@@ -251,6 +258,23 @@ impl<DB: SqlBackend> SourceOffsets<DB> {
         }
     }
 
+    /// `group`'s offsets as the [`OffsetStore`] a source reads on every assignment. Needs a
+    /// Tokio runtime: the query runs on the one current here, and the source's thread waits
+    /// for it (at most 30 s).
+    pub fn for_group(&self, group: &str) -> Result<GroupOffsets<DB>, StoreError> {
+        let runtime = tokio::runtime::Handle::try_current().map_err(|e| {
+            StoreError::Config(format!(
+                "SourceOffsets::for_group needs a Tokio runtime: {e}"
+            ))
+        })?;
+        Ok(GroupOffsets {
+            offsets: self.clone(),
+            group: Arc::from(group),
+            runtime,
+            timeout: Duration::from_secs(30),
+        })
+    }
+
     /// Every position stored for `group`, ordered by topic and partition.
     pub async fn load_group(&self, group: &str) -> Result<Vec<StoredOffset>, StoreError> {
         let err = |e| map_sqlx_error::<DB>("load source offsets", e);
@@ -281,5 +305,71 @@ impl<DB: SqlBackend> SourceOffsets<DB> {
             key: self.table.as_str().to_owned(),
             reason,
         }
+    }
+}
+
+/// One group's stored offsets as an [`OffsetStore`] (from [`SourceOffsets::for_group`]): one
+/// query for the group's positions, run on the Tokio runtime it was created on, while the
+/// calling thread (a client's rebalance callback) waits for the answer.
+///
+/// ```no_run
+/// # async fn demo(pool: idemq_sql::sqlx::PgPool) -> Result<(), idemq_core::StoreError> {
+/// use idemq_core::adapter::OffsetStore;
+/// use idemq_sql::SourceOffsets;
+///
+/// let offsets = SourceOffsets::from_pool(pool, None).await?;
+/// let billing = offsets.for_group("billing")?;
+/// // What a source asks on an assignment (from its client's thread, not the runtime's):
+/// let start = tokio::task::spawn_blocking(move || {
+///     billing.positions(&[("payments".to_string(), 3)])
+/// })
+/// .await;
+/// # Ok(()) }
+/// ```
+pub struct GroupOffsets<DB: SqlBackend> {
+    offsets: SourceOffsets<DB>,
+    group: Arc<str>,
+    runtime: tokio::runtime::Handle,
+    timeout: Duration,
+}
+
+impl<DB: SqlBackend> GroupOffsets<DB> {
+    /// The group whose offsets these are.
+    pub fn group(&self) -> &str {
+        &self.group
+    }
+}
+
+impl<DB: SqlBackend> fmt::Debug for GroupOffsets<DB> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GroupOffsets")
+            .field("group", &self.group)
+            .field("offsets", &self.offsets)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: SqlBackend> OffsetStore for GroupOffsets<DB> {
+    fn positions(
+        &self,
+        partitions: &[PartitionId],
+    ) -> Result<HashMap<PartitionId, i64>, OffsetStoreError> {
+        let (done, wait) = std::sync::mpsc::channel();
+        let offsets = self.offsets.clone();
+        let group = self.group.clone();
+        // Spawned rather than `block_on`: the caller may be any thread, even a runtime's.
+        self.runtime.spawn(async move {
+            let _ = done.send(offsets.load_group(&group).await);
+        });
+        let stored = wait
+            .recv_timeout(self.timeout)
+            .map_err(|e| OffsetStoreError(format!("no answer from the offsets table: {e}")))?
+            .map_err(|e| OffsetStoreError(e.to_string()))?;
+        let wanted: HashSet<&PartitionId> = partitions.iter().collect();
+        Ok(stored
+            .into_iter()
+            .map(|s| ((s.topic, s.partition), s.next_offset))
+            .filter(|(p, _)| wanted.contains(p))
+            .collect())
     }
 }

@@ -7,6 +7,8 @@
 
 mod support;
 
+use support::claim;
+
 use idemq_core::{
     ClaimOutcome, ClaimRequest, CompleteOutcome, ConsumerGroup, DedupKey, DedupStore, FencingToken,
     RecordStatus,
@@ -16,17 +18,6 @@ use std::time::Duration;
 fn key() -> DedupKey {
     let g = ConsumerGroup::new(&format!("snap-{}", FencingToken::random())).expect("group");
     DedupKey::new(&g, "order-1").expect("key")
-}
-
-async fn claim(store: &dyn DedupStore, k: &DedupKey) -> FencingToken {
-    match store
-        .claim(&ClaimRequest::new(k.clone(), Duration::from_secs(30)))
-        .await
-        .expect("claim")
-    {
-        ClaimOutcome::Acquired(l) => l.token,
-        other => panic!("expected Acquired, got {other:?}"),
-    }
 }
 
 #[cfg(feature = "postgres")]

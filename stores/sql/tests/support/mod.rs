@@ -5,7 +5,7 @@
 //! or fails, as `idemq_core::testkit::servers` says.
 #![allow(dead_code)]
 
-use idemq_core::{DedupStore, FencingToken};
+use idemq_core::{ClaimOutcome, ClaimRequest, DedupKey, DedupStore, FencingToken};
 use idemq_sql::{SqlStoreOptions, TableName};
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -30,6 +30,21 @@ pub fn unique(prefix: &str) -> String {
         "{prefix}_{:012x}",
         FencingToken::random().0 & 0xffff_ffff_ffff
     )
+}
+
+/// Claims `k` with a 30 s lease and returns the token: a fresh key must be acquired.
+pub async fn claim(store: &dyn DedupStore, k: &DedupKey) -> FencingToken {
+    match store
+        .claim(&ClaimRequest::new(
+            k.clone(),
+            std::time::Duration::from_secs(30),
+        ))
+        .await
+        .expect("claim")
+    {
+        ClaimOutcome::Acquired(l) => l.token,
+        other => panic!("expected Acquired, got {other:?}"),
+    }
 }
 
 /// Store options on table `table`, with a small pool (many pools race in the tests).
