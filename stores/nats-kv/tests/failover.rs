@@ -228,6 +228,7 @@ async fn killing_the_kv_leader_during_a_claim_storm_loses_nothing_and_runs_nothi
         "FAILOVER claim-storm (R3, leader :{port} SIGKILLed): writes accepted again after {elected:?}; {report:?}"
     );
     assert_eq!(report.reruns, 0);
+    assert!(report.errors_during > 0, "the kill was seen: {report:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

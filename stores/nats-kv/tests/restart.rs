@@ -24,12 +24,24 @@ async fn a_nats_restart_mid_stream_loses_nothing_and_completes_nothing_twice() {
             store(&url, options("idemq_restart", &prefix, 1)).await,
         ));
     }
+    // The restart is proven by the server's id (a new one at each start), not by errors: a
+    // quick restart can pass unseen, every call answered after the client reconnects.
+    let probe = store(&url, options("idemq_restart", &prefix, 1)).await;
+    let before = probe.client().server_info().server_id;
     let report = storm(&stores, &prefix, 3000, 8, || async {
         tokio::task::spawn_blocking(move || run_cmd(&cmd, &[]))
             .await
             .expect("restart task");
     })
     .await;
+    let t0 = std::time::Instant::now();
+    while probe.client().server_info().server_id == before {
+        assert!(
+            t0.elapsed() < std::time::Duration::from_secs(60),
+            "the server was not restarted (same server id {before})"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
     eprintln!("RESTART single node: {report:?}");
     assert_eq!(report.reruns, 0);
 }
