@@ -119,7 +119,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     .await?;
 
     // --- The producer: every payment once, then a resend of every fifth. ---
-    let publisher = KafkaPublisher::new(&KafkaProducerConfig::idempotent(&brokers))?;
+    let publisher = KafkaPublisher::connect(&KafkaProducerConfig::idempotent(&brokers)).await?;
     let mut published = 0;
     let first: Vec<OutgoingMessage> = (0..PAYMENTS).map(|i| payment(&topic, i)).collect();
     let resent: Vec<OutgoingMessage> = (0..PAYMENTS)
@@ -135,9 +135,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // --- Flow 3: effect + dedup record + offset in one PostgreSQL transaction. ---
     let flow = LogToDatabase::new(store.clone(), &group).await?;
-    let mut source = KafkaSource::new(
+    let mut source = KafkaSource::connect(
         KafkaSourceConfig::new(&brokers, &group, &[&topic]).offsets_from(flow.offset_store()?),
-    )?;
+    )
+    .await?;
     let insert: Arc<str> =
         format!("INSERT INTO {effects} (payment_id, amount, part, off) VALUES ($1, $2, $3, $4)")
             .into();

@@ -77,7 +77,7 @@ use idemq::rabbitmq::stream::{
 use idemq::rabbitmq::{QueueType, RabbitPublisher, RabbitSource, RabbitSourceConfig};
 use idemq::redis::redis::cmd as redis_cmd;
 use idemq::redis::RedisStore;
-use idemq::rocketmq::{PublisherConfig, RocketPublisher, RocketSource, SourceConfig};
+use idemq::rocketmq::{RocketPublisher, RocketPublisherConfig, RocketSource, RocketSourceConfig};
 use idemq::sql::{
     handler_error, sqlx, LogToDatabase, MySqlStore, PgStore, SourceOffsets, SqlBackend, SqlStore,
     SqlStoreOptions, TableName, Val,
@@ -516,7 +516,11 @@ fn kafka_config(plan: &Plan, url: &str) -> KafkaSourceConfig {
 /// The source of a flow-1 consumer (flow 3's is made with its offsets, in `sql_child`).
 async fn child_source(plan: &Plan, url: &str) -> Box<dyn Source> {
     match plan.broker {
-        Broker::Kafka => Box::new(KafkaSource::new(kafka_config(plan, url)).expect("kafka source")),
+        Broker::Kafka => Box::new(
+            KafkaSource::connect(kafka_config(plan, url))
+                .await
+                .expect("kafka source"),
+        ),
         Broker::RabbitMq => Box::new(
             RabbitSource::connect(
                 RabbitSourceConfig::new(url, &plan.destination)
@@ -538,7 +542,7 @@ async fn child_source(plan: &Plan, url: &str) -> Box<dyn Source> {
             .expect("stream source"),
         ),
         Broker::RocketMq => Box::new(
-            RocketSource::connect(SourceConfig::new(url, &plan.group, &plan.destination))
+            RocketSource::connect(RocketSourceConfig::new(url, &plan.group, &plan.destination))
                 .await
                 .expect("rocketmq source"),
         ),
@@ -637,7 +641,7 @@ async fn sql_child<DB: SqlBackend>(
             .await
             .expect("flow 3");
         let cfg = kafka_config(plan, url).offsets_from(flow.offset_store().expect("offsets"));
-        let source = KafkaSource::new(cfg).expect("kafka source");
+        let source = KafkaSource::connect(cfg).await.expect("kafka source");
         (SqlTx::Flow(flow), Box::new(source))
     } else {
         (SqlTx::Store(store.clone()), child_source(plan, url).await)
@@ -933,7 +937,8 @@ async fn connect_publisher(
 ) -> Result<Box<dyn Publisher>, String> {
     Ok(match broker {
         Broker::Kafka | Broker::KafkaTxn | Broker::KafkaDb => Box::new(
-            KafkaPublisher::new(&KafkaProducerConfig::idempotent(url))
+            KafkaPublisher::connect(&KafkaProducerConfig::idempotent(url))
+                .await
                 .map_err(|e| e.to_string())?,
         ),
         Broker::RabbitMq => Box::new(
@@ -955,7 +960,7 @@ async fn connect_publisher(
             )
         }
         Broker::RocketMq => Box::new(
-            RocketPublisher::connect(PublisherConfig::new(url, unique("producer")))
+            RocketPublisher::connect(RocketPublisherConfig::new(url, unique("producer")))
                 .await
                 .map_err(|e| e.to_string())?,
         ),

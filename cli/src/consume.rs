@@ -160,7 +160,7 @@ async fn open_source(url: &str, group: &str, kafka: &KafkaArgs) -> anyhow::Resul
             if let Some(secs) = kafka.session_timeout {
                 cfg = cfg.session_timeout(Duration::from_secs(secs));
             }
-            Ok(Box::new(idemq::kafka::KafkaSource::new(cfg)?))
+            Ok(Box::new(idemq::kafka::KafkaSource::connect(cfg).await?))
         }
         #[cfg(feature = "rabbitmq")]
         "amqp" | "amqps" => {
@@ -206,7 +206,7 @@ async fn open_source(url: &str, group: &str, kafka: &KafkaArgs) -> anyhow::Resul
                 }
                 .into());
             }
-            let cfg = idemq::rocketmq::SourceConfig::new(namesrv, group, topic);
+            let cfg = idemq::rocketmq::RocketSourceConfig::new(namesrv, group, topic);
             Ok(Box::new(idemq::rocketmq::RocketSource::connect(cfg).await?))
         }
         #[cfg(feature = "nats")]

@@ -67,11 +67,13 @@
 //! delivery report.
 //!
 //! ```no_run
+//! # async fn demo() -> Result<(), idemq_kafka::KafkaSourceError> {
 //! use idemq_kafka::{KafkaSource, KafkaSourceConfig};
-//! let source = KafkaSource::new(
+//! let source = KafkaSource::connect(
 //!     KafkaSourceConfig::new("127.0.0.1:9092", "billing", &["payments"]).cluster("eu-1"),
-//! )?;
-//! # Ok::<(), idemq_kafka::KafkaSourceError>(())
+//! )
+//! .await?;
+//! # Ok(()) }
 //! ```
 
 #![warn(missing_docs)]

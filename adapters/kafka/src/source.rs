@@ -510,8 +510,11 @@ impl std::fmt::Debug for KafkaSource {
 }
 
 impl KafkaSource {
-    /// Creates the consumer, subscribes, and starts the polling thread.
-    pub fn new(cfg: KafkaSourceConfig) -> Result<Self, KafkaSourceError> {
+    /// Creates the consumer, subscribes, and starts the polling thread. The Kafka client
+    /// connects lazily: a broker that is not up yet is no error here (polls report
+    /// [`SourceError::Disconnected`] until it answers; [`Source::readiness`] says when the
+    /// group assigned partitions). Errors are the configuration's.
+    pub async fn connect(cfg: KafkaSourceConfig) -> Result<Self, KafkaSourceError> {
         if cfg.topics.is_empty() {
             return Err(KafkaSourceError::Config("no topics to subscribe to".into()));
         }
@@ -1399,7 +1402,9 @@ mod poll_safety_tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_panic_on_the_polling_thread_makes_poll_fail() {
         let cfg = KafkaSourceConfig::new("127.0.0.1:1", "poll-safety", &["t"]);
-        let mut source = KafkaSource::new(cfg).expect("a source starts without a broker");
+        let mut source = KafkaSource::connect(cfg)
+            .await
+            .expect("a source starts without a broker");
         // A second thread under the same guard as the polling thread, panicking where the
         // real one did: converting a record.
         let injected = spawn_poller(source.shared.clone(), || {

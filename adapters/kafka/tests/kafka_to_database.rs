@@ -171,7 +171,7 @@ mod flow3 {
         let kafka_group = format!("{}-child-{:08x}", run.topic, random(u64::from(u32::MAX)));
         let cfg = support::source_config(&brokers, &kafka_group, &run.topic)
             .offsets_from(flow.offset_store().expect("offset store"));
-        let mut source = KafkaSource::new(cfg).expect("source");
+        let mut source = KafkaSource::connect(cfg).await.expect("source");
         drop(store);
         let insert = DB::DIALECT.placeholders(format!(
             "INSERT INTO {} (msg_key, part, off) VALUES (?, ?, ?)",
@@ -227,7 +227,7 @@ mod flow3 {
     }
 
     async fn publish(brokers: &str, topic: &str, n: usize) {
-        let p = support::publisher(brokers);
+        let p = support::publisher(brokers).await;
         let msgs: Vec<OutgoingMessage> = (0..n)
             .map(|i| {
                 OutgoingMessage::new(topic, format!("{{\"n\":{i}}}"))
