@@ -15,7 +15,7 @@
 //!
 //! | settle | effect |
 //! |---|---|
-//! | `ack` | a *double ack*: `+ACK`, and the server's confirmation awaited (a lost confirmation is an error; the message may come back after `AckWait`, which the dedup store absorbs). The engine acks only after the dedup record is durable |
+//! | `ack` | a *double ack*: `+ACK` sent, its confirmation awaited in the background (up to 4096 at once; a lost confirmation is logged and counted in `idemq_nats_acks_unconfirmed_total`, and the message may come back after `AckWait`, which the dedup store absorbs), and waited for on `close`. The engine acks only after the dedup record is durable |
 //! | `nack(delay)` | `-NAK` with the delay: the server redelivers it no sooner. With [`NatsSourceConfig::ordered`] the delivery is instead held locally (kept alive with progress acks) and nothing newer of its subject is handed out until it is handed out again |
 //! | `reject(reason)` | a copy goes to the dead-letter subject ([`NatsSourceConfig::dead_letter_subject`], `idemq.dlq.<stream>` by default, stored by a stream the source creates when none captures it) with [`DLQ_REASON`], [`DLQ_SUBJECT`], [`DLQ_STREAM`] and [`DLQ_SEQUENCE`]; only after its `PubAck` is the original terminated (`+TERM`, confirmed). A failed publish fails the reject (the engine then nacks), so nothing is lost |
 //! | dropped unsettled | `-NAK` without delay when the source still runs; otherwise the server redelivers it after `AckWait`. Never acked |
@@ -95,6 +95,9 @@ pub mod metrics {
     pub const PUBLISHED: &str = "idemq_nats_published_total";
     /// Counter, label `stream`: messages copied to a dead-letter subject.
     pub const DEAD_LETTERS: &str = "idemq_nats_dead_letters_total";
+    /// Counter: double acks whose confirmation did not come (the message may be
+    /// redelivered after `AckWait`; the dedup record absorbs it).
+    pub const ACKS_UNCONFIRMED: &str = "idemq_nats_acks_unconfirmed_total";
     /// Counter: in-progress acks sent for deliveries unsettled past half of `AckWait`.
     pub const PROGRESS: &str = "idemq_nats_progress_acks_total";
     /// Counter, label `op`: settlements of stale deliveries, ignored.

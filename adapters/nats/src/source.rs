@@ -273,7 +273,13 @@ struct Shared {
     state: SharedState<State>,
     /// A panic of the background task, returned by every later `poll`.
     fatal: Mutex<Option<String>>,
+    /// Acks sent whose confirmation is still awaited; bounded so a server that stopped
+    /// answering slows the acks down instead of piling up tasks.
+    acks_in_flight: Arc<tokio::sync::Semaphore>,
 }
+
+/// Double acks awaiting their confirmation at once, at most.
+const MAX_ACKS_IN_FLIGHT: usize = 4096;
 
 fn ack_body(kind: AckKind) -> Bytes {
     Bytes::from(kind)
@@ -524,11 +530,32 @@ impl NatsSettle {
 
 #[async_trait]
 impl Settle for NatsSettle {
+    /// The double ack is sent here and confirmed in the background: awaiting each
+    /// confirmation in turn made the engine, which settles a batch's deliveries one after
+    /// another, wait a round trip per message. A confirmation that does not come is logged
+    /// and counted ([`ACKS_UNCONFIRMED`](crate::metrics::ACKS_UNCONFIRMED)); the server then
+    /// redelivers the message after `AckWait` and the dedup record absorbs it.
     async fn ack(&mut self) -> Result<(), SourceError> {
-        match self.shared.release(self.id, &self.subject) {
-            Some(reply) => self.confirmed(reply, AckKind::Ack).await,
-            None => self.ignored("ack"),
-        }
+        let Some(reply) = self.shared.release(self.id, &self.subject) else {
+            return self.ignored("ack");
+        };
+        let permit = self
+            .shared
+            .acks_in_flight
+            .clone()
+            .acquire_owned()
+            .await
+            .map_err(|_| SourceError::Disconnected("the nats source is closed".into()))?;
+        let client = self.shared.link.client.clone();
+        let (subject, seq) = (self.subject.clone(), self.seq.unwrap_or_default());
+        tokio::spawn(async move {
+            if let Err(e) = client.request(reply, ack_body(AckKind::Ack)).await {
+                metrics::counter!(crate::metrics::ACKS_UNCONFIRMED).increment(1);
+                tracing::warn!(%subject, seq, error = %e, "ack not confirmed; the server redelivers the message after AckWait if it missed it");
+            }
+            drop(permit);
+        });
+        Ok(())
     }
 
     async fn nack(&mut self, redeliver_after: Duration) -> Result<(), SourceError> {
@@ -660,10 +687,14 @@ async fn pull_loop(
             _ = stop.changed() => return,
             _ = shared.link.restored() => {}
         }
+        // A continuous pull: the next request for a batch goes out before this one is
+        // used up, so the server's round trip overlaps the engine's work (one request at a
+        // time left the consumer idle between batches).
         let asked = consumer
-            .batch()
-            .max_messages(cfg.batch)
+            .stream()
+            .max_messages_per_batch(cfg.batch)
             .expires(cfg.fetch_wait)
+            .heartbeat(cfg.fetch_wait / 2)
             .messages()
             .await;
         let failed = match asked {
@@ -828,6 +859,7 @@ impl NatsSource {
             dlq,
             state: SharedState::new(State::default()),
             fatal: Mutex::new(None),
+            acks_in_flight: Arc::new(tokio::sync::Semaphore::new(MAX_ACKS_IN_FLIGHT)),
         });
         let (stop, stop_rx) = watch::channel(false);
         let report = {
@@ -1007,6 +1039,10 @@ impl Source for NatsSource {
         let (owed, kept) = self.end();
         drop(kept);
         self.shared.give_back(owed).await;
+        // The acks already sent get their confirmations (or their timeouts) before the
+        // connection goes.
+        let all = u32::try_from(MAX_ACKS_IN_FLIGHT).unwrap_or(u32::MAX);
+        let _confirmed = self.shared.acks_in_flight.acquire_many(all).await;
         let _ = self.stop.send(true);
         if let Some(task) = self.task.take() {
             let _ = task.await;
