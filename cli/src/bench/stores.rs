@@ -551,7 +551,8 @@ impl StoreBench for NatsKv {
         let creates = keys.iter().map(|k| {
             let value = FencingToken::random().0.to_be_bytes().to_vec();
             // KV keys allow `-/_=.` besides letters and digits: the group's `:` becomes `=`.
-            self.raw.create(format!("raw.{}", k.replace(':', "=")), value.into())
+            self.raw
+                .create(format!("raw.{}", k.replace(':', "=")), value.into())
         });
         for r in futures::future::join_all(creates).await {
             r?;
