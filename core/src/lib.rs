@@ -47,9 +47,10 @@ pub use memory::MemoryStore;
 pub use publish::{OutgoingMessage, PublishError, PublishReceipt, Publisher, DEDUP_HEADER};
 pub use source::{Delivery, Settle, Settlement, Source, SourceError};
 pub use store::{
-    evaluate_claim, evaluate_claim_request, now_ms, ClaimMode, ClaimOutcome, ClaimRequest,
-    ClaimVerdict, CompleteOutcome, Completion, DedupRecord, DedupStore, ExtendOutcome,
-    FencingToken, Lease, PayloadHash, RecordStatus, ReleaseOutcome, StoreError, StoreStats,
+    acquired_record, evaluate_claim, evaluate_claim_request, now_ms, ClaimMode, ClaimOutcome,
+    ClaimRequest, ClaimVerdict, CompleteOutcome, Completion, DedupRecord, DedupStore,
+    ExtendOutcome, FencingToken, Lease, PayloadHash, RecordStatus, ReleaseOutcome, StoreError,
+    StoreStats,
 };
 
 #[cfg(all(test, feature = "testkit"))]

@@ -6,9 +6,9 @@
 
 use crate::key::DedupKey;
 use crate::store::{
-    check_distinct_keys, duration_ms, evaluate_claim_request, now_ms, ClaimOutcome, ClaimRequest,
-    ClaimVerdict, CompleteOutcome, Completion, DedupRecord, DedupStore, ExtendOutcome,
-    FencingToken, Lease, RecordStatus, ReleaseOutcome, StoreError, StoreStats,
+    acquired_record, check_distinct_keys, duration_ms, evaluate_claim_request, now_ms,
+    ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome, Completion, DedupRecord, DedupStore,
+    ExtendOutcome, FencingToken, RecordStatus, ReleaseOutcome, StoreError, StoreStats,
 };
 use async_trait::async_trait;
 use std::collections::hash_map::Entry;
@@ -139,35 +139,16 @@ impl DedupStore for MemoryStore {
             };
             let existing = at.and_then(|i| slab.get(i));
             let verdict = evaluate_claim_request(existing, req, now);
-            let (attempt, first_seen, takeover) = match (&verdict, existing) {
+            let taken_over = match (&verdict, existing) {
                 (ClaimVerdict::Answer(o), _) => {
                     out.push(o.clone());
                     continue;
                 }
-                (ClaimVerdict::TakeOver, Some(r)) => {
-                    (r.attempts + 1, r.first_seen_ms, r.lease_until_ms > 0)
-                }
-                _ => (1, now, false),
+                (ClaimVerdict::TakeOver, r) => r,
+                _ => None,
             };
-            let lease = Lease {
-                token: req.token.unwrap_or_else(FencingToken::random),
-                until_ms: now.saturating_add(duration_ms(req.lease)),
-                attempt,
-                takeover,
-            };
-            let record = DedupRecord {
-                key: req.key.clone(),
-                status: RecordStatus::InProgress,
-                token: lease.token,
-                lease_until_ms: lease.until_ms,
-                attempts: attempt,
-                payload_hash: req.payload_hash,
-                result: None,
-                first_seen_ms: first_seen,
-                completed_ms: None,
-                expires_ms: None,
-                worker: req.worker.clone(),
-            };
+            let token = req.token.unwrap_or_else(FencingToken::random);
+            let (lease, record) = acquired_record(req, taken_over, token, now);
             match (slot, at.and_then(|i| slab.get_mut(i))) {
                 (Entry::Occupied(_), Some(r)) => *r = record,
                 (Entry::Occupied(mut o), None) => {

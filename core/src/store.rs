@@ -514,6 +514,57 @@ pub enum ClaimVerdict {
     Answer(ClaimOutcome),
 }
 
+/// What a claim that acquires writes: the lease it answers and the in-progress record.
+/// `taken_over` is the record whose ended lease it takes over (the verdict was
+/// [`ClaimVerdict::TakeOver`]): its attempts go on and its first-seen time stays; without one
+/// a new lifecycle starts at `now` with attempt 1.
+///
+/// ```
+/// use idemq_core::{acquired_record, ClaimRequest, ConsumerGroup, DedupKey, FencingToken};
+/// use std::time::Duration;
+/// let key = DedupKey::new(&ConsumerGroup::new("g").unwrap(), "pay-1").unwrap();
+/// let req = ClaimRequest::new(key, Duration::from_secs(30));
+/// let (first, record) = acquired_record(&req, None, FencingToken(7), 1_000);
+/// assert_eq!((first.attempt, first.until_ms, first.takeover), (1, 31_000, false));
+/// let (again, _) = acquired_record(&req, Some(&record), FencingToken(8), 40_000);
+/// assert_eq!((again.attempt, again.takeover), (2, true));
+/// ```
+pub fn acquired_record(
+    req: &ClaimRequest,
+    taken_over: Option<&DedupRecord>,
+    token: FencingToken,
+    now: i64,
+) -> (Lease, DedupRecord) {
+    let (attempt, first_seen, takeover) = match taken_over {
+        Some(r) => (
+            r.attempts.saturating_add(1),
+            r.first_seen_ms,
+            r.lease_until_ms > 0,
+        ),
+        None => (1, now, false),
+    };
+    let lease = Lease {
+        token,
+        until_ms: now.saturating_add(duration_ms(req.lease)),
+        attempt,
+        takeover,
+    };
+    let record = DedupRecord {
+        key: req.key.clone(),
+        status: RecordStatus::InProgress,
+        token,
+        lease_until_ms: lease.until_ms,
+        attempts: attempt,
+        payload_hash: req.payload_hash,
+        result: None,
+        first_seen_ms: first_seen,
+        completed_ms: None,
+        expires_ms: None,
+        worker: req.worker.clone(),
+    };
+    (lease, record)
+}
+
 /// Applies the claim rules to an existing record.
 pub fn evaluate_claim(
     existing: Option<&DedupRecord>,

@@ -11,9 +11,9 @@ use futures::{StreamExt, TryStreamExt};
 use idemq_core::secrets::redact_url;
 use idemq_core::store::{check_distinct_keys, duration_ms};
 use idemq_core::{
-    evaluate_claim_request, ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome, Completion,
-    DedupKey, DedupRecord, DedupStore, ExtendOutcome, FencingToken, Lease, RecordStatus,
-    ReleaseOutcome, StoreError, StoreStats,
+    acquired_record, evaluate_claim_request, ClaimOutcome, ClaimRequest, ClaimVerdict,
+    CompleteOutcome, Completion, DedupKey, DedupRecord, DedupStore, ExtendOutcome, FencingToken,
+    RecordStatus, ReleaseOutcome, StoreError, StoreStats,
 };
 use std::fmt;
 use std::sync::Arc;
@@ -182,34 +182,12 @@ impl NatsKvStore {
         };
         for _ in 0..MAX_ROUNDS {
             let verdict = evaluate_claim_request(slot.record.as_ref(), req, now);
-            let (attempt, first_seen, takeover) = match (verdict, &slot.record) {
+            let taken_over = match (verdict, &slot.record) {
                 (ClaimVerdict::Answer(o), _) => return Ok(o),
-                (ClaimVerdict::TakeOver, Some(r)) => (
-                    r.attempts.saturating_add(1),
-                    r.first_seen_ms,
-                    r.lease_until_ms > 0,
-                ),
-                _ => (1, now, false),
+                (ClaimVerdict::TakeOver, r) => r.as_ref(),
+                _ => None,
             };
-            let lease = Lease {
-                token,
-                until_ms: now.saturating_add(duration_ms(req.lease)),
-                attempt,
-                takeover,
-            };
-            let record = DedupRecord {
-                key: req.key.clone(),
-                status: RecordStatus::InProgress,
-                token,
-                lease_until_ms: lease.until_ms,
-                attempts: attempt,
-                payload_hash: req.payload_hash,
-                result: None,
-                first_seen_ms: first_seen,
-                completed_ms: None,
-                expires_ms: None,
-                worker: req.worker.clone(),
-            };
+            let (lease, record) = acquired_record(req, taken_over, token, now);
             let ttl = self.in_progress_ttl(lease.until_ms, now);
             let b = &self.inner.bucket;
             match b
