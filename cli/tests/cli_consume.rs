@@ -617,7 +617,7 @@ mod kafka {
     const MEMBER_SESSION_MS: &str = "15000";
 
     /// The child's part: `brokers topic group` in its argument. Never returns.
-    fn hold_partitions(arg: &str) -> ! {
+    async fn hold_partitions(arg: &str) -> ! {
         let mut parts = arg.split(' ');
         let (Some(brokers), Some(topic), Some(group)) = (parts.next(), parts.next(), parts.next())
         else {
@@ -628,12 +628,8 @@ mod kafka {
         let cfg = idemq::kafka::KafkaSourceConfig::new(brokers, group, &[topic])
             .set("session.timeout.ms", MEMBER_SESSION_MS)
             .set("heartbeat.interval.ms", "1000");
-        // The source runs its own polling thread; a runtime is needed only to open it.
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .build()
-            .expect("a runtime for the member");
-        let source = runtime
-            .block_on(idemq::kafka::KafkaSource::connect(cfg))
+        let source = idemq::kafka::KafkaSource::connect(cfg)
+            .await
             .expect("member source");
         loop {
             let held = source.assigned();
@@ -641,10 +637,10 @@ mod kafka {
                 eprintln!("{HOLDING}: {held:?}");
                 break;
             }
-            std::thread::sleep(Duration::from_millis(50));
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
         loop {
-            std::thread::sleep(Duration::from_secs(1));
+            tokio::time::sleep(Duration::from_secs(1)).await;
         }
     }
 
@@ -672,7 +668,7 @@ mod kafka {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn idle_exit_counts_only_once_partitions_are_assigned() {
         if let Some(arg) = child_role(MEMBER_ROLE) {
-            hold_partitions(&arg);
+            hold_partitions(&arg).await;
         }
         let Some(brokers) = server_url("IDEMQ_TEST_KAFKA_BROKERS") else {
             return;
