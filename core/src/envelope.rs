@@ -10,7 +10,7 @@ use std::fmt;
 pub const DEDUP_HEADER: &str = "idemq-dedup-key";
 
 /// One place where a broker's producers put a dedup key: an adapter lists its slots, in
-/// order, in its [`BrokerKind`](crate::BrokerKind), and [`KeySource::DedupHeader`] takes the
+/// order, in its [`BrokerKind`], and [`KeySource::DedupHeader`](crate::KeySource::DedupHeader) takes the
 /// first that holds a value. An empty value is an error naming its slot (a producer bug,
 /// not a reason to look further); a value that is not UTF-8 is an error too.
 ///
@@ -104,7 +104,7 @@ impl BrokerKind {
     /// A broker named `name` (the `broker` label of metrics and tracing fields: short and
     /// lowercase) whose producers put a dedup key in `dedup_slots`, read in that order by
     /// [`KeySource::DedupHeader`](crate::KeySource::DedupHeader). List
-    /// [`DEDUP_HEADER`](crate::DEDUP_HEADER) first when the adapter's publisher writes it.
+    /// [`DEDUP_HEADER`] first when the adapter's publisher writes it.
     pub const fn new(name: &'static str, dedup_slots: &'static [DedupSlot]) -> Self {
         Self { name, dedup_slots }
     }

@@ -21,7 +21,7 @@ pub const DEFAULT_IN_PROGRESS_GRACE: Duration = Duration::from_secs(24 * 3600);
 /// bucket takes per-key TTLs (visible to `get`, deleted by `purge_expired`; the server
 /// drops it by itself afterwards).
 pub const DEFAULT_COMPLETED_GRACE: Duration = Duration::from_secs(600);
-/// The URL scheme of [`idemq::open_store`]-style URLs: `nats-kv://host:port/bucket`.
+/// The URL scheme of `idemq::open_store`-style URLs: `nats-kv://host:port/bucket`.
 pub const NATS_KV_SCHEME: &str = "nats-kv";
 
 /// Checks a bucket name: 1 to 64 characters of `A-Z a-z 0-9 _ -`.
