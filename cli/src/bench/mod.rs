@@ -39,6 +39,10 @@ mod report;
     allow(dead_code, unused_imports)
 )]
 mod scenarios;
+#[cfg_attr(
+    not(all(feature = "postgres", feature = "redis", feature = "layered")),
+    allow(dead_code)
+)]
 mod sizes;
 #[cfg_attr(
     not(all(feature = "postgres", feature = "redis", feature = "layered")),

@@ -2,8 +2,10 @@
 //! process of its own and answered as one JSON object.
 
 use super::sizes::Sizes;
+use super::stores::env_url;
+#[cfg(feature = "postgres")]
+use super::stores::postgres;
 use super::stores::{self, KeySeq};
-use super::stores::{env_url, postgres};
 use idemq::{DedupStore, MemoryStore};
 use serde_json::{json, Value};
 use std::sync::Arc;
