@@ -6,13 +6,14 @@
 //!   broker ([`source_contract_tests!`](crate::source_contract_tests));
 //! - [`servers`]: a test's server URL, or a recorded skip; [`fuzz`]: wire-shaped random bytes
 //!   and text; [`process`], [`switchable`], [`clock_skew`]: helpers for crash, outage and
-//!   clock-skew tests.
+//!   clock-skew tests; [`storm`]: keys claimed and completed while a server is disrupted.
 
 pub mod fuzz;
 pub mod process;
 pub mod servers;
 pub mod source;
 pub mod store;
+pub mod storm;
 pub mod switchable;
 
 /// The clock-skew scenario, shared by the SQL and Redis stores' tests.

@@ -8,6 +8,7 @@
 mod support;
 
 use idemq_core::testkit::servers::server_url;
+use idemq_core::testkit::storm::storm;
 use idemq_core::{
     ClaimOutcome, ClaimRequest, CompleteOutcome, ConsumerGroup, DedupKey, DedupStore, RecordStatus,
 };
@@ -16,7 +17,6 @@ use idemq_nats_kv::NatsKvStore;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use support::storm::storm;
 use support::*;
 
 const BUCKET: &str = "idemq_failover";

@@ -6,9 +6,9 @@
 mod support;
 
 use idemq_core::testkit::servers::server_url;
+use idemq_core::testkit::storm::storm;
 use idemq_core::DedupStore;
 use std::sync::Arc;
-use support::storm::storm;
 use support::*;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -2,8 +2,6 @@
 //! bucket of their own with a fresh key prefix, the cluster's kill/restart commands.
 #![allow(dead_code)]
 
-pub mod storm;
-
 use idemq_core::testkit::servers::server_url;
 use idemq_core::DedupStore;
 use idemq_nats_kv::{NatsKvOptions, NatsKvStore};

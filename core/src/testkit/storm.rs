@@ -3,7 +3,7 @@
 //! the server; then the checks every such test makes: no key lost, none completed twice,
 //! no handler run twice, every acknowledged key completed in the store.
 
-use idemq_core::{ClaimOutcome, ClaimRequest, CompleteOutcome, DedupKey, DedupStore};
+use crate::{ClaimOutcome, ClaimRequest, CompleteOutcome, DedupKey, DedupStore};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -42,7 +42,7 @@ impl Stats {
             .unwrap()
             .push((issued, Instant::now()));
     }
-    fn err(&self, e: &idemq_core::StoreError) {
+    fn err(&self, e: &crate::StoreError) {
         assert!(e.is_retryable(), "unexpected non-retryable error: {e}");
         self.errors.fetch_add(1, Ordering::Relaxed);
         self.first_error
@@ -80,6 +80,8 @@ pub struct Report {
     pub recovered_after: Duration,
     /// The longest time without any answered store call, from the disruption on.
     pub longest_stall: Duration,
+    /// Keys acknowledged before the disruption was over.
+    pub acked_before_disruption_done: usize,
 }
 
 /// Delivers `key` until it is acknowledged, like a broker redelivering an unacked message.
@@ -191,7 +193,7 @@ where
     F: FnOnce() -> Fut,
     Fut: Future<Output = ()>,
 {
-    let g = idemq_core::ConsumerGroup::new(group).unwrap();
+    let g = crate::ConsumerGroup::new(group).unwrap();
     let keys: Arc<Vec<DedupKey>> = Arc::new(
         (0..n)
             .map(|i| DedupKey::new(&g, &format!("m-{i}")).unwrap())
@@ -252,6 +254,10 @@ where
     }
 
     let tally = tally.lock().unwrap().clone();
+    let acked_before_disruption_done = tally
+        .iter()
+        .filter(|t| t.acked_at.is_some_and(|a| a < disruption_done))
+        .count();
     let mut runs = 0;
     for (i, t) in tally.iter().enumerate() {
         let acks = t.commits + t.duplicate_acks;
@@ -273,7 +279,7 @@ where
             }
         };
         let rec = rec.unwrap_or_else(|| panic!("acknowledged key m-{i} lost"));
-        assert_eq!(rec.status, idemq_core::RecordStatus::Completed, "m-{i}");
+        assert_eq!(rec.status, crate::RecordStatus::Completed, "m-{i}");
     }
     let (recovered_after, longest_stall) = recovery(
         &stats.successes.lock().unwrap(),
@@ -292,5 +298,6 @@ where
         reruns: runs - n,
         recovered_after,
         longest_stall,
+        acked_before_disruption_done,
     }
 }
