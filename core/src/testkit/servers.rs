@@ -37,6 +37,7 @@ pub fn server_of(var: &str) -> &'static str {
         v if v.contains("KAFKA") => "kafka",
         v if v.contains("AMQP") || v.contains("RABBITMQ") => "rabbitmq",
         v if v.contains("ROCKETMQ") => "rocketmq",
+        v if v.contains("NATS_CLUSTER") => "nats-cluster",
         v if v.contains("NATS") => "nats",
         _ => "unknown",
     }
@@ -105,5 +106,37 @@ fn record_skip(server: &str) {
         .and_then(|mut f| f.write_all(line.as_bytes()));
     if let Err(e) = written {
         panic!("cannot record a skipped test in IDEMQ_SKIP_LOG={path}: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::server_of;
+
+    /// Every variable `scripts/test.sh` lists under a server maps back to that server's name,
+    /// so `IDEMQ_SKIP_SERVERS` (which names servers) skips exactly the tests of the servers a
+    /// run did not start.
+    #[test]
+    fn each_variable_of_test_sh_names_its_server() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../scripts/test.sh");
+        let script = std::fs::read_to_string(path).expect("scripts/test.sh");
+        let mut checked = 0;
+        for line in script.lines() {
+            let Some((server, vars)) = line
+                .trim()
+                .strip_prefix('[')
+                .and_then(|l| l.split_once("]=\""))
+            else {
+                continue;
+            };
+            for var in vars.trim_end_matches('"').split_whitespace() {
+                assert_eq!(server_of(var), server, "{var} in scripts/test.sh");
+                checked += 1;
+            }
+        }
+        assert!(
+            checked >= 20,
+            "read the SERVER_VARS table of scripts/test.sh ({checked} variables)"
+        );
     }
 }

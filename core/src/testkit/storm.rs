@@ -1,7 +1,12 @@
-//! A stream of keys delivered like a broker would (redelivered until acknowledged) by
-//! workers that claim and complete, while a disruption (a restart, a leader killed) hits
-//! the server; then the checks every such test makes: no key lost, none completed twice,
-//! no handler run twice, every acknowledged key completed in the store.
+//! Storms over a store while a disruption (a restart, a leader killed) hits its server:
+//!
+//! - [`storm`]: a stream of keys delivered like a broker would (redelivered until
+//!   acknowledged) by workers that claim and complete; then the checks every such test
+//!   makes: no key lost, none completed twice, no handler run twice, every acknowledged key
+//!   completed in the store.
+//! - [`engine_storm`]: the same through the whole engine: `IdempotentConsumer`s drain a
+//!   memory broker that duplicates publishes and loses acks, and the handler counts its
+//!   effects in a ledger outside the store.
 
 use crate::{ClaimOutcome, ClaimRequest, CompleteOutcome, DedupKey, DedupStore};
 use std::collections::VecDeque;
@@ -300,4 +305,205 @@ where
         longest_stall,
         acked_before_disruption_done,
     }
+}
+
+/// Settings for [`engine_storm`]'s consumers: leases longer than an election or a
+/// promotion plus the rejoin of the killed node, short store back-off, and completions that
+/// wait out a long outage (a completion given up would mean a redelivery, not a loss).
+pub fn engine_storm_config() -> crate::ConsumerConfig {
+    crate::ConsumerConfig {
+        max_batch: 64,
+        max_concurrency: 64,
+        lease: Duration::from_secs(20),
+        retry: crate::engine::RetryPolicy::fixed(Duration::from_millis(20)),
+        in_flight_delay_max: Duration::from_millis(500),
+        store_backoff: Duration::from_millis(50),
+        store_backoff_max: Duration::from_millis(500),
+        complete_patience: Duration::from_secs(120),
+        ..crate::ConsumerConfig::default()
+    }
+}
+
+type Ledger = Arc<Mutex<std::collections::HashMap<String, u32>>>;
+
+/// What the disruption of an [`engine_storm`] sees and does.
+#[derive(Clone)]
+pub struct StormProgress {
+    ledger: Ledger,
+    hit: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl StormProgress {
+    /// Keys whose effect happened so far.
+    pub fn effects(&self) -> usize {
+        self.ledger.lock().unwrap().len()
+    }
+
+    /// Says the server was hit: the handlers held past the first third go on. Call it right
+    /// after the kill, so the storm meets the outage with work in flight (unheld, a fast run
+    /// could drain the stream before the kill lands). The storm calls it when the disruption
+    /// returns, if the disruption did not.
+    pub fn hit(&self) {
+        self.hit.send_replace(true);
+    }
+}
+
+/// What an [`engine_storm`] measured.
+#[derive(Debug)]
+pub struct EngineReport {
+    /// Keys published (each once, plus the broker's duplicates).
+    pub keys: usize,
+    /// Messages the broker delivered into the stream, duplicates included.
+    pub published: u64,
+    /// Effects beyond one per key.
+    pub double_effects: u32,
+    /// Keys whose effect never happened.
+    pub lost: usize,
+    /// Times a consumer's health went from ready to unavailable: the outage as the
+    /// consumers saw it, whether or not their store retries rode it out.
+    pub outages: u64,
+    /// Messages given back because the store did not answer.
+    pub store_unavailable: u64,
+    /// Expired leases taken over.
+    pub takeovers: u64,
+    /// Deliveries answered as duplicates.
+    pub duplicates: u64,
+    /// Completions refused because the lease had passed to another consumer.
+    pub fenced: u64,
+    /// From the consumers' start to the end of the last one.
+    pub total: Duration,
+}
+
+impl std::fmt::Display for EngineReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "keys={} published={} total={:?} outages={} store_unavailable={} takeovers={} \
+             fenced={} duplicates={} double_effects={} lost={}",
+            self.keys,
+            self.published,
+            self.total,
+            self.outages,
+            self.store_unavailable,
+            self.takeovers,
+            self.fenced,
+            self.duplicates,
+            self.double_effects,
+            self.lost
+        )
+    }
+}
+
+/// Runs `n` payments through one `IdempotentConsumer` per store (each store its own
+/// connection), on a memory broker that duplicates 30 % of publishes and loses 5 % of acks;
+/// once a third of the effects happened, handlers wait and `disrupt` runs (it kills or
+/// restarts the server and calls [`StormProgress::hit`] once the server is down); then every
+/// consumer drains the stream and the effects are counted. Asserts nothing: the caller
+/// decides what its store guarantees (`double_effects == 0` needs replicated writes).
+pub async fn engine_storm<F, Fut, T>(
+    stores: &[Arc<dyn DedupStore>],
+    prefix: &str,
+    n: usize,
+    config: crate::ConsumerConfig,
+    disrupt: F,
+) -> (EngineReport, T)
+where
+    F: FnOnce(StormProgress) -> Fut,
+    Fut: Future<Output = T>,
+{
+    use crate::broker::{Faults, MemoryBroker};
+    use crate::{
+        BrokerKind, ClaimedMessage, Envelope, HandlerError, IdempotentConsumer, KeyStrategy,
+    };
+    let broker = MemoryBroker::with_seed(17);
+    broker.set_faults(Faults {
+        lost_ack_rate: 0.05,
+        duplicate_publish_rate: 0.3,
+    });
+    for i in 0..n {
+        broker.publish(Envelope::new(
+            BrokerKind::MEMORY,
+            "payments",
+            format!(r#"{{"payment_id":"p{i}"}}"#),
+        ));
+    }
+    let ledger: Ledger = Arc::default();
+    let (hit, held) = tokio::sync::watch::channel(false);
+    let progress = StormProgress {
+        ledger: ledger.clone(),
+        hit: Arc::new(hit),
+    };
+    let group = format!("fo-{prefix}");
+    let consumers: Vec<_> = stores
+        .iter()
+        .map(|store| {
+            let (ledger, held) = (ledger.clone(), held.clone());
+            IdempotentConsumer::new(
+                store.clone(),
+                KeyStrategy::json_pointer(&group, "/payment_id").unwrap(),
+                move |m: ClaimedMessage| {
+                    let (ledger, mut held) = (ledger.clone(), held.clone());
+                    async move {
+                        if ledger.lock().unwrap().len() >= n / 3 {
+                            // Err only once the storm is gone: nothing to wait for then.
+                            let _ = held.wait_for(|hit| *hit).await;
+                        }
+                        let id = m.key.as_str().to_owned();
+                        *ledger.lock().unwrap().entry(id).or_default() += 1;
+                        Ok::<_, HandlerError>(None)
+                    }
+                },
+            )
+            .with_config(config.clone())
+        })
+        .collect();
+    let started = Instant::now();
+    let tasks: Vec<_> = consumers
+        .iter()
+        .map(|c| {
+            let (c, mut src) = (c.clone(), broker.subscribe());
+            tokio::spawn(async move { c.run_until_idle(&mut src).await.unwrap() })
+        })
+        .collect();
+    while progress.effects() < n / 3 {
+        assert!(
+            started.elapsed() < Duration::from_secs(300),
+            "no progress: {} effects of {n}",
+            progress.effects()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let disrupted = disrupt(progress.clone()).await;
+    progress.hit();
+    for t in tasks {
+        tokio::time::timeout(Duration::from_secs(300), t)
+            .await
+            .expect("the storm ends")
+            .expect("consumer task");
+    }
+    let total = started.elapsed();
+    let counts = ledger.lock().unwrap().clone();
+    let mut report = EngineReport {
+        keys: n,
+        published: broker.published(),
+        double_effects: counts.values().map(|c| c.saturating_sub(1)).sum(),
+        lost: (0..n)
+            .filter(|i| !counts.contains_key(&format!("{group}:p{i}")))
+            .count(),
+        outages: 0,
+        store_unavailable: 0,
+        takeovers: 0,
+        duplicates: 0,
+        fenced: 0,
+        total,
+    };
+    for c in &consumers {
+        let s = c.stats();
+        report.outages += c.health().report().outages;
+        report.store_unavailable += s.store_unavailable;
+        report.takeovers += s.takeovers;
+        report.duplicates += s.duplicates;
+        report.fenced += s.fenced;
+    }
+    (report, disrupted)
 }

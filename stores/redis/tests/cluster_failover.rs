@@ -3,9 +3,10 @@
 //! again (it rejoins as a replica) so later tests find a whole cluster. Alone in its test
 //! binary: the kill must not disturb other tests.
 //!
-//! Six `IdempotentConsumer`s (each with its own cluster connection) drain a memory broker
-//! that duplicates publishes and loses acks; the effects are counted by the handler in a
-//! ledger of its own, not in Redis.
+//! The engine storm of `idemq_core::testkit::storm::engine_storm`: six
+//! `IdempotentConsumer`s (each with its own cluster connection) drain a memory broker that
+//! duplicates publishes and loses acks; the effects are counted by the handler in a ledger
+//! of its own, not in Redis.
 //! - With `wait_replicas(1, ..)`: no double effect, no lost effect (asserted).
 //! - Without it: no lost effect (asserted: nothing is acked before the store answered);
 //!   double effects are possible (writes acknowledged by the killed master but not yet
@@ -13,15 +14,10 @@
 
 mod support;
 
-use idemq_core::broker::{Faults, MemoryBroker};
-use idemq_core::engine::RetryPolicy;
-use idemq_core::{
-    BrokerKind, ClaimedMessage, ConsumerConfig, DedupStore, Envelope, HandlerError,
-    IdempotentConsumer, KeyStrategy,
-};
+use idemq_core::testkit::storm::{engine_storm, engine_storm_config};
+use idemq_core::DedupStore;
 use idemq_redis::RedisStore;
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use support::*;
 
@@ -33,23 +29,6 @@ fn keys() -> usize {
         .unwrap_or(50_000)
 }
 const CONSUMERS: usize = 6;
-
-type Ledger = Arc<Mutex<HashMap<String, u32>>>;
-
-fn config() -> ConsumerConfig {
-    ConsumerConfig {
-        max_batch: 64,
-        max_concurrency: 64,
-        // Longer than a failover (node timeout 2 s) plus the rejoin of the killed node.
-        lease: Duration::from_secs(20),
-        retry: RetryPolicy::fixed(Duration::from_millis(20)),
-        in_flight_delay_max: Duration::from_millis(500),
-        store_backoff: Duration::from_millis(50),
-        store_backoff_max: Duration::from_millis(500),
-        complete_patience: Duration::from_secs(120),
-        ..ConsumerConfig::default()
-    }
-}
 
 /// The port of the master serving slot 0, asked of any node that answers.
 fn master_of_slot0(ports: &[u16]) -> Option<u16> {
@@ -114,21 +93,7 @@ struct Outcome {
 }
 
 async fn storm(url: &str, wait: bool) -> Outcome {
-    let n = keys();
     let prefix = unique_prefix(if wait { "fo-wait" } else { "fo-nowait" });
-    let broker = MemoryBroker::with_seed(17);
-    broker.set_faults(Faults {
-        lost_ack_rate: 0.05,
-        duplicate_publish_rate: 0.3,
-    });
-    for i in 0..n {
-        broker.publish(Envelope::new(
-            BrokerKind::MEMORY,
-            "payments",
-            format!(r#"{{"payment_id":"p{i}"}}"#),
-        ));
-    }
-    let ledger: Ledger = Arc::default();
     let mut stores = Vec::new();
     for _ in 0..CONSUMERS {
         // Short timeouts: a request stuck on the killed node gives up (no ack) within
@@ -143,89 +108,53 @@ async fn storm(url: &str, wait: bool) -> Outcome {
         }
         stores.push(Arc::new(b.connect().await.expect("connect")));
     }
-    let group = format!("fo-{prefix}");
-    let consumers: Vec<_> = stores
+    let dyn_stores: Vec<Arc<dyn DedupStore>> = stores
         .iter()
-        .map(|s| {
-            let ledger = ledger.clone();
-            let store: Arc<dyn DedupStore> = s.clone();
-            IdempotentConsumer::new(
-                store,
-                KeyStrategy::json_pointer(&group, "/payment_id").expect("keys"),
-                move |m: ClaimedMessage| {
-                    let ledger = ledger.clone();
-                    async move {
-                        let id = m.key.as_str().to_owned();
-                        *ledger.lock().expect("ledger").entry(id).or_default() += 1;
-                        Ok::<_, HandlerError>(None)
-                    }
-                },
-            )
-            .with_config(config())
-        })
+        .map(|s| s.clone() as Arc<dyn DedupStore>)
         .collect();
-    let started = Instant::now();
-    let mut tasks = Vec::new();
-    for c in &consumers {
-        let (c, mut src) = (c.clone(), broker.subscribe());
-        tasks.push(tokio::spawn(async move {
-            c.run_until_idle(&mut src).await.expect("consumer run");
-        }));
-    }
     // Kill the master of slot 0 once a third of the effects happened.
     let ports = cluster_ports(url);
-    while ledger.lock().expect("ledger").len() < n / 3 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let victim = master_of_slot0(&ports).expect("a master serves slot 0");
-    let killed_at = Instant::now();
-    kill_node(victim);
-    let others: Vec<u16> = ports.iter().copied().filter(|p| *p != victim).collect();
-    let promoted = loop {
-        match master_of_slot0(&others) {
-            Some(p) if p != victim => break p,
-            _ => tokio::time::sleep(Duration::from_millis(100)).await,
-        }
-        assert!(
-            killed_at.elapsed() < Duration::from_secs(60),
-            "no failover 60 s after killing {victim}"
-        );
-    };
-    let failover = killed_at.elapsed();
-    let before_restart = ledger.lock().expect("ledger").len();
-    // Start the killed node again: it rejoins as the replica of the promoted one.
-    tokio::task::spawn_blocking(move || restart_node(victim))
-        .await
-        .expect("restart");
-    for t in tasks {
-        t.await.expect("consumer task");
-    }
-    let counts = ledger.lock().expect("ledger").clone();
-    let double_effects: u32 = counts.values().map(|c| c.saturating_sub(1)).sum();
-    let lost = (0..n)
-        .filter(|i| !counts.contains_key(&format!("{group}:p{i}")))
-        .count();
-    let (mut unavailable, mut takeovers, mut duplicates) = (0, 0, 0);
-    for c in &consumers {
-        let s = c.stats();
-        unavailable += s.store_unavailable;
-        takeovers += s.takeovers;
-        duplicates += s.duplicates;
-    }
+    let (report, (victim, promoted, failover, before_restart)) = engine_storm(
+        &dyn_stores,
+        &prefix,
+        keys(),
+        engine_storm_config(),
+        |progress| async move {
+            let victim = master_of_slot0(&ports).expect("a master serves slot 0");
+            let killed_at = Instant::now();
+            kill_node(victim);
+            progress.hit();
+            let others: Vec<u16> = ports.iter().copied().filter(|p| *p != victim).collect();
+            let promoted = loop {
+                match master_of_slot0(&others) {
+                    Some(p) if p != victim => break p,
+                    _ => tokio::time::sleep(Duration::from_millis(100)).await,
+                }
+                assert!(
+                    killed_at.elapsed() < Duration::from_secs(60),
+                    "no failover 60 s after killing {victim}"
+                );
+            };
+            let failover = killed_at.elapsed();
+            let before_restart = progress.effects();
+            // Start the killed node again: it rejoins as the replica of the promoted one.
+            tokio::task::spawn_blocking(move || restart_node(victim))
+                .await
+                .expect("restart");
+            (victim, promoted, failover, before_restart)
+        },
+    )
+    .await;
     let lost_markers = stores.iter().filter(|s| s.incarnation_lost()).count();
     let summary = format!(
-        "[wait_replicas={}] keys={n} consumers={CONSUMERS} published={} killed={victim} \
-         promoted={promoted} failover={failover:?} effects_before_restart={before_restart} \
-         total={:?} store_unavailable={unavailable} takeovers={takeovers} \
-         duplicates={duplicates} incarnation_lost_seen_by={lost_markers}/{CONSUMERS} \
-         double_effects={double_effects} lost={lost}",
+        "[wait_replicas={}] consumers={CONSUMERS} killed={victim} promoted={promoted} \
+         failover={failover:?} effects_before_restart={before_restart} \
+         incarnation_lost_seen_by={lost_markers}/{CONSUMERS} {report}",
         if wait { "1" } else { "off" },
-        broker.published(),
-        started.elapsed(),
     );
     Outcome {
-        double_effects,
-        lost,
+        double_effects: report.double_effects,
+        lost: report.lost,
         summary,
     }
 }
