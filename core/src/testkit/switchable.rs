@@ -84,6 +84,14 @@ impl DedupStore for SwitchableStore {
         self.check()?;
         self.inner.extend(key, token, lease).await
     }
+    async fn extend_batch(
+        &self,
+        leases: &[(DedupKey, FencingToken)],
+        lease: Duration,
+    ) -> Result<Vec<ExtendOutcome>, StoreError> {
+        self.check()?;
+        self.inner.extend_batch(leases, lease).await
+    }
     async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
         self.check()?;
         self.inner.get(key).await

@@ -848,6 +848,48 @@ impl DedupStore for LayeredStore {
         }
     }
 
+    /// As [`extend`](Self::extend) for each lease, with one `extend_batch` per store the
+    /// batch touches (a heartbeat of a batch is one round trip, not one per key).
+    async fn extend_batch(
+        &self,
+        leases: &[(DedupKey, FencingToken)],
+        lease: Duration,
+    ) -> Result<Vec<ExtendOutcome>, StoreError> {
+        let (mut prim, mut fbk) = (Vec::new(), Vec::new());
+        for (i, (key, token)) in leases.iter().enumerate() {
+            match (self.route(key, *token), &self.fallback) {
+                (Route::Fallback, Some(_)) => fbk.push(i),
+                _ => prim.push(i),
+            }
+        }
+        let mut out = vec![ExtendOutcome::Fenced; leases.len()];
+        if let (Some(fb), false) = (&self.fallback, fbk.is_empty()) {
+            let ans = extend_some(fb.store.as_ref(), leases, &fbk, lease).await?;
+            for (&i, o) in fbk.iter().zip(ans) {
+                out[i] = o;
+            }
+        }
+        if !prim.is_empty() {
+            let ans = extend_some(self.primary.as_ref(), leases, &prim, lease).await?;
+            let mut fenced = Vec::new();
+            for (&i, o) in prim.iter().zip(ans) {
+                if o == ExtendOutcome::Fenced {
+                    fenced.push(i);
+                }
+                out[i] = o;
+            }
+            // A token unknown to the primary may belong to a fallback claim this store forgot.
+            if let (Some(fb), false) = (&self.fallback, fenced.is_empty()) {
+                if let Ok(ans) = extend_some(fb.store.as_ref(), leases, &fenced, lease).await {
+                    for (&i, o) in fenced.iter().zip(ans) {
+                        out[i] = o;
+                    }
+                }
+            }
+        }
+        Ok(out)
+    }
+
     async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
         match self.primary.get(key).await {
             Err(StoreError::Unavailable(msg)) => match &self.fallback {
@@ -918,6 +960,26 @@ impl DedupStore for LayeredStore {
         });
         Ok(primary? | fallback?)
     }
+}
+
+/// Extends the leases at `which` of `leases` on `store` in one call; its answer must have one
+/// outcome per lease asked.
+async fn extend_some(
+    store: &dyn DedupStore,
+    leases: &[(DedupKey, FencingToken)],
+    which: &[usize],
+    lease: Duration,
+) -> Result<Vec<ExtendOutcome>, StoreError> {
+    let asked: Vec<(DedupKey, FencingToken)> = which.iter().map(|&i| leases[i].clone()).collect();
+    let ans = store.extend_batch(&asked, lease).await?;
+    if ans.len() != asked.len() {
+        return Err(StoreError::Backend(format!(
+            "extend_batch answered {} outcomes for {} leases",
+            ans.len(),
+            asked.len()
+        )));
+    }
+    Ok(ans)
 }
 
 #[cfg(test)]

@@ -611,11 +611,25 @@ async fn a_watchdog_whose_extend_hangs_reports_the_loss_by_the_lease_end() {
     assert!(matches!(dog.state(), LeaseState::Lost(LeaseLost::Expired)));
 }
 
-/// A primary whose claims read the record, then wait at a gate before answering: a claim
-/// that read a record just before an operator's `forget`.
+/// A primary whose claims read the record, then wait at a gate before answering (a claim
+/// that read a record just before an operator's `forget`), and which counts how leases are
+/// extended.
 struct GatedClaims {
     inner: MemoryStore,
     gate: tokio::sync::Semaphore,
+    extends: std::sync::atomic::AtomicUsize,
+    extend_batches: std::sync::atomic::AtomicUsize,
+}
+
+impl GatedClaims {
+    fn new(open: bool) -> Self {
+        Self {
+            inner: MemoryStore::new(),
+            gate: tokio::sync::Semaphore::new(if open { 1 << 20 } else { 0 }),
+            extends: Default::default(),
+            extend_batches: Default::default(),
+        }
+    }
 }
 
 #[async_trait]
@@ -644,7 +658,18 @@ impl DedupStore for GatedClaims {
         token: FencingToken,
         lease: Duration,
     ) -> Result<idemq_core::ExtendOutcome, StoreError> {
+        self.extends
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.inner.extend(key, token, lease).await
+    }
+    async fn extend_batch(
+        &self,
+        leases: &[(DedupKey, FencingToken)],
+        lease: Duration,
+    ) -> Result<Vec<idemq_core::ExtendOutcome>, StoreError> {
+        self.extend_batches
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.inner.extend_batch(leases, lease).await
     }
     async fn get(&self, key: &DedupKey) -> Result<Option<idemq_core::DedupRecord>, StoreError> {
         self.inner.get(key).await
@@ -668,10 +693,7 @@ impl DedupStore for GatedClaims {
 async fn a_claim_that_read_the_record_before_a_forget_does_not_cache_it() {
     let g = group();
     let k = key(&g, "forgotten");
-    let primary = Arc::new(GatedClaims {
-        inner: MemoryStore::new(),
-        gate: tokio::sync::Semaphore::new(0),
-    });
+    let primary = Arc::new(GatedClaims::new(false));
     // Completed on the primary directly, so the layer has not cached it.
     process(&primary.inner, &k).await;
     let layered = Arc::new(LayeredStore::new(primary.clone()));
@@ -737,4 +759,42 @@ async fn stats_are_the_primarys_counts() {
         layered.stats().await.expect("layered stats"),
         primary.stats().await.expect("primary stats")
     );
+}
+
+/// A heartbeat of a batch is one `extend_batch` on the primary, not one `extend` per key,
+/// and answers each lease as `extend` would (a released key is fenced).
+#[tokio::test]
+async fn a_batch_of_leases_is_extended_in_one_call_to_the_primary() {
+    use idemq_core::ExtendOutcome;
+    use std::sync::atomic::Ordering;
+    let g = group();
+    let primary = Arc::new(GatedClaims::new(true));
+    let layered = LayeredStore::new(primary.clone());
+    let mut leases = Vec::new();
+    for i in 0..20 {
+        let k = key(&g, &format!("hb-{i}"));
+        match layered.claim(&req(&k)).await.unwrap() {
+            ClaimOutcome::Acquired(l) => leases.push((k, l.token)),
+            o => panic!("fresh key: {o:?}"),
+        }
+    }
+    let (gone, gone_token) = leases[7].clone();
+    layered.release(&gone, gone_token).await.unwrap();
+    let out = layered
+        .extend_batch(&leases, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(out.len(), leases.len());
+    for (i, o) in out.iter().enumerate() {
+        if i == 7 {
+            assert_eq!(*o, ExtendOutcome::Fenced, "the released key");
+        } else {
+            assert!(
+                matches!(o, ExtendOutcome::Extended { .. }),
+                "lease {i}: {o:?}"
+            );
+        }
+    }
+    assert_eq!(primary.extend_batches.load(Ordering::Relaxed), 1);
+    assert_eq!(primary.extends.load(Ordering::Relaxed), 0);
 }
