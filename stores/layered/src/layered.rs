@@ -465,6 +465,74 @@ impl LayeredStore {
         }
     }
 
+    /// Sends each of `items` (a completion, a lease) to the store its claim was made on, in
+    /// one `call` per store; the answers are in the order of `items`. The fallback's share
+    /// goes first: a primary still down must not keep the fallback's completions from
+    /// becoming durable (their leases would lapse and the handlers run again). What the
+    /// primary answers `fenced` is asked of the fallback: the token may belong to a
+    /// fallback claim this store forgot (an error there leaves it fenced).
+    async fn by_route<T, O, F, Fut>(
+        &self,
+        items: &[T],
+        key_token: impl Fn(&T) -> (&DedupKey, FencingToken),
+        fenced: O,
+        call: F,
+    ) -> Result<Vec<O>, StoreError>
+    where
+        T: Clone,
+        O: Copy + PartialEq,
+        F: Fn(Arc<dyn DedupStore>, Vec<T>) -> Fut,
+        Fut: std::future::Future<Output = Result<Vec<O>, StoreError>>,
+    {
+        // One batch call for the items at `which`; one answer per item asked.
+        let ask = |store: &Arc<dyn DedupStore>, which: &[usize]| {
+            let batch: Vec<T> = which.iter().map(|&i| items[i].clone()).collect();
+            let (n, answer) = (batch.len(), call(store.clone(), batch));
+            async move {
+                let answer = answer.await?;
+                if answer.len() != n {
+                    return Err(StoreError::Backend(format!(
+                        "a batch call answered {} outcomes for {n} items",
+                        answer.len()
+                    )));
+                }
+                Ok(answer)
+            }
+        };
+        let (mut prim, mut fbk) = (Vec::new(), Vec::new());
+        for (i, item) in items.iter().enumerate() {
+            let (key, token) = key_token(item);
+            match self.route(key, token) {
+                Route::Primary => prim.push(i),
+                Route::Fallback => fbk.push(i),
+            }
+        }
+        let mut out = vec![fenced; items.len()];
+        if let (Some(fb), false) = (&self.fallback, fbk.is_empty()) {
+            for (&i, o) in fbk.iter().zip(ask(&fb.store, &fbk).await?) {
+                out[i] = o;
+            }
+        }
+        if prim.is_empty() {
+            return Ok(out);
+        }
+        let mut refused = Vec::new();
+        for (&i, o) in prim.iter().zip(ask(&self.primary, &prim).await?) {
+            if o == fenced {
+                refused.push(i);
+            }
+            out[i] = o;
+        }
+        if let (Some(fb), false) = (&self.fallback, refused.is_empty()) {
+            if let Ok(again) = ask(&fb.store, &refused).await {
+                for (&i, o) in refused.iter().zip(again) {
+                    out[i] = o;
+                }
+            }
+        }
+        Ok(out)
+    }
+
     /// Inserts keys into the filter; `None` when there is no filter.
     async fn filter_insert(&self, reqs: &[ClaimRequest]) -> Option<Vec<Novelty>> {
         let filter = self.filter.as_ref()?;
@@ -743,60 +811,20 @@ impl DedupStore for LayeredStore {
         items: &[Completion],
     ) -> Result<Vec<CompleteOutcome>, StoreError> {
         let epoch = self.forgets.load(Ordering::Acquire);
-        let routes: Vec<Route> = items.iter().map(|c| self.route(&c.key, c.token)).collect();
-        let (mut prim, mut fbk) = (Vec::new(), Vec::new());
-        for (c, r) in items.iter().zip(&routes) {
-            match r {
-                Route::Primary => prim.push(c.clone()),
-                Route::Fallback => fbk.push(c.clone()),
-            }
-        }
-        // Fallback first: a primary still down must not keep the fallback's completions
-        // from becoming durable (their leases would lapse and the handlers run again).
-        let mut fb_out = if fbk.is_empty() {
-            Vec::new()
-        } else {
-            match &self.fallback {
-                Some(fb) => fb.store.complete_batch(&fbk).await?,
-                None => vec![CompleteOutcome::Fenced; fbk.len()],
-            }
-        };
-        let mut prim_out = if prim.is_empty() {
-            Vec::new()
-        } else {
-            self.primary.complete_batch(&prim).await?
-        };
-        // A token unknown to the primary may belong to a fallback claim this store forgot.
-        if let Some(fb) = &self.fallback {
-            let retry: Vec<usize> = prim_out
-                .iter()
-                .enumerate()
-                .filter(|(_, o)| **o == CompleteOutcome::Fenced)
-                .map(|(i, _)| i)
-                .collect();
-            if !retry.is_empty() {
-                let again: Vec<Completion> = retry.iter().map(|&i| prim[i].clone()).collect();
-                if let Ok(ans) = fb.store.complete_batch(&again).await {
-                    for (&i, a) in retry.iter().zip(ans) {
-                        prim_out[i] = a;
-                    }
-                }
-            }
-        }
+        let out = self
+            .by_route(
+                items,
+                |c| (&c.key, c.token),
+                CompleteOutcome::Fenced,
+                |store, batch| async move { store.complete_batch(&batch).await },
+            )
+            .await?;
         let now = now_ms();
-        let (mut pi, mut fi) = (prim_out.drain(..), fb_out.drain(..));
-        let mut out = Vec::with_capacity(items.len());
-        for (c, r) in items.iter().zip(routes) {
-            let o = match r {
-                Route::Primary => pi.next(),
-                Route::Fallback => fi.next(),
-            }
-            .ok_or_else(|| StoreError::Backend("complete answer ended early".into()))?;
-            if o == CompleteOutcome::Completed {
+        for (c, o) in items.iter().zip(&out) {
+            if *o == CompleteOutcome::Completed {
                 self.cache_completion(c, now, epoch);
                 self.claims.remove(&c.key);
             }
-            out.push(o);
         }
         Ok(out)
     }
@@ -832,62 +860,24 @@ impl DedupStore for LayeredStore {
         token: FencingToken,
         lease: Duration,
     ) -> Result<ExtendOutcome, StoreError> {
-        match (self.route(key, token), &self.fallback) {
-            (Route::Fallback, Some(fb)) => fb.store.extend(key, token, lease).await,
-            (_, fb) => match self.primary.extend(key, token, lease).await? {
-                ExtendOutcome::Fenced => match fb {
-                    Some(fb) => Ok(fb
-                        .store
-                        .extend(key, token, lease)
-                        .await
-                        .unwrap_or(ExtendOutcome::Fenced)),
-                    None => Ok(ExtendOutcome::Fenced),
-                },
-                r => Ok(r),
-            },
-        }
+        let out = self.extend_batch(&[(key.clone(), token)], lease).await?;
+        Ok(out[0])
     }
 
-    /// As [`extend`](Self::extend) for each lease, with one `extend_batch` per store the
-    /// batch touches (a heartbeat of a batch is one round trip, not one per key).
+    /// Each lease on the store it was claimed on, one `extend_batch` per store the batch
+    /// touches (a heartbeat of a batch is one round trip, not one per key).
     async fn extend_batch(
         &self,
         leases: &[(DedupKey, FencingToken)],
         lease: Duration,
     ) -> Result<Vec<ExtendOutcome>, StoreError> {
-        let (mut prim, mut fbk) = (Vec::new(), Vec::new());
-        for (i, (key, token)) in leases.iter().enumerate() {
-            match (self.route(key, *token), &self.fallback) {
-                (Route::Fallback, Some(_)) => fbk.push(i),
-                _ => prim.push(i),
-            }
-        }
-        let mut out = vec![ExtendOutcome::Fenced; leases.len()];
-        if let (Some(fb), false) = (&self.fallback, fbk.is_empty()) {
-            let ans = extend_some(fb.store.as_ref(), leases, &fbk, lease).await?;
-            for (&i, o) in fbk.iter().zip(ans) {
-                out[i] = o;
-            }
-        }
-        if !prim.is_empty() {
-            let ans = extend_some(self.primary.as_ref(), leases, &prim, lease).await?;
-            let mut fenced = Vec::new();
-            for (&i, o) in prim.iter().zip(ans) {
-                if o == ExtendOutcome::Fenced {
-                    fenced.push(i);
-                }
-                out[i] = o;
-            }
-            // A token unknown to the primary may belong to a fallback claim this store forgot.
-            if let (Some(fb), false) = (&self.fallback, fenced.is_empty()) {
-                if let Ok(ans) = extend_some(fb.store.as_ref(), leases, &fenced, lease).await {
-                    for (&i, o) in fenced.iter().zip(ans) {
-                        out[i] = o;
-                    }
-                }
-            }
-        }
-        Ok(out)
+        self.by_route(
+            leases,
+            |(key, token)| (key, *token),
+            ExtendOutcome::Fenced,
+            |store, batch| async move { store.extend_batch(&batch, lease).await },
+        )
+        .await
     }
 
     async fn get(&self, key: &DedupKey) -> Result<Option<DedupRecord>, StoreError> {
@@ -960,26 +950,6 @@ impl DedupStore for LayeredStore {
         });
         Ok(primary? | fallback?)
     }
-}
-
-/// Extends the leases at `which` of `leases` on `store` in one call; its answer must have one
-/// outcome per lease asked.
-async fn extend_some(
-    store: &dyn DedupStore,
-    leases: &[(DedupKey, FencingToken)],
-    which: &[usize],
-    lease: Duration,
-) -> Result<Vec<ExtendOutcome>, StoreError> {
-    let asked: Vec<(DedupKey, FencingToken)> = which.iter().map(|&i| leases[i].clone()).collect();
-    let ans = store.extend_batch(&asked, lease).await?;
-    if ans.len() != asked.len() {
-        return Err(StoreError::Backend(format!(
-            "extend_batch answered {} outcomes for {} leases",
-            ans.len(),
-            asked.len()
-        )));
-    }
-    Ok(ans)
 }
 
 #[cfg(test)]
