@@ -307,10 +307,10 @@ where
     }
 }
 
-/// Settings for [`engine_storm`]'s consumers: leases longer than an election or a
+/// Settings of [`engine_storm`]'s consumers: leases longer than an election or a
 /// promotion plus the rejoin of the killed node, short store back-off, and completions that
 /// wait out a long outage (a completion given up would mean a redelivery, not a loss).
-pub fn engine_storm_config() -> crate::ConsumerConfig {
+fn engine_storm_config() -> crate::ConsumerConfig {
     crate::ConsumerConfig {
         max_batch: 64,
         max_concurrency: 64,
@@ -395,7 +395,7 @@ impl std::fmt::Display for EngineReport {
 }
 
 /// Runs `n` payments through one `IdempotentConsumer` per store (each store its own
-/// connection), on a memory broker that duplicates 30 % of publishes and loses 5 % of acks;
+/// connection; settings for a failover: 20 s leases, completions patient for 120 s), on a memory broker that duplicates 30 % of publishes and loses 5 % of acks;
 /// once a third of the effects happened, handlers wait and `disrupt` runs (it kills or
 /// restarts the server and calls [`StormProgress::hit`] once the server is down); then every
 /// consumer drains the stream and the effects are counted. Asserts nothing: the caller
@@ -404,7 +404,6 @@ pub async fn engine_storm<F, Fut, T>(
     stores: &[Arc<dyn DedupStore>],
     prefix: &str,
     n: usize,
-    config: crate::ConsumerConfig,
     disrupt: F,
 ) -> (EngineReport, T)
 where
@@ -434,6 +433,7 @@ where
         hit: Arc::new(hit),
     };
     let group = format!("fo-{prefix}");
+    let config = engine_storm_config();
     let consumers: Vec<_> = stores
         .iter()
         .map(|store| {

@@ -8,7 +8,7 @@
 mod support;
 
 use idemq_core::testkit::servers::server_url;
-use idemq_core::testkit::storm::{engine_storm, engine_storm_config, storm};
+use idemq_core::testkit::storm::{engine_storm, storm};
 use idemq_core::{
     ClaimOutcome, ClaimRequest, CompleteOutcome, ConsumerGroup, DedupKey, DedupStore, RecordStatus,
 };
@@ -406,20 +406,15 @@ async fn an_engine_storm_over_an_r3_bucket_survives_the_leaders_sigkill() {
     let probe = store(&url, options(BUCKET, &prefix, 3)).await;
     let probes = node_probes(&url).await;
     let (c, probe_ref, probes) = (&c, &probe, &probes);
-    let (report, (port, elected)) = engine_storm(
-        &stores,
-        &prefix,
-        storm_keys(),
-        engine_storm_config(),
-        move |progress| async move {
+    let (report, (port, elected)) =
+        engine_storm(&stores, &prefix, storm_keys(), move |progress| async move {
             let (port, killed_at, revive) = kill_leader(c, probe_ref).await;
             progress.hit();
             let elected = writes_again_after(probes, &port, killed_at).await;
             revive.now().await;
             (port, elected)
-        },
-    )
-    .await;
+        })
+        .await;
     wait_whole(&probe, &port).await;
     let summary = format!(
         "FAILOVER engine storm (R3, leader :{port} SIGKILLed, consumers=6): \

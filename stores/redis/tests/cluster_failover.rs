@@ -14,7 +14,7 @@
 
 mod support;
 
-use idemq_core::testkit::storm::{engine_storm, engine_storm_config};
+use idemq_core::testkit::storm::{engine_storm, EngineReport};
 use idemq_core::DedupStore;
 use idemq_redis::RedisStore;
 use std::sync::Arc;
@@ -86,13 +86,8 @@ fn restart_node(port: u16) {
     );
 }
 
-struct Outcome {
-    double_effects: u32,
-    lost: usize,
-    summary: String,
-}
-
-async fn storm(url: &str, wait: bool) -> Outcome {
+/// The storm's report and a line saying what was killed and when.
+async fn storm(url: &str, wait: bool) -> (EngineReport, String) {
     let prefix = unique_prefix(if wait { "fo-wait" } else { "fo-nowait" });
     let mut stores = Vec::new();
     for _ in 0..CONSUMERS {
@@ -114,12 +109,8 @@ async fn storm(url: &str, wait: bool) -> Outcome {
         .collect();
     // Kill the master of slot 0 once a third of the effects happened.
     let ports = cluster_ports(url);
-    let (report, (victim, promoted, failover, before_restart)) = engine_storm(
-        &dyn_stores,
-        &prefix,
-        keys(),
-        engine_storm_config(),
-        |progress| async move {
+    let (report, (victim, promoted, failover, before_restart)) =
+        engine_storm(&dyn_stores, &prefix, keys(), |progress| async move {
             let victim = master_of_slot0(&ports).expect("a master serves slot 0");
             let killed_at = Instant::now();
             kill_node(victim);
@@ -142,9 +133,8 @@ async fn storm(url: &str, wait: bool) -> Outcome {
                 .await
                 .expect("restart");
             (victim, promoted, failover, before_restart)
-        },
-    )
-    .await;
+        })
+        .await;
     let lost_markers = stores.iter().filter(|s| s.incarnation_lost()).count();
     let summary = format!(
         "[wait_replicas={}] consumers={CONSUMERS} killed={victim} promoted={promoted} \
@@ -152,11 +142,7 @@ async fn storm(url: &str, wait: bool) -> Outcome {
          incarnation_lost_seen_by={lost_markers}/{CONSUMERS} {report}",
         if wait { "1" } else { "off" },
     );
-    Outcome {
-        double_effects: report.double_effects,
-        lost: report.lost,
-        summary,
-    }
+    (report, summary)
 }
 
 /// The tests of this binary change the topology: one at a time.
@@ -167,15 +153,15 @@ static TOPOLOGY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 async fn a_master_killed_mid_storm_with_and_without_wait() {
     let Some(url) = cluster_url() else { return };
     let _one_at_a_time = TOPOLOGY.lock().await;
-    let with_wait = storm(&url, true).await;
-    eprintln!("{}", with_wait.summary);
-    assert_eq!(with_wait.double_effects, 0, "{}", with_wait.summary);
-    assert_eq!(with_wait.lost, 0, "{}", with_wait.summary);
+    let (with_wait, summary) = storm(&url, true).await;
+    eprintln!("{summary}");
+    assert_eq!(with_wait.double_effects, 0, "{summary}");
+    assert_eq!(with_wait.lost, 0, "{summary}");
 
-    let without = storm(&url, false).await;
-    eprintln!("{}", without.summary);
+    let (without, summary) = storm(&url, false).await;
+    eprintln!("{summary}");
     // Guaranteed either way: nothing is acknowledged before the store answered.
-    assert_eq!(without.lost, 0, "{}", without.summary);
+    assert_eq!(without.lost, 0, "{summary}");
 }
 
 /// The replica (port) of the master `master`, from `ROLE` on each node.
