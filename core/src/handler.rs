@@ -184,10 +184,12 @@ pub struct ClaimedMessage {
     /// 1 on the first acquisition, more after failures and takeovers.
     pub attempt: u32,
     /// True when an earlier attempt may have started effects: a crashed worker's expired
-    /// lease was taken over, or an earlier run here was cut off (panic, `handler_timeout`,
-    /// lost lease) and its lease left to expire. A run after a clean failure (the handler
-    /// returned an error; the key was released) says false. Handlers with external effects
-    /// should check before repeating them.
+    /// lease was taken over, an earlier run here was cut off (panic, `handler_timeout`,
+    /// lost lease) and its lease left to expire, or this message is rerun alone after its
+    /// batch's call failed (an error does not prove the batch applied nothing: a COMMIT
+    /// whose reply was lost reports one). A run after a clean failure of a single message
+    /// (the handler returned an error; the key was released) says false. Handlers with
+    /// external effects should check before repeating them.
     pub takeover: bool,
     /// How long the completed record is kept: what an in-transaction completion
     /// (`idemq_sql`'s `complete_in_tx`) must store, the consumer's own setting.

@@ -187,7 +187,7 @@ impl DedupStore for MemoryStore {
                     CompleteOutcome::Completed
                 }
                 Some(r) if r.token == c.token && r.status == RecordStatus::Completed => {
-                    CompleteOutcome::Completed
+                    CompleteOutcome::AlreadyCompleted
                 }
                 _ => CompleteOutcome::Fenced,
             })

@@ -268,8 +268,29 @@ pub enum ClaimOutcome {
 pub enum CompleteOutcome {
     /// Durable: the key is done.
     Completed,
+    /// This token had completed the key already; nothing changed. After the engine's own
+    /// completion it is as good as [`CompleteOutcome::Completed`] (a retried call whose
+    /// first reply was lost). Inside a caller's transaction it means **the effect was
+    /// committed before** — by a transaction whose reply never arrived — so this
+    /// transaction repeats it: roll it back and settle the message as done.
+    AlreadyCompleted,
     /// The token no longer owns the key (lease taken over, released, or purged).
     Fenced,
+    /// Only in the answer to a batch call split over several stores (a layered store's
+    /// primary and fallback) when the part holding this item failed while the others
+    /// answered: its state is not known, as after an error. Retry it. A call whose every
+    /// part failed returns the error instead.
+    Unknown,
+}
+
+impl CompleteOutcome {
+    /// Whether the key is durably completed by this token (now or before).
+    pub fn is_done(self) -> bool {
+        matches!(
+            self,
+            CompleteOutcome::Completed | CompleteOutcome::AlreadyCompleted
+        )
+    }
 }
 
 /// The answer to `release`.
@@ -291,6 +312,9 @@ pub enum ExtendOutcome {
     },
     /// The token no longer owns the key.
     Fenced,
+    /// Only in a batch answer: the part of the call holding this lease failed while the
+    /// others answered (see [`CompleteOutcome::Unknown`]). The lease keeps its last known end.
+    Unknown,
 }
 
 /// A completion, for [`DedupStore::complete_batch`].

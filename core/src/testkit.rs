@@ -6,10 +6,13 @@
 //!   broker ([`source_contract_tests!`](crate::source_contract_tests));
 //! - [`servers`]: a test's server URL, or a recorded skip; [`fuzz`]: wire-shaped random bytes
 //!   and text; [`process`], [`switchable`], [`clock_skew`]: helpers for crash, outage and
-//!   clock-skew tests; [`storm`]: keys claimed and completed while a server is disrupted.
+//!   clock-skew tests; [`storm`]: keys claimed and completed while a server is disrupted;
+//!   [`reply_cut`]: a TCP proxy that loses exactly the reply to one request (the ambiguous
+//!   outcome every retry must be safe for).
 
 pub mod fuzz;
 pub mod process;
+pub mod reply_cut;
 pub mod servers;
 pub mod source;
 pub mod store;

@@ -1036,7 +1036,7 @@ impl DedupStore for ExtendsAfterCompletion {
         let outs = self.inner.complete_batch(items).await?;
         let mut done = self.completed.lock().expect("lock");
         for (c, o) in items.iter().zip(&outs) {
-            if *o == idemq_core::CompleteOutcome::Completed {
+            if o.is_done() {
                 done.insert(c.key.as_str().to_string());
             }
         }

@@ -762,9 +762,10 @@ impl<H: Handler> IdempotentConsumer<H> {
     /// Runs a batch handler over every job of the batch in one call (lanes one after
     /// another, each in order). `None` when it succeeded (every job's verdict is sent);
     /// otherwise the lanes come back to be run one message at a time, so that the message
-    /// at fault is found and only it is retried or dead-lettered. After a call that was cut
-    /// off (panic, timeout, lost lease) its effects may be half done, so the messages say
-    /// `takeover`.
+    /// at fault is found and only it is retried or dead-lettered. Every rerun says
+    /// `takeover`: a call that was cut off (panic, timeout, lost lease) may have left its
+    /// effects half done, and one that returned an error may have committed them — a
+    /// transaction whose COMMIT reply was lost reports an error although it committed.
     async fn run_batch_call(
         &self,
         batch: &dyn crate::handler::BatchHandler,
@@ -786,7 +787,7 @@ impl<H: Handler> IdempotentConsumer<H> {
         )
         .instrument(span)
         .await;
-        let cut_off = match res {
+        match res {
             Ok(Ok(())) => {
                 for j in jobs() {
                     let _ = verdicts.send((j.index, Verdict::Done(None)));
@@ -794,22 +795,18 @@ impl<H: Handler> IdempotentConsumer<H> {
                 return None;
             }
             Ok(Err(e)) => {
-                tracing::info!(error = %e, messages = watches.len(), "batch handler failed; running each message alone to isolate the failure");
-                false
+                tracing::info!(error = %e, messages = watches.len(), "batch handler failed; running each message alone to isolate the failure (as takeovers: an error does not prove nothing was applied)");
             }
             Err(failure) => {
                 tracing::warn!(error = %failure, messages = watches.len(), "batch handler cut off; running each message alone (as takeovers: its effects may be half done)");
-                true
             }
         };
         self.counters.batch_splits.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(m::BATCH_SPLITS, "group" => self.keys.group().as_str().to_string())
             .increment(1);
-        if cut_off {
-            for l in &mut lanes {
-                for j in std::iter::once(&mut l.first).chain(&mut l.rest) {
-                    j.msg.takeover = true;
-                }
+        for l in &mut lanes {
+            for j in std::iter::once(&mut l.first).chain(&mut l.rest) {
+                j.msg.takeover = true;
             }
         }
         Some(lanes)
@@ -931,14 +928,28 @@ impl<H: Handler> IdempotentConsumer<H> {
             .await;
         match batch {
             Ok(outs) if outs.len() == held.len() => {
-                // Answered: none of these leases needs renewing while the acks go out.
-                for (item, _) in &held {
-                    live.remove(item.index);
+                // Answered: none of these leases needs renewing while the acks go out —
+                // except those whose part of the call failed, which are asked again alone.
+                let mut unknown = Vec::new();
+                for (((item, lease), out), c) in held.into_iter().zip(outs).zip(completions) {
+                    match out {
+                        CompleteOutcome::Unknown => unknown.push(((item, lease), c)),
+                        out => {
+                            live.remove(item.index);
+                            self.settle_completed(live, item, out).await;
+                        }
+                    }
                 }
-                for ((item, _), out) in held.into_iter().zip(outs) {
-                    self.settle_completed(live, item, out).await;
+                if unknown.is_empty() {
+                    return false;
                 }
-                return false;
+                tracing::warn!(
+                    count = unknown.len(),
+                    "part of a batch completion failed; completing those keys one at a time"
+                );
+                let (held, completions): (Vec<(Item, Lease)>, Vec<Completion>) =
+                    unknown.into_iter().unzip();
+                return self.complete_one_by_one(held, &completions, live).await;
             }
             Ok(outs) => tracing::error!(
                 got = outs.len(),
@@ -1039,7 +1050,9 @@ impl<H: Handler> IdempotentConsumer<H> {
     async fn settle_completed(&self, live: &LiveLeases, mut item: Item, out: CompleteOutcome) {
         live.remove(item.index);
         match out {
-            CompleteOutcome::Completed => {
+            // Already completed by this token: a completion retried after its reply was
+            // lost, or the handler's transaction found its own earlier commit.
+            CompleteOutcome::Completed | CompleteOutcome::AlreadyCompleted => {
                 let followers = std::mem::take(&mut item.followers);
                 self.count(&Outcome::PROCESSED, &item.delivery, 1);
                 if !followers.is_empty() {
@@ -1050,6 +1063,10 @@ impl<H: Handler> IdempotentConsumer<H> {
                     self.count(&Outcome::DUPLICATE, &f, 1);
                     self.settle(f, Settlement::Ack).await;
                 }
+            }
+            CompleteOutcome::Unknown => {
+                // Callers retry these before settling; should one get here, no ack.
+                self.not_durable(live, item).await;
             }
             CompleteOutcome::Fenced => {
                 metrics::counter!(m::FENCED_COMPLETIONS, "group" => self.keys.group().as_str().to_string())

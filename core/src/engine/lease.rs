@@ -288,13 +288,25 @@ pub(crate) async fn heartbeat(
         let call = extend_bounded(store.as_ref(), &leases, lease, timeout);
         match expiring(&live, margin_ms, call).await {
             Ok(outs) if outs.len() == due.len() => {
+                let mut unknown = 0usize;
                 for ((i, slot), out) in due.iter().zip(outs) {
                     match out {
                         ExtendOutcome::Extended { .. } => {
                             slot.deadline_ms.store(renewed_deadline, Ordering::Relaxed)
                         }
                         ExtendOutcome::Fenced => live.fenced(*i),
+                        // Its part of the call failed: as after an error, the lease keeps
+                        // its last end and is given up when that passes.
+                        ExtendOutcome::Unknown => unknown += 1,
                     }
+                }
+                if unknown > 0 {
+                    metrics::counter!(m::STORE_ERRORS, "op" => "extend").increment(1);
+                    tracing::warn!(
+                        leases = unknown,
+                        of = due.len(),
+                        "heartbeat: part of the store did not answer for some leases"
+                    );
                 }
             }
             Ok(outs) => {

@@ -329,7 +329,7 @@ pub async fn extend_keeps_the_lease(h: &Handles) {
         .expect("extend")
     {
         ExtendOutcome::Extended { until_ms } => assert!(until_ms > l.until_ms),
-        ExtendOutcome::Fenced => panic!("the owner's extend must succeed"),
+        other => panic!("the owner's extend must succeed: {other:?}"),
     }
     tokio::time::sleep(SHORT).await;
     assert!(
@@ -577,13 +577,18 @@ pub async fn stored_result_is_returned(h: &Handles) {
     let k = key(&g, "with-result");
     let l = acquire(s, &k, LONG).await;
     let receipt = Bytes::from_static(b"receipt-7\x00\xff");
-    for _ in 0..2 {
+    // The second call is the retry of a call whose reply was lost: it changes nothing and
+    // says so, so that a caller's transaction repeating the effect knows to roll back.
+    for want in [
+        CompleteOutcome::Completed,
+        CompleteOutcome::AlreadyCompleted,
+    ] {
         assert_eq!(
             s.complete(&k, l.token, Some(receipt.clone()), RETAIN)
                 .await
                 .expect("complete"),
-            CompleteOutcome::Completed,
-            "complete is idempotent for the owning token"
+            want,
+            "complete is idempotent for the owning token, and a repeat says it was done before"
         );
     }
     match h[h.len() - 1].claim(&req(&k, LONG)).await.expect("claim") {
@@ -700,6 +705,19 @@ pub async fn batch_claims_equal_single_claims(h: &Handles) {
         vec![
             CompleteOutcome::Completed,
             CompleteOutcome::Completed,
+            CompleteOutcome::Fenced
+        ]
+    );
+    // The same batch again (its first reply lost): the keys it completed say so.
+    let again = s
+        .complete_batch(&items)
+        .await
+        .expect("complete_batch again");
+    assert_eq!(
+        again,
+        vec![
+            CompleteOutcome::AlreadyCompleted,
+            CompleteOutcome::AlreadyCompleted,
             CompleteOutcome::Fenced
         ]
     );

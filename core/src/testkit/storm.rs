@@ -8,7 +8,7 @@
 //!   memory broker that duplicates publishes and loses acks, and the handler counts its
 //!   effects in a ledger outside the store.
 
-use crate::{ClaimOutcome, ClaimRequest, CompleteOutcome, DedupKey, DedupStore};
+use crate::{ClaimOutcome, ClaimRequest, CompleteOutcome, DedupKey, DedupStore, StoreError};
 use std::collections::VecDeque;
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -134,7 +134,7 @@ async fn deliver(
                         .complete(key, lease.token, Some("done".into()), RETAIN)
                         .await
                     {
-                        Ok(CompleteOutcome::Completed) => {
+                        Ok(CompleteOutcome::Completed | CompleteOutcome::AlreadyCompleted) => {
                             stats.ok(issued);
                             let mut t = tally.lock().unwrap();
                             t[i].commits += 1;
@@ -145,6 +145,12 @@ async fn deliver(
                             stats.ok(issued);
                             stats.fenced.fetch_add(1, Ordering::Relaxed);
                             break;
+                        }
+                        Ok(CompleteOutcome::Unknown) => {
+                            // A single completion answers or fails; counted as a failure.
+                            stats.err(&StoreError::Backend("unknown outcome".into()));
+                            tally.lock().unwrap()[i].ambiguous_completes += 1;
+                            backoff().await;
                         }
                         Err(e) => {
                             stats.err(&e);

@@ -253,8 +253,9 @@ impl NatsKvStore {
             c.token,
             CompleteOutcome::Fenced,
             |r| match r.status {
-                // Completion is idempotent for the token that owns the completed record.
-                RecordStatus::Completed => Some(CompleteOutcome::Completed),
+                // Completion is idempotent for the token that owns the completed record,
+                // and says the key was done before (a retry whose first reply was lost).
+                RecordStatus::Completed => Some(CompleteOutcome::AlreadyCompleted),
                 // A released token owns nothing.
                 RecordStatus::InProgress if r.is_released() => Some(CompleteOutcome::Fenced),
                 // In progress, even past its lease: nobody took it over, so it is the

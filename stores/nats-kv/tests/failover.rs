@@ -300,13 +300,14 @@ async fn killing_the_kv_leader_during_completions_loses_none_and_completes_none_
                         .complete(&keys[i], leases[i].token, None, Duration::from_secs(3600))
                         .await
                     {
-                        Ok(CompleteOutcome::Completed) => {
+                        // Already completed: an earlier try that errored had landed.
+                        Ok(CompleteOutcome::Completed | CompleteOutcome::AlreadyCompleted) => {
                             confirmed.lock().unwrap()[i] += 1;
                             successes.lock().unwrap().push((issued, Instant::now()));
                             break;
                         }
-                        Ok(CompleteOutcome::Fenced) => {
-                            panic!("c-{i}: the owner's completion was fenced (nobody took it over)")
+                        Ok(o @ (CompleteOutcome::Fenced | CompleteOutcome::Unknown)) => {
+                            panic!("c-{i}: the owner's completion answered {o:?} (nobody took it over)")
                         }
                         Err(e) => {
                             assert!(e.is_retryable(), "non-retryable during failover: {e}");

@@ -281,6 +281,7 @@ impl RedisStore {
             for (&i, v) in idx.iter().zip(vals) {
                 out[i] = match Self::int(v)? {
                     1 => CompleteOutcome::Completed,
+                    2 => CompleteOutcome::AlreadyCompleted,
                     0 => CompleteOutcome::Fenced,
                     _ => return Err(Self::corrupt(&items[i].key, "not an idemq record")),
                 };

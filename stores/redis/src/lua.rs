@@ -102,7 +102,8 @@ return out
 
 /// `KEYS` = the keys; `ARGV[1]` unused, `ARGV[2]` = completed grace ms; then per key:
 /// token, retention ms, result field (`-` or `+<bytes>`). Reply: one integer per key,
-/// 1 completed (idempotent for the owning token), 0 fenced (another token, released, or
+/// 1 completed, 2 completed before by this token (idempotent: a retry whose reply was
+/// lost), 0 fenced (another token, released, or
 /// gone), 9 unreadable value.
 const COMPLETE_BODY: &str = r#"
 local nows = fmt(now)
@@ -124,7 +125,7 @@ for i = 1, #KEYS do
     elseif r.tok ~= tok then
       out[i] = 0
     elseif r.st == '1' then
-      out[i] = 1
+      out[i] = 2 -- completed before by this token: a retry whose reply was lost
     elseif r.lu == 0 then
       out[i] = 0 -- released: the token owns nothing
     else

@@ -12,7 +12,11 @@
 //! - the [`SqlStore`] itself (dedup table with leases): the closure writes every claimed
 //!   message's effect, then the leases are completed in the same transaction, fenced: if
 //!   any lease was lost the transaction is rolled back and the engine runs the batch's
-//!   messages one by one. For consumers whose other effects need the lease.
+//!   messages one by one. If a lease was completed already — an earlier transaction of
+//!   the same claims committed, but its COMMIT reply was lost and the engine reruns the
+//!   messages — the transaction is rolled back too and those messages are settled as
+//!   done, so their effects are not written twice. For consumers whose other effects
+//!   need the lease.
 //!
 //! Either way the engine acks after the commit and makes no completion round trip of its
 //! own. A failing call is rolled back whole; the engine then runs each message alone, so
@@ -140,6 +144,10 @@ enum TxFailure {
     Store(StoreError),
     Handler(HandlerError),
     Fenced(DedupKey),
+    /// These messages (indices) were completed by their tokens in an earlier transaction
+    /// that committed though its caller saw an error (a lost COMMIT reply): this one
+    /// repeated their effects and was rolled back.
+    AlreadyDone(Vec<usize>),
 }
 
 impl TxFailure {
@@ -169,6 +177,9 @@ impl TxFailure {
             TxFailure::Store(e) => e.into(),
             TxFailure::Handler(e) => e,
             TxFailure::Fenced(key) => HandlerError::Retryable(LeaseLost { key }.into()),
+            TxFailure::AlreadyDone(_) => HandlerError::Retryable(
+                StoreError::Backend("a batch repeated effects committed before".into()).into(),
+            ),
         }
     }
 }
@@ -307,6 +318,20 @@ impl<DB: SqlBackend, W: WriteEffects<DB>> TxBatchHandler<DB, W> {
             if let Some(i) = outcomes.iter().position(|o| *o == CompleteOutcome::Fenced) {
                 return Err(TxFailure::Fenced(msgs[i].key.clone()));
             }
+            if outcomes.contains(&CompleteOutcome::Unknown) {
+                return Err(TxFailure::Store(StoreError::Unavailable(
+                    "a completion's outcome is unknown".into(),
+                )));
+            }
+            let done_before: Vec<usize> = outcomes
+                .iter()
+                .enumerate()
+                .filter(|(_, o)| **o == CompleteOutcome::AlreadyCompleted)
+                .map(|(i, _)| i)
+                .collect();
+            if !done_before.is_empty() {
+                return Err(TxFailure::AlreadyDone(done_before));
+            }
             return Ok(vec![true; msgs.len()]);
         }
         if self.write.keyed() {
@@ -382,6 +407,27 @@ impl<DB: SqlBackend, W: WriteEffects<DB>> BatchHandler for TxBatchHandler<DB, W>
                         }
                     }
                     return Ok(());
+                }
+                Err(TxFailure::AlreadyDone(done)) => {
+                    // Rolled back: its effects for these were committed before, under these
+                    // very leases. They are done; the rest run again without them.
+                    tracing::info!(
+                        messages = done.len(),
+                        first_key = %msgs[done[0]].key,
+                        "a batch transaction repeated effects an earlier commit of these claims made (its reply was lost); rolled back, the messages are done"
+                    );
+                    let done: HashSet<usize> = done.into_iter().collect();
+                    let mut rest = Vec::with_capacity(msgs.len() - done.len());
+                    for (i, m) in msgs.into_iter().enumerate() {
+                        match done.contains(&i) {
+                            true => m.mark_completed(),
+                            false => rest.push(m),
+                        }
+                    }
+                    msgs = rest;
+                    if msgs.is_empty() {
+                        return Ok(());
+                    }
                 }
                 Err(failure) => match failure.conflict::<DB>() {
                     Some(reason) if tries < self.conflict_retries => {

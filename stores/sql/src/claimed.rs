@@ -213,6 +213,25 @@ impl<DB: SqlBackend> MessageTx<DB> {
                 self.tx.commit().await.map_err(handler_error)?;
                 Ok(result)
             }
+            CompleteOutcome::AlreadyCompleted => {
+                // An earlier transaction of this claim committed (its reply was lost):
+                // this one repeats its effect. Rolled back; the message is done.
+                if let Err(e) = self.tx.rollback().await {
+                    tracing::debug!(key = %self.key, error = %e, "rollback of a repeated effect failed (the server rolls back on disconnect)");
+                }
+                tracing::info!(key = %self.key, "effect committed before by this claim; rolled back the repeat");
+                Ok(result)
+            }
+            CompleteOutcome::Unknown => {
+                // Not answered by a single store's completion; should it happen, nothing
+                // is committed and the message is retried.
+                if let Err(e) = self.tx.rollback().await {
+                    tracing::debug!(key = %self.key, error = %e, "rollback failed (the server rolls back on disconnect)");
+                }
+                Err(HandlerError::Retryable(
+                    StoreError::Unavailable("the completion's outcome is unknown".into()).into(),
+                ))
+            }
             CompleteOutcome::Fenced => {
                 if let Err(e) = self.tx.rollback().await {
                     tracing::debug!(key = %self.key, error = %e, "rollback after a lost lease failed (the server rolls back on disconnect)");

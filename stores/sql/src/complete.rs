@@ -27,8 +27,11 @@ impl<DB: SqlBackend> SqlStore<DB> {
     /// effect and the completion commit (or roll back) together.
     ///
     /// Answers [`CompleteOutcome::Fenced`] when `token` no longer owns the key (its lease
-    /// was taken over, it was released or purged): roll the transaction back. Completing
-    /// twice with the owning token answers `Completed`.
+    /// was taken over, it was released or purged): roll the transaction back. Answers
+    /// [`CompleteOutcome::AlreadyCompleted`] when this token completed the key before — an
+    /// earlier transaction of this claim committed, though its caller may have seen an
+    /// error (a COMMIT whose reply was lost): this transaction repeats that effect, so roll
+    /// it back too and treat the message as done.
     ///
     /// On PostgreSQL and MySQL the completion does not touch the dedup row, which the
     /// engine's heartbeat keeps rewriting: it is *inserted* into the fence table under
@@ -62,7 +65,8 @@ impl<DB: SqlBackend> SqlStore<DB> {
 
     /// Completes many claimed keys inside the caller's transaction, one statement per
     /// chunk of keys (sorted, so concurrent transactions lock them in one order); the
-    /// answer is in order. Unlike [`SqlStore::complete_in_tx`] it updates the dedup rows
+    /// answer is in order; [`CompleteOutcome::AlreadyCompleted`] says what it says for
+    /// [`SqlStore::complete_in_tx`] (roll back: an earlier transaction committed). Unlike [`SqlStore::complete_in_tx`] it updates the dedup rows
     /// themselves, so the transaction should run at READ COMMITTED (the default) and be
     /// short: it holds those rows' locks (and the heartbeat's renewal of them waits) until
     /// it ends. A takeover waits for it too, then finds the keys completed. The batch
@@ -115,7 +119,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
             return Ok(CompleteOutcome::Fenced);
         }
         if status == RecordStatus::Completed.code() {
-            return Ok(CompleteOutcome::Completed);
+            return Ok(CompleteOutcome::AlreadyCompleted);
         }
         if until <= 0 {
             // Released.
@@ -147,7 +151,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
         .await?;
         Ok(
             if kind.first().and_then(|r| r.i64(0).ok()) == Some(FENCE_COMPLETION) {
-                CompleteOutcome::Completed
+                CompleteOutcome::AlreadyCompleted
             } else {
                 CompleteOutcome::Fenced
             },
@@ -188,7 +192,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
             r.i64(0).ok() == Some(token.0) && r.i64(1).ok() == Some(RecordStatus::Completed.code())
         });
         Ok(if owned_and_done {
-            CompleteOutcome::Completed
+            CompleteOutcome::AlreadyCompleted
         } else {
             CompleteOutcome::Fenced
         })
@@ -234,6 +238,8 @@ impl<DB: SqlBackend> SqlStore<DB> {
             })
             .collect();
         let fold = self.fold_completions();
+        // Without RETURNING (MySQL) only the count of rows this statement completed is known.
+        let mut matched: Option<u64> = None;
         let Stmt { sql, args } = self.q.complete_batch(&rows, fold);
         let mut args = first_then(args, || self.q.complete_batch(&rows, fold).args);
         if self.q.complete_returns_rows() {
@@ -254,13 +260,14 @@ impl<DB: SqlBackend> SqlStore<DB> {
                 }
             }
         } else {
-            let matched = retry_now!("complete_batch", DB::execute(conn, &sql, args()))?;
+            let n = retry_now!("complete_batch", DB::execute(conn, &sql, args()))?;
             // Keys are distinct here, so every item matched iff the count says so.
-            if matched == idx.len() as u64 {
+            if n == idx.len() as u64 {
                 for &i in idx {
                     out[i] = Some(CompleteOutcome::Completed);
                 }
             }
+            matched = Some(n);
         }
         let undecided: Vec<usize> = idx.iter().copied().filter(|&i| out[i].is_none()).collect();
         if undecided.is_empty() {
@@ -284,15 +291,30 @@ impl<DB: SqlBackend> SqlStore<DB> {
                 state.insert(k.to_owned(), (t, s));
             }
         }
+        let done_by_token = |i: &usize| {
+            let c = &items[*i];
+            state.get(c.key.as_str()) == Some(&(c.token.0, RecordStatus::Completed.code()))
+        };
+        // Completed by this token: by this statement, or before it. With RETURNING the
+        // statement's own are decided already; without, the count tells them apart when
+        // it is all or none of them.
+        let done_now = match matched {
+            None | Some(0) => false,
+            Some(n) if n == undecided.iter().filter(|i| done_by_token(i)).count() as u64 => true,
+            Some(_) => {
+                return Err(StoreError::Backend(
+                    "a batch completion mixed keys completed before with new ones and the \
+                     database cannot say which are which; complete them one at a time"
+                        .into(),
+                ))
+            }
+        };
         for i in undecided {
-            let c = &items[i];
-            out[i] = Some(
-                if state.get(c.key.as_str()) == Some(&(c.token.0, RecordStatus::Completed.code())) {
-                    CompleteOutcome::Completed
-                } else {
-                    CompleteOutcome::Fenced
-                },
-            );
+            out[i] = Some(match (done_by_token(&i), done_now) {
+                (true, true) => CompleteOutcome::Completed,
+                (true, false) => CompleteOutcome::AlreadyCompleted,
+                (false, _) => CompleteOutcome::Fenced,
+            });
         }
         Ok(())
     }
