@@ -6,9 +6,9 @@ use crate::filter::{Novelty, PreFilter};
 use async_trait::async_trait;
 use idemq_core::store::{check_distinct_keys, duration_ms};
 use idemq_core::{
-    now_ms, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupKey, DedupRecord,
-    DedupStore, ExtendOutcome, FencingToken, PayloadHash, RecordStatus, ReleaseOutcome, StoreError,
-    StoreStats,
+    now_ms, ClaimMode, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupKey,
+    DedupRecord, DedupStore, ExtendOutcome, FencingToken, PayloadHash, RecordStatus,
+    ReleaseOutcome, StoreError, StoreStats,
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -156,6 +156,12 @@ impl LayeredStoreBuilder {
 
     /// Checks the configuration, allocates the cache, and builds the store.
     pub fn build(self) -> Result<LayeredStore, StoreError> {
+        let in_tx = |s: &Arc<dyn DedupStore>| s.claim_mode() == ClaimMode::InEffectTransaction;
+        if in_tx(&self.primary) || self.fallback.as_ref().is_some_and(|fb| in_tx(&fb.store)) {
+            return Err(StoreError::Config(
+                "a layered store cannot front a store that claims keys in the effect's transaction (the unique-index strategy): its keys are recorded by the handler's own commit, never through the layer, so the layer's cache and fallback would know nothing. Give the consumer the unique index itself".into(),
+            ));
+        }
         if let Some(fb) = &self.fallback {
             if fb.gate == FallbackGate::NeverSeenKeys && self.filter.is_none() {
                 return Err(StoreError::Config(
@@ -470,12 +476,15 @@ impl LayeredStore {
     /// goes first: a primary still down must not keep the fallback's completions from
     /// becoming durable (their leases would lapse and the handlers run again). What the
     /// primary answers `fenced` is asked of the fallback: the token may belong to a
-    /// fallback claim this store forgot (an error there leaves it fenced).
+    /// fallback claim this store forgot (an error there leaves it fenced). When one store's
+    /// part fails and the other's answers, the failed part's items are `unknown` and the
+    /// answers are kept (a heartbeat mixing fallback and primary leases during an outage
+    /// must still renew the fallback's); only a call whose every part failed is an error.
     async fn by_route<T, O, F, Fut>(
         &self,
         items: &[T],
         key_token: impl Fn(&T) -> (&DedupKey, FencingToken),
-        fenced: O,
+        (fenced, unknown): (O, O),
         call: F,
     ) -> Result<Vec<O>, StoreError>
     where
@@ -508,20 +517,46 @@ impl LayeredStore {
             }
         }
         let mut out = vec![fenced; items.len()];
+        let mut failed: Option<StoreError> = None;
+        let mut answered = 0;
         if let (Some(fb), false) = (&self.fallback, fbk.is_empty()) {
-            for (&i, o) in fbk.iter().zip(ask(&fb.store, &fbk).await?) {
-                out[i] = o;
+            match ask(&fb.store, &fbk).await {
+                Ok(answer) => {
+                    answered += fbk.len();
+                    for (&i, o) in fbk.iter().zip(answer) {
+                        out[i] = o;
+                    }
+                }
+                Err(e) => {
+                    for &i in &fbk {
+                        out[i] = unknown;
+                    }
+                    failed = Some(e);
+                }
             }
-        }
-        if prim.is_empty() {
-            return Ok(out);
         }
         let mut refused = Vec::new();
-        for (&i, o) in prim.iter().zip(ask(&self.primary, &prim).await?) {
-            if o == fenced {
-                refused.push(i);
+        if !prim.is_empty() {
+            match ask(&self.primary, &prim).await {
+                Ok(answer) => {
+                    answered += prim.len();
+                    for (&i, o) in prim.iter().zip(answer) {
+                        if o == fenced {
+                            refused.push(i);
+                        }
+                        out[i] = o;
+                    }
+                }
+                Err(e) => {
+                    for &i in &prim {
+                        out[i] = unknown;
+                    }
+                    failed = Some(e);
+                }
             }
-            out[i] = o;
+        }
+        if let (Some(e), 0) = (failed, answered) {
+            return Err(e);
         }
         if let (Some(fb), false) = (&self.fallback, refused.is_empty()) {
             if let Ok(again) = ask(&fb.store, &refused).await {
@@ -652,7 +687,7 @@ impl LayeredStore {
                 Duration::from_millis(left as u64),
             )
             .await?;
-        if done != CompleteOutcome::Completed {
+        if !done.is_done() {
             return Ok(None);
         }
         self.counters.reconciled.fetch_add(1, Ordering::Relaxed);
@@ -761,6 +796,13 @@ impl LayeredStore {
 
 #[async_trait]
 impl DedupStore for LayeredStore {
+    /// The primary's: a store that claims in the effect's transaction keeps doing so behind
+    /// the layer (which [`LayeredStoreBuilder::build`] refuses; [`LayeredStore::new`] lets it
+    /// through as a pass-through), so the engine runs its handler as that store needs.
+    fn claim_mode(&self) -> ClaimMode {
+        self.primary.claim_mode()
+    }
+
     async fn claim(&self, req: &ClaimRequest) -> Result<ClaimOutcome, StoreError> {
         if let Some(o) = self.check_local(&req.key, req.payload_hash.as_ref()) {
             self.counters.cache_hits.fetch_add(1, Ordering::Relaxed);
@@ -815,13 +857,13 @@ impl DedupStore for LayeredStore {
             .by_route(
                 items,
                 |c| (&c.key, c.token),
-                CompleteOutcome::Fenced,
+                (CompleteOutcome::Fenced, CompleteOutcome::Unknown),
                 |store, batch| async move { store.complete_batch(&batch).await },
             )
             .await?;
         let now = now_ms();
         for (c, o) in items.iter().zip(&out) {
-            if *o == CompleteOutcome::Completed {
+            if o.is_done() {
                 self.cache_completion(c, now, epoch);
                 self.claims.remove(&c.key);
             }
@@ -874,7 +916,7 @@ impl DedupStore for LayeredStore {
         self.by_route(
             leases,
             |(key, token)| (key, *token),
-            ExtendOutcome::Fenced,
+            (ExtendOutcome::Fenced, ExtendOutcome::Unknown),
             |store, batch| async move { store.extend_batch(&batch, lease).await },
         )
         .await

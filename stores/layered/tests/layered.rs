@@ -798,3 +798,141 @@ async fn a_batch_of_leases_is_extended_in_one_call_to_the_primary() {
     assert_eq!(primary.extend_batches.load(Ordering::Relaxed), 1);
     assert_eq!(primary.extends.load(Ordering::Relaxed), 0);
 }
+
+/// A store that claims keys in the effect's transaction (the unique index) records its keys
+/// with the handler's own commit, never through the layer: the builder refuses it, and a
+/// layer made with `new` passes its claim mode through, so the engine runs the handler as
+/// that store needs instead of completing through a store that refuses completions (which
+/// reran the effect without end).
+#[tokio::test]
+async fn a_unique_index_behind_the_layer_is_refused_or_passed_through() {
+    use idemq_core::broker::MemoryBroker;
+    use idemq_core::{
+        BrokerKind, ClaimMode, ConsumerConfig, Envelope, HandlerError, IdempotentConsumer,
+        KeyStrategy,
+    };
+    use idemq_sql::sqlx;
+    let sqlite = idemq_sql::SqliteStore::connect("sqlite::memory:", Default::default())
+        .await
+        .expect("sqlite");
+    sqlx::query("CREATE TABLE effects (payment_id TEXT NOT NULL)")
+        .execute(sqlite.pool())
+        .await
+        .expect("effects table");
+    let unique: Arc<dyn DedupStore> = Arc::new(sqlite.unique_index());
+    let err = LayeredStore::builder(unique.clone())
+        .build()
+        .expect_err("a layer over the unique index is refused");
+    assert!(
+        matches!(&err, StoreError::Config(m) if m.contains("unique-index")),
+        "{err:?}"
+    );
+    let layered = LayeredStore::new(unique);
+    assert_eq!(layered.claim_mode(), ClaimMode::InEffectTransaction);
+
+    let broker = MemoryBroker::new();
+    for i in 0..20 {
+        broker.publish(Envelope::new(
+            BrokerKind::MEMORY,
+            "payments",
+            format!(r#"{{"payment_id":"p-{}"}}"#, i % 10),
+        ));
+    }
+    let handler = sqlite.batch_handler(|tx, msgs| {
+        Box::pin(async move {
+            for m in msgs {
+                sqlx::query("INSERT INTO effects (payment_id) VALUES (?)")
+                    .bind(m.key.as_str().to_string())
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(HandlerError::retryable)?;
+            }
+            Ok(())
+        })
+    });
+    let keys = KeyStrategy::json_pointer("layered-unique", "/payment_id").expect("keys");
+    let consumer =
+        IdempotentConsumer::new(Arc::new(layered), keys, handler).with_config(ConsumerConfig {
+            redelivery_delay: Duration::from_millis(20),
+            ..ConsumerConfig::default()
+        });
+    tokio::time::timeout(
+        Duration::from_secs(30),
+        consumer.run_until_idle(&mut broker.subscribe()),
+    )
+    .await
+    .expect("the run ends (it looped, rerunning effects, when the mode was not forwarded)")
+    .expect("run");
+    let (effects,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM effects")
+        .fetch_one(sqlite.pool())
+        .await
+        .expect("count");
+    assert_eq!(effects, 10, "each payment applied once");
+    assert_eq!(broker.acked(), 20);
+    assert!(broker.dead_letters().is_empty());
+}
+
+/// A heartbeat and a batch completion mixing fallback and primary claims while the primary
+/// is down: the fallback's answers are kept (its leases renewed, its completions durable)
+/// and only the primary's items are `Unknown`; a call whose every part failed is an error.
+#[tokio::test]
+async fn a_failed_part_of_a_routed_batch_does_not_discard_the_other_parts_answers() {
+    use idemq_core::{Completion, ExtendOutcome};
+    let primary = Arc::new(MemoryStore::new());
+    let s = LayeredStore::builder(primary.clone())
+        .fallback(Arc::new(MemoryStore::new()), FallbackGate::AllKeys)
+        .build()
+        .unwrap();
+    let g = group();
+    let on_primary = key(&g, "claimed-before-the-outage");
+    let ClaimOutcome::Acquired(p) = s.claim(&req(&on_primary)).await.unwrap() else {
+        panic!("the primary grants a fresh key")
+    };
+    primary.set_available(false);
+    let on_fallback = key(&g, "claimed-during-the-outage");
+    let ClaimOutcome::Acquired(f) = s.claim(&req(&on_fallback)).await.unwrap() else {
+        panic!("the fallback grants a fresh key")
+    };
+    let beat = s
+        .extend_batch(
+            &[
+                (on_primary.clone(), p.token),
+                (on_fallback.clone(), f.token),
+            ],
+            LONG,
+        )
+        .await
+        .expect("one part answered");
+    assert_eq!(beat[0], ExtendOutcome::Unknown, "{beat:?}");
+    assert!(
+        matches!(beat[1], ExtendOutcome::Extended { .. }),
+        "{beat:?}"
+    );
+    let done = s
+        .complete_batch(&[
+            Completion {
+                key: on_primary.clone(),
+                token: p.token,
+                result: None,
+                retention: RETAIN,
+            },
+            Completion {
+                key: on_fallback.clone(),
+                token: f.token,
+                result: None,
+                retention: RETAIN,
+            },
+        ])
+        .await
+        .expect("one part answered");
+    assert_eq!(
+        done,
+        vec![CompleteOutcome::Unknown, CompleteOutcome::Completed]
+    );
+    // Every part failed: the error, not a row of unknowns.
+    let err = s
+        .extend_batch(&[(on_primary.clone(), p.token)], LONG)
+        .await
+        .expect_err("only the primary was asked, and it is down");
+    assert!(err.is_retryable(), "{err:?}");
+}
