@@ -1,6 +1,7 @@
 //! NATS message ↔ envelope: what the client admits off the wire becomes bytes, what an
 //! [`OutgoingMessage`] holds goes on the wire or is refused by name.
 
+use crate::source::{DLQ_MSG_ID, DLQ_REASON, DLQ_SEQUENCE, DLQ_STREAM, DLQ_SUBJECT};
 use crate::{MSG_ID_HEADER, NATS};
 use async_nats::header::{HeaderMap, HeaderName, HeaderValue};
 use bytes::Bytes;
@@ -186,13 +187,92 @@ pub fn outgoing_headers(msg: &OutgoingMessage) -> Result<HeaderMap, String> {
     Ok(out)
 }
 
-/// Server directives among the headers of a stored message (`Nats-Expected-*`,
-/// `Nats-Rollup`, `Nats-TTL`, ...): a dead-letter copy must not carry them, or the
-/// dead-letter stream would act on them (refuse the copy, purge itself). `Nats-Msg-Id`
-/// stays: a copy dead-lettered twice is stored once.
+/// Server instructions among the headers of a stored message (every `Nats-*` header:
+/// `Nats-Expected-*`, `Nats-Rollup`, `Nats-TTL`, `Nats-Msg-Id`, ...): a dead-letter copy
+/// must not carry the original's, or the dead-letter stream would act on them (refuse the
+/// copy, purge itself, or drop it as a duplicate of another message's copy).
 pub(crate) fn is_server_directive(name: &str) -> bool {
-    let lower = name.to_ascii_lowercase();
-    lower.starts_with("nats-") && lower != MSG_ID_HEADER.to_ascii_lowercase()
+    name.to_ascii_lowercase().starts_with("nats-")
+}
+
+/// The longest dead-letter reason carried (in bytes, cut at a character boundary): the copy
+/// must still fit the server's `max_payload`.
+const MAX_REASON: usize = 4_096;
+
+/// Where a rejected message was consumed: what its dead-letter copy records.
+pub(crate) struct DeadLetterOrigin<'a> {
+    /// The stream it was consumed from.
+    pub stream: &'a str,
+    /// The durable consumer that rejected it.
+    pub durable: &'a str,
+    /// The subject it was published to.
+    pub subject: &'a str,
+    /// Its sequence in the stream.
+    pub sequence: Option<u64>,
+    /// When the stream stored it, milliseconds since the Unix epoch.
+    pub stored_ms: Option<i64>,
+}
+
+/// The `Nats-Msg-Id` of a dead-letter copy: the stream, the durable consumer, the stream
+/// sequence and, when known, the time the stream stored the message (a stream deleted and
+/// created again numbers from 1 anew). Every send of one dead-lettering carries the same id
+/// (a `PubAck` that timed out after the copy went out, or an unconfirmed `+TERM` and the
+/// message rejected again on its redelivery), so the dead-letter stream keeps one copy
+/// within its duplicate window; another message with the same dedup key, or the same
+/// message rejected by another durable, gets another id. `None` without a sequence: the
+/// copy then carries no id and is never taken for another.
+pub(crate) fn dead_letter_msg_id(origin: &DeadLetterOrigin<'_>) -> Option<String> {
+    let seq = origin.sequence?;
+    // Stream and consumer names hold no '.', so one id names one origin.
+    let (stream, durable) = (origin.stream, origin.durable);
+    Some(match origin.stored_ms {
+        Some(ms) => format!("{stream}.{durable}.{seq}.{ms}"),
+        None => format!("{stream}.{durable}.{seq}"),
+    })
+}
+
+/// The headers of the dead-letter copy of a message with `headers`: its own, except the
+/// server instructions ([`is_server_directive`]) and earlier dead-letter headers
+/// (`idemq-dlq-*`: a dead letter consumed and rejected again describes its latest
+/// rejection), the original's `Nats-Msg-Id` moved to [`DLQ_MSG_ID`]; then [`DLQ_REASON`]
+/// (cut to 4 KiB), [`DLQ_SUBJECT`], [`DLQ_STREAM`], [`DLQ_SEQUENCE`] and the copy's own
+/// `Nats-Msg-Id` ([`dead_letter_msg_id`]). A header the client cannot carry is left out.
+pub(crate) fn dead_letter_headers(
+    headers: &idemq_core::envelope::Headers,
+    reason: &str,
+    origin: &DeadLetterOrigin<'_>,
+) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    for (name, value) in headers.iter() {
+        let name = if name == MSG_ID_HEADER {
+            DLQ_MSG_ID
+        } else if is_server_directive(name) || name.starts_with("idemq-dlq-") {
+            continue;
+        } else {
+            name
+        };
+        let parsed = (
+            HeaderName::from_str(name),
+            std::str::from_utf8(value).map(HeaderValue::from_str),
+        );
+        if let (Ok(n), Ok(Ok(v))) = parsed {
+            h.append(n, v);
+        }
+    }
+    let mut cut = reason.len().min(MAX_REASON);
+    while !reason.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    h.append(DLQ_REASON, HeaderValue::from_lossy(&reason[..cut]));
+    h.append(DLQ_SUBJECT, HeaderValue::from_lossy(origin.subject));
+    h.append(DLQ_STREAM, HeaderValue::from_lossy(origin.stream));
+    if let Some(s) = origin.sequence {
+        h.append(DLQ_SEQUENCE, HeaderValue::from(s));
+    }
+    if let Some(id) = dead_letter_msg_id(origin) {
+        h.insert(MSG_ID_HEADER, HeaderValue::from_lossy(&id));
+    }
+    h
 }
 
 #[cfg(test)]
@@ -431,10 +511,100 @@ mod tests {
     }
 
     #[test]
-    fn dead_letter_copies_keep_the_message_id_but_no_directive() {
+    fn dead_letter_copies_move_the_message_id_and_drop_directives() {
+        let headers = idemq_core::envelope::Headers::new()
+            .with(MSG_ID_HEADER, "order-7")
+            .with(idemq_core::DEDUP_HEADER, "order-7")
+            .with("Nats-Expected-Last-Sequence", "3")
+            .with("nats-rollup", "all")
+            .with(DLQ_REASON, "rejected before")
+            .with("traceparent", "00-abc-def-01");
+        let origin = DeadLetterOrigin {
+            stream: "ORDERS",
+            durable: "billing",
+            subject: "orders.eu",
+            sequence: Some(41),
+            stored_ms: Some(1_790_230_470_084),
+        };
+        let h = dead_letter_headers(&headers, "cannot bill", &origin);
+        let one = |name: &str| h.get(name).map(|v| v.as_str().to_string());
+        assert_eq!(
+            one(DLQ_MSG_ID).as_deref(),
+            Some("order-7"),
+            "original id kept"
+        );
+        assert_eq!(
+            one(MSG_ID_HEADER).as_deref(),
+            Some("ORDERS.billing.41.1790230470084"),
+            "the copy's own id"
+        );
+        assert_eq!(h.get_all(MSG_ID_HEADER).count(), 1);
+        assert_eq!(one(idemq_core::DEDUP_HEADER).as_deref(), Some("order-7"));
+        assert_eq!(one("traceparent").as_deref(), Some("00-abc-def-01"));
+        assert_eq!(one("Nats-Expected-Last-Sequence"), None);
+        assert_eq!(one("nats-rollup"), None);
+        assert_eq!(one(DLQ_REASON).as_deref(), Some("cannot bill"));
+        assert_eq!(
+            h.get_all(DLQ_REASON).count(),
+            1,
+            "the earlier reason dropped"
+        );
+        assert_eq!(one(DLQ_SUBJECT).as_deref(), Some("orders.eu"));
+        assert_eq!(one(DLQ_STREAM).as_deref(), Some("ORDERS"));
+        assert_eq!(one(DLQ_SEQUENCE).as_deref(), Some("41"));
+
+        // The same dead-lettering sent again (another reason, the envelope read back from
+        // the stream) dedups; another message, durable or stream incarnation does not.
+        let id = |o: &DeadLetterOrigin<'_>| {
+            dead_letter_headers(&idemq_core::envelope::Headers::new(), "again", o)
+                .get(MSG_ID_HEADER)
+                .map(|v| v.as_str().to_string())
+        };
+        assert_eq!(id(&origin), one(MSG_ID_HEADER));
+        for other in [
+            DeadLetterOrigin {
+                sequence: Some(42),
+                ..origin
+            },
+            DeadLetterOrigin {
+                durable: "audit",
+                ..origin
+            },
+            DeadLetterOrigin {
+                stored_ms: Some(1_790_230_999_000),
+                ..origin
+            },
+        ] {
+            assert_ne!(id(&other), id(&origin));
+        }
+        let unplaced = DeadLetterOrigin {
+            sequence: None,
+            ..origin
+        };
+        assert_eq!(id(&unplaced), None, "no sequence, no id");
+
         assert!(is_server_directive("Nats-Expected-Last-Sequence"));
-        assert!(is_server_directive("nats-rollup"));
-        assert!(!is_server_directive(MSG_ID_HEADER));
+        assert!(is_server_directive(MSG_ID_HEADER));
         assert!(!is_server_directive(idemq_core::DEDUP_HEADER));
+    }
+
+    #[test]
+    fn a_long_reason_is_cut_at_a_character_boundary() {
+        let origin = DeadLetterOrigin {
+            stream: "S",
+            durable: "d",
+            subject: "s",
+            sequence: Some(1),
+            stored_ms: None,
+        };
+        let reason = "é".repeat(MAX_REASON);
+        let h = dead_letter_headers(&idemq_core::envelope::Headers::new(), &reason, &origin);
+        let kept = h.get(DLQ_REASON).map(|v| v.as_str().len());
+        assert_eq!(kept, Some(MAX_REASON));
+        assert_eq!(
+            h.get(MSG_ID_HEADER).map(|v| v.as_str()),
+            Some("S.d.1"),
+            "without a stored time"
+        );
     }
 }

@@ -17,7 +17,7 @@
 //! |---|---|
 //! | `ack` | a *double ack*: `+ACK` sent, its confirmation awaited in the background (up to 4096 at once; a lost confirmation is logged and counted in `idemq_nats_acks_unconfirmed_total`, and the message may come back after `AckWait`, which the dedup store absorbs), and waited for on `close`. The engine acks only after the dedup record is durable |
 //! | `nack(delay)` | `-NAK` with the delay: the server redelivers it no sooner. With [`NatsSourceConfig::ordered`] the delivery is instead held locally (kept alive with progress acks) and nothing newer of its subject is handed out until it is handed out again |
-//! | `reject(reason)` | a copy goes to the dead-letter subject ([`NatsSourceConfig::dead_letter_subject`], `idemq.dlq.<stream>` by default, stored by a stream the source creates when none captures it) with [`DLQ_REASON`], [`DLQ_SUBJECT`], [`DLQ_STREAM`] and [`DLQ_SEQUENCE`]; only after its `PubAck` is the original terminated (`+TERM`, confirmed). A failed publish fails the reject (the engine then nacks), so nothing is lost |
+//! | `reject(reason)` | a copy goes to the dead-letter subject ([`NatsSourceConfig::dead_letter_subject`], `idemq.dlq.<stream>` by default, stored by a stream the source creates when none captures it) with [`DLQ_REASON`], [`DLQ_SUBJECT`], [`DLQ_STREAM`] and [`DLQ_SEQUENCE`]; the original's `Nats-Msg-Id` moves to [`DLQ_MSG_ID`] and the copy's own names the dead-lettering (stream, durable, stream sequence, stored time), so the dead-letter stream drops a resend of the same dead-lettering but never the copy of another message with the same id. Only after its `PubAck` is the original terminated (`+TERM`, confirmed). A failed publish fails the reject (the engine then nacks), so nothing is lost |
 //! | dropped unsettled | `-NAK` without delay when the source still runs; otherwise the server redelivers it after `AckWait`. Never acked |
 //!
 //! **Long handlers.** The engine keeps its store lease alive but tells the source nothing; the
@@ -67,7 +67,9 @@ mod source;
 pub use envelope::{outgoing_headers, stored_to_envelope, to_envelope, AckInfo, KEY_HEADER};
 pub use link::redact;
 pub use publisher::{NatsPublished, NatsPublisher, NatsPublisherConfig};
-pub use source::{NatsSource, NatsSourceConfig, DLQ_REASON, DLQ_SEQUENCE, DLQ_STREAM, DLQ_SUBJECT};
+pub use source::{
+    NatsSource, NatsSourceConfig, DLQ_MSG_ID, DLQ_REASON, DLQ_SEQUENCE, DLQ_STREAM, DLQ_SUBJECT,
+};
 
 /// The header JetStream deduplicates publishes by, within the stream's duplicate window.
 pub const MSG_ID_HEADER: &str = "Nats-Msg-Id";

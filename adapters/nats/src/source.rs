@@ -2,11 +2,11 @@
 //! unsettled deliveries alive with progress acks; deliveries reach `poll` through the core's
 //! [`ChannelSource`]; settlements go to each message's ack subject.
 
-use crate::envelope::{is_server_directive, stored_to_envelope, to_envelope};
+use crate::envelope::{dead_letter_headers, stored_to_envelope, to_envelope, DeadLetterOrigin};
 use crate::link::{connect, Link};
 use crate::publisher::send_and_confirm;
 use crate::NatsError;
-use async_nats::header::{HeaderMap, HeaderName, HeaderValue};
+use async_nats::header::HeaderMap;
 use async_nats::jetstream::consumer::{pull, AckPolicy, PullConsumer};
 use async_nats::jetstream::context::GetStreamErrorKind;
 use async_nats::jetstream::message::PublishMessage as Publish;
@@ -23,7 +23,6 @@ use idemq_core::publish::PublishError;
 use idemq_core::source::{Delivery, Readiness, ReadinessProbe, Settle, Source, SourceError};
 use idemq_core::{Envelope, RetryPolicy};
 use std::collections::{HashMap, HashSet, VecDeque};
-use std::str::FromStr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -37,10 +36,9 @@ pub const DLQ_SUBJECT: &str = "idemq-dlq-subject";
 pub const DLQ_STREAM: &str = "idemq-dlq-stream";
 /// Header of a dead-letter copy: its sequence in that stream.
 pub const DLQ_SEQUENCE: &str = "idemq-dlq-sequence";
-
-/// The longest dead-letter reason carried (in bytes, cut at a character boundary): the copy
-/// must still fit the server's `max_payload`.
-const MAX_REASON: usize = 4_096;
+/// Header of a dead-letter copy: the original's `Nats-Msg-Id`, when it had one. The copy's
+/// own `Nats-Msg-Id` names the dead-lettering instead (see [`NatsSource`]'s `reject`).
+pub const DLQ_MSG_ID: &str = "idemq-dlq-msg-id";
 
 /// Settings of a [`NatsSource`] (`Debug` shows the URL without its credentials).
 #[derive(Clone)]
@@ -327,6 +325,7 @@ impl Shared {
             shared: self.clone(),
             id,
             seq,
+            stored_ms: env.timestamp_ms,
             subject: env.source.name.clone(),
             envelope: None,
         };
@@ -410,6 +409,9 @@ struct NatsSettle {
     shared: Arc<Shared>,
     id: u64,
     seq: Option<u64>,
+    /// When the stream stored the message (from the ack subject): part of its dead-letter
+    /// copy's `Nats-Msg-Id`.
+    stored_ms: Option<i64>,
     subject: String,
     /// Handed back by the engine before a nack, reject or drop (see `Settle::take_back`).
     envelope: Option<Envelope>,
@@ -453,6 +455,7 @@ impl NatsSettle {
             shared: self.shared.clone(),
             id: self.id,
             seq: self.seq,
+            stored_ms: self.stored_ms,
             subject: self.subject.clone(),
             envelope: None,
         };
@@ -471,38 +474,23 @@ impl NatsSettle {
         self.shared.state.wake_one();
     }
 
-    /// The dead-letter copy: the message's headers (without server directives and earlier
-    /// dead-letter headers) plus where it came from and why.
+    /// The dead-letter copy: the message's payload and its headers as
+    /// [`dead_letter_headers`] turns them into the copy's.
     async fn dead_letter_copy(&mut self, reason: &str) -> Result<(HeaderMap, Bytes), SourceError> {
         let env = match self.envelope.take() {
             Some(env) => env,
             None => self.stored().await?,
         };
-        let mut h = HeaderMap::new();
-        for (name, value) in env.headers.iter() {
-            if is_server_directive(name) || name.starts_with("idemq-dlq-") {
-                continue;
-            }
-            let parsed = (
-                HeaderName::from_str(name),
-                std::str::from_utf8(value).map(HeaderValue::from_str),
-            );
-            if let (Ok(n), Ok(Ok(v))) = parsed {
-                h.append(n, v);
-            }
-        }
-        let mut cut = reason.len().min(MAX_REASON);
-        while !reason.is_char_boundary(cut) {
-            cut -= 1;
-        }
         let cfg = &self.shared.cfg;
-        h.append(DLQ_REASON, HeaderValue::from_lossy(&reason[..cut]));
-        h.append(DLQ_SUBJECT, HeaderValue::from_lossy(&env.source.name));
-        h.append(DLQ_STREAM, HeaderValue::from_lossy(&cfg.stream));
-        if let Some(s) = self.seq {
-            h.append(DLQ_SEQUENCE, HeaderValue::from(s));
-        }
-        Ok((h, env.payload))
+        let origin = DeadLetterOrigin {
+            stream: &cfg.stream,
+            durable: &cfg.durable,
+            subject: &env.source.name,
+            sequence: self.seq,
+            stored_ms: self.stored_ms,
+        };
+        let headers = dead_letter_headers(&env.headers, reason, &origin);
+        Ok((headers, env.payload))
     }
 
     /// The message as the stream stores it (when the engine did not hand the envelope back).

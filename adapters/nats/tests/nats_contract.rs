@@ -11,7 +11,7 @@ use idemq_core::envelope::Envelope;
 use idemq_core::publish::{OutgoingMessage, Publisher};
 use idemq_core::source::Source;
 use idemq_core::testkit::source::{SourceFixture, SourceHarness};
-use idemq_nats::DLQ_REASON;
+use idemq_nats::{DLQ_MSG_ID, DLQ_REASON, DLQ_SEQUENCE};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -300,5 +300,143 @@ async fn fuzzed_headers_survive_the_server_byte_for_byte() {
     }
     src.close().await.expect("close");
     let dlq = support::config(&url, &names).dead_letter_stream_name();
+    support::delete_streams(&url, &[names.stream, dlq]).await;
+}
+
+/// The dead-letter copies in `stream` whose dedup header is `key`, once `want` of them are
+/// there or after 15 s.
+async fn dead_copies(url: &str, stream: &str, key: &str, want: usize) -> Vec<Envelope> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let copies: Vec<Envelope> = support::read_stream(url, stream)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|e| e.headers.get_str(idemq_core::DEDUP_HEADER) == Some(key))
+            .collect();
+        if copies.len() >= want || tokio::time::Instant::now() > deadline {
+            return copies;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Polls until `n` deliveries are out (30 s at most).
+async fn deliveries(src: &mut idemq_nats::NatsSource, n: usize) -> Vec<idemq_core::Delivery> {
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while got.len() < n && tokio::time::Instant::now() < deadline {
+        if let Ok(Ok(Some(ds))) = tokio::time::timeout(Duration::from_secs(1), src.poll(10)).await {
+            got.extend(ds);
+        }
+    }
+    got
+}
+
+/// Two messages with one dedup key (the second published after the stream's duplicate
+/// window, so both are stored) are both rejected within the dead-letter stream's window:
+/// both copies are stored there. A copy carrying the original's `Nats-Msg-Id` would be
+/// dropped by the dead-letter stream as a duplicate publish while its original is
+/// terminated. The original id stays readable in [`DLQ_MSG_ID`].
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_dead_letters_with_one_dedup_key_are_both_kept() {
+    let Some(url) = support::nats_url() else {
+        return;
+    };
+    let names = support::Names::fresh("dlq-one-key");
+    let js = support::jetstream(&url).await.expect("jetstream");
+    js.create_stream(idemq_nats::async_nats::jetstream::stream::Config {
+        name: names.stream.clone(),
+        subjects: vec![format!("{}.>", names.root)],
+        duplicate_window: Duration::from_millis(500),
+        ..Default::default()
+    })
+    .await
+    .expect("stream with a short duplicate window");
+    let cfg = support::config(&url, &names);
+    let dlq = cfg.dead_letter_stream_name();
+    let mut src = support::source(cfg).await;
+    let p = support::publisher(&url).await;
+    let key = "poison-twice";
+    let msg = OutgoingMessage::new(names.subject.clone(), "{}").with_dedup_key(key);
+    let first = p.publish_acked(&msg).await.expect("first publish");
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
+    let second = p.publish_acked(&msg).await.expect("second publish");
+    assert!(
+        !first.duplicate && !second.duplicate,
+        "both stored in the source stream"
+    );
+    let got = deliveries(&mut src, 2).await;
+    assert_eq!(got.len(), 2, "both messages arrive");
+    for (i, d) in got.into_iter().enumerate() {
+        d.reject(&format!("rejection {i}")).await.expect("reject");
+    }
+    let copies = dead_copies(&url, &dlq, key, 2).await;
+    assert_eq!(
+        copies.len(),
+        2,
+        "both dead letters must be in {dlq}, got {:?}",
+        copies
+            .iter()
+            .map(|e| e.headers.get_str(DLQ_SEQUENCE))
+            .collect::<Vec<_>>()
+    );
+    let mut sequences: Vec<Option<&str>> = copies
+        .iter()
+        .map(|e| e.headers.get_str(DLQ_SEQUENCE))
+        .collect();
+    sequences.sort();
+    let want = [first.receipt.position, second.receipt.position].map(|p| match p {
+        Some(idemq_core::Position::Sequence(s)) => s.to_string(),
+        other => panic!("no stream sequence: {other:?}"),
+    });
+    assert_eq!(
+        sequences,
+        [Some(want[0].as_str()), Some(want[1].as_str())],
+        "one copy of each"
+    );
+    for c in &copies {
+        assert_eq!(c.headers.get_str(DLQ_MSG_ID), Some(key), "the original id");
+        assert_ne!(
+            c.message_id.as_deref(),
+            Some(key),
+            "no colliding Nats-Msg-Id"
+        );
+    }
+    assert_ne!(copies[0].message_id, copies[1].message_id);
+    src.close().await.expect("close");
+    support::delete_streams(&url, &[names.stream, dlq]).await;
+}
+
+/// One message rejected by two durable consumers of its stream (each dead-letters it to
+/// the stream's one dead-letter subject): two dead-lettering events, two copies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_message_rejected_by_two_durables_is_dead_lettered_twice() {
+    let Some(url) = support::nats_url() else {
+        return;
+    };
+    let names = support::Names::fresh("dlq-two-durables");
+    let a = support::config(&url, &names);
+    let mut b = a.clone();
+    b.durable = format!("{}-b", a.durable);
+    let dlq = a.dead_letter_stream_name();
+    let mut src_a = support::source(a).await;
+    let mut src_b = support::source(b).await;
+    let p = support::publisher(&url).await;
+    let key = "poison-for-both";
+    p.publish(OutgoingMessage::new(names.subject.clone(), "{}").with_dedup_key(key))
+        .await
+        .expect("publish");
+    for src in [&mut src_a, &mut src_b] {
+        let got = deliveries(src, 1).await;
+        assert_eq!(got.len(), 1, "each durable gets the message");
+        for d in got {
+            d.reject("poison").await.expect("reject");
+        }
+    }
+    let copies = dead_copies(&url, &dlq, key, 2).await;
+    assert_eq!(copies.len(), 2, "one copy per durable in {dlq}");
+    src_a.close().await.expect("close");
+    src_b.close().await.expect("close");
     support::delete_streams(&url, &[names.stream, dlq]).await;
 }
