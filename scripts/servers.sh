@@ -678,14 +678,38 @@ stop_redis-cluster() {
   log "redis cluster stopped"
 }
 
+# The node on port $1 has loaded its dataset and is in sync: as a replica, its link to
+# its master is up with no sync in progress; as a master, it has replicas and all of them
+# are online (every master of our 3+3 cluster has one).
+cluster_node_synced() {
+  local info replicas
+  info=$(cluster_cli "$1" info persistence 2>/dev/null) || return 1
+  grep -q '^loading:0' <<<"$info" || return 1
+  info=$(cluster_cli "$1" info replication 2>/dev/null) || return 1
+  if grep -q '^role:slave' <<<"$info"; then
+    grep -q '^master_link_status:up' <<<"$info" && grep -q '^master_sync_in_progress:0' <<<"$info"
+  else
+    replicas=$(grep '^slave[0-9][0-9]*:' <<<"$info") || return 1
+    ! grep -qv 'state=online' <<<"$replicas"
+  fi
+}
+
+cluster_all_synced() {
+  local port
+  for port in "${REDIS_CLUSTER_PORTS[@]}"; do cluster_node_synced "$port" || return 1; done
+}
+
 # Start one node of the cluster again (a test killed it); waits until the whole
-# cluster is ok again.
+# cluster is ok again and in sync: the node rejoins as a replica and resyncs, answering
+# LOADING (to CLUSTER FAILOVER too) until it has loaded what its master sent.
 restart_cluster_node() {
   local port=$1
   [[ " ${REDIS_CLUSTER_PORTS[*]} " == *" $port "* ]] || die "port $port is not a redis cluster node (${REDIS_CLUSTER_PORTS[*]})"
   cluster_node_running "$port" || launch_cluster_node "$port"
   wait_ready false cluster_all_ok ||
     die_with_log "redis cluster not ok ${TIMEOUT}s after restarting node $port" "$(cluster_node_dir "$port")/redis.log"
+  wait_ready false cluster_all_synced ||
+    die_with_log "redis cluster not in sync ${TIMEOUT}s after restarting node $port" "$(cluster_node_dir "$port")/redis.log"
   log "redis cluster node $port running again"
 }
 

@@ -4,6 +4,8 @@
 //!   ([`store_contract_tests!`](crate::store_contract_tests));
 //! - [`source`]: every broker adapter's [`Source`](crate::Source) passes it against its real
 //!   broker ([`source_contract_tests!`](crate::source_contract_tests));
+//! - [`ready`]: bounded waits for a server node to be ready before a test acts on it (a
+//!   Redis node still loading its dataset, a JetStream replica not yet current);
 //! - [`servers`]: a test's server URL, or a recorded skip; [`fuzz`]: wire-shaped random bytes
 //!   and text; [`process`], [`switchable`], [`clock_skew`]: helpers for crash, outage and
 //!   clock-skew tests; [`storm`]: keys claimed and completed while a server is disrupted;
@@ -12,6 +14,7 @@
 
 pub mod fuzz;
 pub mod process;
+pub mod ready;
 pub mod reply_cut;
 pub mod servers;
 pub mod source;

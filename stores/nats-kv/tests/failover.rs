@@ -7,6 +7,7 @@
 
 mod support;
 
+use idemq_core::testkit::ready::{poll_until, wait_ready};
 use idemq_core::testkit::servers::server_url;
 use idemq_core::testkit::storm::{engine_storm, storm};
 use idemq_core::{
@@ -27,14 +28,32 @@ static TOPOLOGY: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 struct Cluster {
     kill: String,
     restart: String,
+    /// The client ports of the nodes, from the cluster URL.
+    ports: Vec<String>,
 }
 
 fn cluster() -> Option<(String, Cluster)> {
     let url = cluster_url()?;
     let kill = server_url("IDEMQ_TEST_NATS_CLUSTER_KILL_NODE_CMD")?;
     let restart = server_url("IDEMQ_TEST_NATS_CLUSTER_RESTART_NODE_CMD")?;
-    Some((url, Cluster { kill, restart }))
+    let ports = url
+        .trim_start_matches("nats://")
+        .split(',')
+        .filter_map(|host| host.rsplit_once(':').map(|(_, p)| p.to_string()))
+        .collect();
+    Some((
+        url,
+        Cluster {
+            kill,
+            restart,
+            ports,
+        },
+    ))
 }
+
+/// Bound of a wait for a node: a restarted node catches up on the bucket in seconds; 90 s
+/// means it will not.
+const READY_WITHIN: Duration = Duration::from_secs(90);
 
 async fn stores(url: &str, prefix: &str) -> Vec<Arc<dyn DedupStore>> {
     let mut v: Vec<Arc<dyn DedupStore>> = Vec::new();
@@ -47,19 +66,26 @@ async fn stores(url: &str, prefix: &str) -> Vec<Arc<dyn DedupStore>> {
 /// The client port of the node leading the bucket's stream (servers are named
 /// `idemq-n<port>` by scripts/servers.sh).
 async fn leader_port(s: &NatsKvStore) -> String {
-    let t0 = Instant::now();
-    loop {
-        if let Ok(Some(name)) = s.stream_leader().await {
-            if let Some(port) = name.strip_prefix("idemq-n") {
-                return port.to_string();
-            }
-            panic!("unexpected server name {name}: scripts/servers.sh names nodes idemq-n<port>");
+    let leader = poll_until(Duration::from_secs(60), || async {
+        match s.stream_leader().await {
+            Ok(Some(name)) => Ok(name),
+            Ok(None) => Err("no leader".to_string()),
+            Err(e) => Err(e.to_string()),
         }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "the stream has no leader"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+    })
+    .await;
+    let name = match leader {
+        Ok((name, _)) => name,
+        Err(last) => panic!(
+            "the stream {} has no leader within 60 s; last answer: {last}",
+            s.stream_name()
+        ),
+    };
+    match name.strip_prefix("idemq-n") {
+        Some(port) => port.to_string(),
+        None => {
+            panic!("unexpected server name {name}: scripts/servers.sh names nodes idemq-n<port>")
+        }
     }
 }
 
@@ -107,9 +133,11 @@ async fn writes_again_after(
     }
 }
 
-/// Finds the stream's leader now and SIGKILLs it; returns its port, when, and the guard
-/// that starts it again.
+/// Waits until the stream is whole ([`wait_whole`]: a node restarted by an earlier test may
+/// still be catching up, and killing the leader then leaves no quorum), finds the stream's
+/// leader now and SIGKILLs it; returns its port, when, and the guard that starts it again.
 async fn kill_leader(c: &Cluster, probe: &NatsKvStore) -> (String, Instant, Revive) {
+    wait_whole(c, probe, "before the kill").await;
     let port = leader_port(probe).await;
     let at = Instant::now();
     let revive = Revive {
@@ -160,50 +188,61 @@ impl Drop for Revive {
     }
 }
 
-/// Waits until the stream has a leader and all three replicas are current again, so the
-/// next test (or another engineer's) meets a whole cluster.
-async fn wait_whole(s: &NatsKvStore, restarted: &str) {
-    let js = async_nats::jetstream::new(s.client().clone());
-    let t0 = Instant::now();
-    // The restarted node answers JetStream requests again.
-    loop {
-        let ready = async {
-            let c = async_nats::ConnectOptions::new()
-                .request_timeout(Some(Duration::from_millis(500)))
-                .connect(format!("nats://127.0.0.1:{restarted}"))
-                .await
-                .ok()?;
-            async_nats::jetstream::new(c)
-                .get_stream(s.stream_name())
-                .await
-                .ok()
-        }
-        .await;
-        if ready.is_some() {
-            break;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(90),
-            "the restarted node :{restarted} does not answer"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
+/// `Ok` when the node on `port` answers a JetStream request for `stream` (asked of that
+/// node alone) and the stream it reports has a leader and all `replicas` other replicas
+/// current and online; otherwise what it answered.
+async fn stream_whole_at(port: &str, stream: &str, replicas: usize) -> Result<(), String> {
+    let client = async_nats::ConnectOptions::new()
+        .connection_timeout(Duration::from_millis(500))
+        .request_timeout(Some(Duration::from_millis(500)))
+        .connect(format!("nats://127.0.0.1:{port}"))
+        .await
+        .map_err(|e| format!("connect: {e}"))?;
+    let info = async_nats::jetstream::new(client)
+        .get_stream(stream)
+        .await
+        .map_err(|e| format!("stream info of {stream}: {e}"))?
+        .cached_info()
+        .clone();
+    let cluster = info
+        .cluster
+        .ok_or_else(|| format!("stream info of {stream} without cluster info"))?;
+    let whole = cluster.leader.is_some()
+        && cluster.replicas.len() == replicas
+        && cluster.replicas.iter().all(|r| r.current && !r.offline);
+    if whole {
+        return Ok(());
     }
-    loop {
-        if let Ok(stream) = js.get_stream(s.stream_name()).await {
-            if let Some(c) = &stream.cached_info().cluster {
-                if c.leader.is_some()
-                    && c.replicas.len() == 2
-                    && c.replicas.iter().all(|r| r.current && !r.offline)
-                {
-                    return;
-                }
-            }
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(90),
-            "the cluster did not heal"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
+    let peers: Vec<String> = cluster
+        .replicas
+        .iter()
+        .map(|r| {
+            format!(
+                "{} current={} offline={} lag={:?}",
+                r.name, r.current, r.offline, r.lag
+            )
+        })
+        .collect();
+    Err(format!(
+        "leader {:?}, replicas [{}]",
+        cluster.leader,
+        peers.join(", ")
+    ))
+}
+
+/// Waits until every node answers JetStream requests and the stream has a leader and all
+/// its other replicas current, so that a kill meets a whole cluster (a leader killed while
+/// a replica still catches up leaves no quorum) and the next test, or another engineer's,
+/// meets one too. `when` says at which step, for the failure message.
+async fn wait_whole(c: &Cluster, s: &NatsKvStore, when: &str) {
+    let stream = s.stream_name();
+    let replicas = c.ports.len().saturating_sub(1);
+    for port in &c.ports {
+        let node = format!("NATS cluster node :{port} ({when}, stream {stream})");
+        wait_ready(&node, READY_WITHIN, || {
+            stream_whole_at(port, &stream, replicas)
+        })
+        .await;
     }
 }
 
@@ -223,7 +262,7 @@ async fn killing_the_kv_leader_during_a_claim_storm_loses_nothing_and_runs_nothi
     let (port, killed_at, revive) = killed.lock().unwrap().take().expect("killed");
     let elected = writes_again_after(&probes, &port, killed_at).await;
     revive.now().await;
-    wait_whole(&probe, &port).await;
+    wait_whole(&c, &probe, &format!("after restarting :{port}")).await;
     eprintln!(
         "FAILOVER claim-storm (R3, leader :{port} SIGKILLed): writes accepted again after {elected:?}; {report:?}"
     );
@@ -337,7 +376,7 @@ async fn killing_the_kv_leader_during_completions_loses_none_and_completes_none_
             .expect("worker panicked");
     }
     revive.now().await;
-    wait_whole(&probe, &port).await;
+    wait_whole(&c, &probe, &format!("after restarting :{port}")).await;
     let confirmed = confirmed.lock().unwrap().clone();
     assert!(
         confirmed.iter().all(|c| *c == 1),
@@ -416,7 +455,7 @@ async fn an_engine_storm_over_an_r3_bucket_survives_the_leaders_sigkill() {
             (port, elected)
         })
         .await;
-    wait_whole(&probe, &port).await;
+    wait_whole(c, &probe, &format!("after restarting :{port}")).await;
     let summary = format!(
         "FAILOVER engine storm (R3, leader :{port} SIGKILLed, consumers=6): \
          writes_again_after={elected:?} {report}"
