@@ -119,6 +119,28 @@ impl MemoryStore {
             .lock()
             .map_err(|_| StoreError::Backend("memory store lock poisoned".into()))
     }
+
+    /// Releases `key` if `token` holds it; `unrun` takes back the attempt its claim counted.
+    fn give_back(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        unrun: bool,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        let mut map = self.lock()?;
+        match map.get_mut(key) {
+            Some(r)
+                if r.token == token && r.status == RecordStatus::InProgress && !r.is_released() =>
+            {
+                r.lease_until_ms = 0;
+                if unrun {
+                    r.attempts = r.attempts.saturating_sub(1);
+                }
+                Ok(ReleaseOutcome::Released)
+            }
+            _ => Ok(ReleaseOutcome::Fenced),
+        }
+    }
 }
 
 #[async_trait]
@@ -199,16 +221,15 @@ impl DedupStore for MemoryStore {
         key: &DedupKey,
         token: FencingToken,
     ) -> Result<ReleaseOutcome, StoreError> {
-        let mut map = self.lock()?;
-        match map.get_mut(key) {
-            Some(r)
-                if r.token == token && r.status == RecordStatus::InProgress && !r.is_released() =>
-            {
-                r.lease_until_ms = 0;
-                Ok(ReleaseOutcome::Released)
-            }
-            _ => Ok(ReleaseOutcome::Fenced),
-        }
+        self.give_back(key, token, false)
+    }
+
+    async fn release_unrun(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        self.give_back(key, token, true)
     }
 
     async fn extend(

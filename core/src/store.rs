@@ -204,6 +204,10 @@ pub struct ClaimRequest {
     /// against itself. `None`: the store picks a random one. Tokens must be unique per
     /// acquisition: use [`FencingToken::random`].
     pub token: Option<FencingToken>,
+    /// How many times the broker has delivered this message, this delivery included, when
+    /// it counts (the envelope's `delivery_count`). A store that keeps no record per claim
+    /// (the unique index) counts attempts from it; stores with records ignore it.
+    pub deliveries: Option<u32>,
 }
 
 impl ClaimRequest {
@@ -215,7 +219,13 @@ impl ClaimRequest {
             payload_hash: None,
             worker: None,
             token: None,
+            deliveries: None,
         }
+    }
+    /// Adds the broker's delivery count (see [`ClaimRequest::deliveries`]).
+    pub fn with_deliveries(mut self, n: u32) -> Self {
+        self.deliveries = Some(n);
+        self
     }
     /// Claims with a caller-chosen token (idempotent retries; see [`ClaimRequest::token`]).
     pub fn with_token(mut self, t: FencingToken) -> Self {
@@ -440,6 +450,20 @@ pub trait DedupStore: Send + Sync + 'static {
         key: &DedupKey,
         token: FencingToken,
     ) -> Result<ReleaseOutcome, StoreError>;
+
+    /// Gives the key back, as [`release`](Self::release) does, when its handler did **not**
+    /// run: it was held behind a failing message of its lane, its claim was answered too
+    /// late, or its delivery went stale. The attempt this claim counted is taken back, so a
+    /// message's attempts count runs of its handler, not claims, and a message released
+    /// unrun can never use up its retry budget. The default releases and keeps the count;
+    /// every store of this workspace takes it back.
+    async fn release_unrun(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        self.release(key, token).await
+    }
 
     /// Extends the lease (heartbeat for long handlers).
     async fn extend(

@@ -1255,3 +1255,77 @@ async fn a_broker_unknown_to_the_core_is_keyed_by_its_own_slot_and_counted_under
         "every outcome counted under the broker's own label"
     );
 }
+
+/// A message held behind a failing one of its lane is given back unrun each round; its
+/// attempts count its own runs, so its first real failure is attempt 1, not the number of
+/// rounds it waited (which dead-lettered it: "gave up after 3 attempts" after one run).
+#[tokio::test]
+async fn messages_held_behind_a_failing_one_keep_their_retry_budget() {
+    let broker = MemoryBroker::new();
+    broker.set_ordering(idemq_core::DeliveryOrder::PerKey);
+    for id in ["first", "second"] {
+        broker.publish(payment(id).with_ordering_key("acct-1"));
+    }
+    let runs: Arc<Mutex<Vec<(String, u32)>>> = Arc::default();
+    let seen = runs.clone();
+    let consumer = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        keys(),
+        move |msg: ClaimedMessage| {
+            let seen = seen.clone();
+            async move {
+                let id = msg
+                    .key
+                    .as_str()
+                    .rsplit(':')
+                    .next()
+                    .unwrap_or("")
+                    .to_string();
+                let ran_before = {
+                    let mut r = seen.lock().expect("runs");
+                    let n = r.iter().filter(|(k, _)| *k == id).count();
+                    r.push((id.clone(), msg.attempt));
+                    n
+                };
+                match (id.as_str(), ran_before) {
+                    // Fails twice: the lane is held behind it for two rounds.
+                    ("first", 0 | 1) => Err(HandlerError::retryable("downstream busy")),
+                    // Fails on its own first run.
+                    ("second", 0) => Err(HandlerError::retryable("downstream busy")),
+                    _ => Ok(None),
+                }
+            }
+        },
+    )
+    .with_config(ConsumerConfig {
+        ordering: idemq_core::DeliveryOrder::PerKey,
+        retry: idemq_core::RetryPolicy::fixed(Duration::from_millis(10)).with_max_attempts(3),
+        ..fast()
+    });
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        consumer.run_until_idle(&mut broker.subscribe()),
+    )
+    .await
+    .expect("the run ends")
+    .expect("run");
+    let runs = runs.lock().expect("runs").clone();
+    let of = |id: &str| -> Vec<u32> {
+        runs.iter()
+            .filter(|(k, _)| k == id)
+            .map(|(_, a)| *a)
+            .collect()
+    };
+    assert!(
+        broker.dead_letters().is_empty(),
+        "{:?}",
+        broker.dead_letters()
+    );
+    assert_eq!(of("first"), vec![1, 2, 3], "{runs:?}");
+    assert_eq!(
+        of("second"),
+        vec![1, 2],
+        "attempts count runs of the handler, not claims: {runs:?}"
+    );
+    assert_eq!(broker.acked(), 2);
+}

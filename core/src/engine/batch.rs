@@ -433,6 +433,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                 // One token per message per batch, kept across retries of the claim, so a
                 // retry after a lost reply gets back the lease it already holds.
                 token: Some(FencingToken::random()),
+                deliveries: it.delivery.envelope.delivery_count,
             })
             .collect();
         match self
@@ -568,7 +569,7 @@ impl<H: Handler> IdempotentConsumer<H> {
             }
         };
         live.remove(index);
-        self.release(&item.key, token).await;
+        self.release(&item.key, token, false).await;
         self.settle_item(item, Settlement::Nack(delay), outcome)
             .await;
         holds_lane.then_some(delay)
@@ -598,19 +599,11 @@ impl<H: Handler> IdempotentConsumer<H> {
         let watch = live.watch(index);
         let placeholder = Envelope::new(item.delivery.envelope.broker, "", Bytes::new());
         let envelope = Arc::new(std::mem::replace(&mut item.delivery.envelope, placeholder));
-        let attempt = match mode {
-            // No record counts attempts across deliveries: the broker's count, when it
-            // keeps one, is the better floor.
-            ClaimMode::InEffectTransaction => {
-                lease.attempt.max(envelope.delivery_count.unwrap_or(1))
-            }
-            _ => lease.attempt,
-        };
         let msg = ClaimedMessage::new(
             envelope.clone(),
             item.key.clone(),
             lease.token,
-            attempt,
+            lease.attempt,
             lease.takeover,
             watch,
         )
@@ -870,7 +863,7 @@ impl<H: Handler> IdempotentConsumer<H> {
                 }
                 Verdict::NotRun(delay) => {
                     live.remove(item.index);
-                    self.release(&item.key, lease.token).await;
+                    self.release(&item.key, lease.token, false).await;
                     self.settle_item(item, Settlement::Nack(delay), Outcome::DEFERRED)
                         .await;
                 }
@@ -1164,7 +1157,7 @@ impl<H: Handler> IdempotentConsumer<H> {
     ) {
         live.remove(item.index);
         if let Some(token) = token {
-            self.release(&item.key, token).await;
+            self.release(&item.key, token, true).await;
         }
         match how {
             Settlement::Reject(reason) => self.dead_letter(item, reason).await,
@@ -1181,9 +1174,16 @@ impl<H: Handler> IdempotentConsumer<H> {
             .await;
     }
 
-    async fn release(&self, key: &DedupKey, token: FencingToken) {
-        // Best effort: if it fails the lease simply expires and the key is taken over.
-        if let Err(e) = self.store.release(key, token).await {
+    /// Gives a key back. One whose handler did not run (`ran` false) has its claim's
+    /// attempt taken back, so attempts count runs of the handler.
+    async fn release(&self, key: &DedupKey, token: FencingToken, ran: bool) {
+        let released = match ran {
+            true => self.store.release(key, token).await,
+            false => self.store.release_unrun(key, token).await,
+        };
+        // Best effort: if it fails the lease simply expires and the key is taken over (a
+        // takeover counts an attempt: it cannot know whether the handler ran).
+        if let Err(e) = released {
             metrics::counter!(m::STORE_ERRORS, "op" => "release").increment(1);
             tracing::warn!(%key, error = %e, "release failed; the key frees up when its lease ends");
         }

@@ -382,6 +382,47 @@ pub async fn extend_batch_answers_each_lease(h: &Handles) {
     );
 }
 
+/// A claim given back without its handler running does not count an attempt: attempts
+/// count runs, so a message held behind a failing one cannot use up its retry budget.
+pub async fn an_unrun_release_takes_back_its_attempt(h: &Handles) {
+    let g = group();
+    let k = key(&g, "held-behind");
+    let s = &h[0];
+    for round in 0..3 {
+        let l = acquire(s, &k, LONG).await;
+        assert_eq!(
+            l.attempt, 1,
+            "round {round}: claims given back unrun are not attempts"
+        );
+        assert_eq!(
+            s.release_unrun(&k, l.token).await.expect("release_unrun"),
+            ReleaseOutcome::Released
+        );
+        assert_eq!(
+            s.release_unrun(&k, l.token).await.expect("release_unrun"),
+            ReleaseOutcome::Fenced,
+            "a second release of the token is fenced (and takes back nothing)"
+        );
+    }
+    // A run that failed counts; the unrun claims around it do not.
+    let ran = acquire(&h[h.len() - 1], &k, LONG).await;
+    assert_eq!(ran.attempt, 1);
+    assert_eq!(
+        s.release(&k, ran.token).await.expect("release"),
+        ReleaseOutcome::Released
+    );
+    let held = acquire(s, &k, LONG).await;
+    assert_eq!(held.attempt, 2, "one failed run before this claim");
+    assert_eq!(
+        s.release_unrun(&k, held.token)
+            .await
+            .expect("release_unrun"),
+        ReleaseOutcome::Released
+    );
+    let next = acquire(s, &k, LONG).await;
+    assert_eq!(next.attempt, 2, "still one failed run");
+}
+
 /// Release gives the key back at once; a second release with the same token is fenced.
 pub async fn release_makes_the_key_claimable(h: &Handles) {
     let g = group();
@@ -815,6 +856,7 @@ macro_rules! store_contract_tests {
             extend_keeps_the_lease,
             extend_batch_answers_each_lease,
             release_makes_the_key_claimable,
+            an_unrun_release_takes_back_its_attempt,
             retention_expiry_and_purge,
             payload_conflict_is_reported,
             stored_result_is_returned,

@@ -75,6 +75,14 @@ impl DedupStore for SwitchableStore {
         self.check()?;
         self.inner.release(key, token).await
     }
+    async fn release_unrun(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        self.check()?;
+        self.inner.release_unrun(key, token).await
+    }
     async fn extend(
         &self,
         key: &DedupKey,

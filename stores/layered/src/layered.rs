@@ -471,6 +471,41 @@ impl LayeredStore {
         }
     }
 
+    /// Releases `key` on the store its claim was made on (the primary's `Fenced` is asked
+    /// of the fallback, as `by_route` does); `unrun` takes back the claim's attempt.
+    async fn give_back(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        unrun: bool,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        let release = |store: Arc<dyn DedupStore>| {
+            let key = key.clone();
+            async move {
+                match unrun {
+                    true => store.release_unrun(&key, token).await,
+                    false => store.release(&key, token).await,
+                }
+            }
+        };
+        let out = match (self.route(key, token), &self.fallback) {
+            (Route::Fallback, Some(fb)) => release(fb.store.clone()).await?,
+            (_, fb) => match release(self.primary.clone()).await? {
+                ReleaseOutcome::Fenced => match fb {
+                    Some(fb) => release(fb.store.clone())
+                        .await
+                        .unwrap_or(ReleaseOutcome::Fenced),
+                    None => ReleaseOutcome::Fenced,
+                },
+                r => r,
+            },
+        };
+        if out == ReleaseOutcome::Released {
+            self.claims.remove(key);
+        }
+        Ok(out)
+    }
+
     /// Sends each of `items` (a completion, a lease) to the store its claim was made on, in
     /// one `call` per store; the answers are in the order of `items`. The fallback's share
     /// goes first: a primary still down must not keep the fallback's completions from
@@ -876,24 +911,15 @@ impl DedupStore for LayeredStore {
         key: &DedupKey,
         token: FencingToken,
     ) -> Result<ReleaseOutcome, StoreError> {
-        let out = match (self.route(key, token), &self.fallback) {
-            (Route::Fallback, Some(fb)) => fb.store.release(key, token).await?,
-            (_, fb) => match self.primary.release(key, token).await? {
-                ReleaseOutcome::Fenced => match fb {
-                    Some(fb) => fb
-                        .store
-                        .release(key, token)
-                        .await
-                        .unwrap_or(ReleaseOutcome::Fenced),
-                    None => ReleaseOutcome::Fenced,
-                },
-                r => r,
-            },
-        };
-        if out == ReleaseOutcome::Released {
-            self.claims.remove(key);
-        }
-        Ok(out)
+        self.give_back(key, token, false).await
+    }
+
+    async fn release_unrun(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        self.give_back(key, token, true).await
     }
 
     async fn extend(

@@ -246,6 +246,35 @@ impl NatsKvStore {
         Err(contended(key))
     }
 
+    /// Releases `key` if `token` holds it; `unrun` takes back the attempt its claim counted.
+    async fn give_back(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        unrun: bool,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        let now = self.now().await?;
+        let ttl = self.in_progress_ttl(now, now);
+        self.fenced_update(
+            key,
+            token,
+            ReleaseOutcome::Fenced,
+            |r| {
+                (r.status == RecordStatus::Completed || r.is_released())
+                    .then_some(ReleaseOutcome::Fenced)
+            },
+            |r| {
+                let mut new = r.clone();
+                new.lease_until_ms = 0;
+                if unrun {
+                    new.attempts = new.attempts.saturating_sub(1);
+                }
+                (new, ttl, ReleaseOutcome::Released)
+            },
+        )
+        .await
+    }
+
     async fn complete_one(&self, c: &Completion, now: i64) -> Result<CompleteOutcome, StoreError> {
         let ttl = c.retention.saturating_add(self.inner.opts.completed_grace);
         self.fenced_update(
@@ -402,23 +431,15 @@ impl DedupStore for NatsKvStore {
         key: &DedupKey,
         token: FencingToken,
     ) -> Result<ReleaseOutcome, StoreError> {
-        let now = self.now().await?;
-        let ttl = self.in_progress_ttl(now, now);
-        self.fenced_update(
-            key,
-            token,
-            ReleaseOutcome::Fenced,
-            |r| {
-                (r.status == RecordStatus::Completed || r.is_released())
-                    .then_some(ReleaseOutcome::Fenced)
-            },
-            |r| {
-                let mut new = r.clone();
-                new.lease_until_ms = 0;
-                (new, ttl, ReleaseOutcome::Released)
-            },
-        )
-        .await
+        self.give_back(key, token, false).await
+    }
+
+    async fn release_unrun(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        self.give_back(key, token, true).await
     }
 
     async fn extend(

@@ -219,8 +219,9 @@ end
 return {1}
 "#;
 
-/// `KEYS[1]`; `ARGV` = unused, token, in-progress grace ms. Reply 1 released, 0 fenced (not
-/// the token's, completed, or already released), 9 unreadable.
+/// `KEYS[1]`; `ARGV` = unused, token, in-progress grace ms, `1` when the handler did not
+/// run (the claim's attempt is taken back). Reply 1 released, 0 fenced (not the token's,
+/// completed, or already released), 9 unreadable.
 const RELEASE_BODY: &str = r#"
 local v = redis.pcall('GET', KEYS[1])
 if type(v) == 'table' then return 9 end
@@ -228,7 +229,10 @@ if not v then return 0 end
 local r = parse(v)
 if not r then return 9 end
 if r.tok ~= ARGV[2] or r.st ~= '0' or r.lu == 0 then return 0 end
-local nv = 'i1|0|' .. r.body .. '0|' .. r.atts .. '|' .. r.fs .. '|' .. r.cm .. '|' .. r.ex ..
+local atts = r.atts
+local n = tonumber(atts)
+if ARGV[4] == '1' and n and n > 0 then atts = string.format('%d', n - 1) end
+local nv = 'i1|0|' .. r.body .. '0|' .. atts .. '|' .. r.fs .. '|' .. r.cm .. '|' .. r.ex ..
   '|' .. r.tail
 redis.call('SET', KEYS[1], nv, 'PX', tonumber(ARGV[3]))
 return 1

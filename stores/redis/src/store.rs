@@ -257,6 +257,38 @@ impl RedisStore {
         }
         Some(DedupKey::from_stored(rest))
     }
+
+    /// Releases `key` if `token` holds it; `unrun` takes back the attempt its claim counted.
+    async fn give_back(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        unrun: bool,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        let rk = self.redis_key(key);
+        let mut c = redis::cmd("EVALSHA");
+        c.arg(&lua::RELEASE.sha)
+            .arg(1)
+            .arg(&rk)
+            .arg(0)
+            .arg(token.0)
+            .arg(self.cfg.in_progress_grace_ms)
+            .arg(if unrun { "1" } else { "0" });
+        // Not waited for: a release lost in a failover only delays the key to its lease end.
+        let v = self
+            .eval_many(
+                &lua::RELEASE,
+                std::slice::from_ref(&c),
+                &[self.slot_of(rk.as_bytes())],
+                false,
+            )
+            .await?;
+        match v.first().map(Self::int).transpose()? {
+            Some(1) => Ok(ReleaseOutcome::Released),
+            Some(0) => Ok(ReleaseOutcome::Fenced),
+            _ => Err(Self::corrupt(key, "not an idemq record")),
+        }
+    }
 }
 
 #[async_trait]
@@ -277,28 +309,15 @@ impl DedupStore for RedisStore {
         key: &DedupKey,
         token: FencingToken,
     ) -> Result<ReleaseOutcome, StoreError> {
-        let rk = self.redis_key(key);
-        let mut c = redis::cmd("EVALSHA");
-        c.arg(&lua::RELEASE.sha)
-            .arg(1)
-            .arg(&rk)
-            .arg(0)
-            .arg(token.0)
-            .arg(self.cfg.in_progress_grace_ms);
-        // Not waited for: a release lost in a failover only delays the key to its lease end.
-        let v = self
-            .eval_many(
-                &lua::RELEASE,
-                std::slice::from_ref(&c),
-                &[self.slot_of(rk.as_bytes())],
-                false,
-            )
-            .await?;
-        match v.first().map(Self::int).transpose()? {
-            Some(1) => Ok(ReleaseOutcome::Released),
-            Some(0) => Ok(ReleaseOutcome::Fenced),
-            _ => Err(Self::corrupt(key, "not an idemq record")),
-        }
+        self.give_back(key, token, false).await
+    }
+
+    async fn release_unrun(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        self.give_back(key, token, true).await
     }
 
     async fn extend(

@@ -27,6 +27,13 @@ impl<DB: SqlBackend> SqlStore<DB> {
                 "the fence table must differ from the dedup and keys tables (`{fence_table}`)"
             )));
         }
+        let attempts_table = options.attempts_table()?;
+        if [&options.table, &keys_table, &fence_table].contains(&&attempts_table) {
+            return Err(StoreError::Config(format!(
+                "the attempts table must differ from the dedup, keys and fence tables \
+                 (`{attempts_table}`)"
+            )));
+        }
         let mariadb = if DB::DIALECT == Dialect::MySql {
             let mut conn = pool
                 .acquire()
@@ -66,6 +73,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
             options: Arc::new(options),
             keys_table,
             fence_table,
+            attempts_table,
         };
         if store.options.migrate {
             store.migrate().await?;
@@ -81,6 +89,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
             &self.options.table,
             &self.keys_table,
             &self.fence_table,
+            &self.attempts_table,
         )
         .await
     }

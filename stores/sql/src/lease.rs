@@ -28,18 +28,24 @@ fn collect_extended(rows: &[Row], out: &mut HashMap<String, i64>) -> Result<(), 
 
 impl<DB: SqlBackend> SqlStore<DB> {
     // The store operation behind [`DedupStore`]; `store::detached` runs it on its own task.
+    // `unrun`: the handler did not run, so the claim's attempt is taken back.
     pub(crate) async fn release_here(
         &self,
         key: &DedupKey,
         token: FencingToken,
+        unrun: bool,
     ) -> Result<ReleaseOutcome, StoreError> {
         check_key(key)?;
         let mut conn = self.acquire().await?;
+        let sql = match unrun {
+            true => &self.q.release_unrun,
+            false => &self.q.release,
+        };
         let n = retry_now!(
             "release",
             DB::execute(
                 &mut conn,
-                &self.q.release,
+                sql,
                 vec![Val::Key(key.as_str().to_owned()), Val::I64(Some(token.0))],
             )
         )?;

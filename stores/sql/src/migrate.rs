@@ -4,7 +4,8 @@
 //! The applied version is kept per dedup table in `idemq_schema_version`. Migrations run
 //! under a lock (SQLite `BEGIN IMMEDIATE`, a PostgreSQL advisory lock, MySQL `GET_LOCK`) so
 //! many processes starting at once apply each file exactly once. The placeholders `{table}`,
-//! `{keys_table}` and `{fence_table}` are replaced by validated identifiers only.
+//! `{keys_table}`, `{fence_table}` and `{attempts_table}` are replaced by validated
+//! identifiers only.
 
 use crate::backend::{map_sqlx_error, Dialect, Kind, SqlBackend, Val};
 use crate::ident::TableName;
@@ -25,11 +26,18 @@ pub struct Migration {
     pub sql: &'static str,
 }
 
-const SQLITE: &[Migration] = &[Migration {
-    version: 1,
-    name: "0001_dedup_table.sql",
-    sql: include_str!("../migrations/sqlite/0001_dedup_table.sql"),
-}];
+const SQLITE: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "0001_dedup_table.sql",
+        sql: include_str!("../migrations/sqlite/0001_dedup_table.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "0002_attempts_table.sql",
+        sql: include_str!("../migrations/sqlite/0002_attempts_table.sql"),
+    },
+];
 
 const POSTGRES: &[Migration] = &[
     Migration {
@@ -41,6 +49,11 @@ const POSTGRES: &[Migration] = &[
         version: 2,
         name: "0002_fence_table.sql",
         sql: include_str!("../migrations/postgres/0002_fence_table.sql"),
+    },
+    Migration {
+        version: 3,
+        name: "0003_attempts_table.sql",
+        sql: include_str!("../migrations/postgres/0003_attempts_table.sql"),
     },
 ];
 
@@ -54,6 +67,11 @@ const MYSQL: &[Migration] = &[
         version: 2,
         name: "0002_fence_table.sql",
         sql: include_str!("../migrations/mysql/0002_fence_table.sql"),
+    },
+    Migration {
+        version: 3,
+        name: "0003_attempts_table.sql",
+        sql: include_str!("../migrations/mysql/0003_attempts_table.sql"),
     },
 ];
 
@@ -102,16 +120,17 @@ pub fn latest_version(dialect: Dialect) -> i64 {
 /// Substitutes the table names and splits a migration into statements (one per `;` at the
 /// end of a line; `--` comment lines dropped).
 pub fn render(sql: &str, table: &TableName, keys_table: &TableName) -> Vec<String> {
-    render_with(sql, table, keys_table, None)
+    render_with(sql, table, keys_table, &[])
 }
 
-/// [`render`], also substituting `{fence_table}` (left as is when `None`: a migration that
-/// names it then fails, never touching another table).
+/// [`render`], also substituting each `(placeholder, name)` of `extra`, e.g.
+/// `("{fence_table}", …)` (a placeholder not given is left as is: a migration that names it
+/// then fails, never touching another table).
 pub fn render_with(
     sql: &str,
     table: &TableName,
     keys_table: &TableName,
-    fence_table: Option<&TableName>,
+    extra: &[(&str, &TableName)],
 ) -> Vec<String> {
     let mut text: String = sql
         .lines()
@@ -119,8 +138,8 @@ pub fn render_with(
         .collect::<Vec<_>>()
         .join("\n")
         .replace("{keys_table}", keys_table.as_str());
-    if let Some(f) = fence_table {
-        text = text.replace("{fence_table}", f.as_str());
+    for (placeholder, name) in extra {
+        text = text.replace(placeholder, name.as_str());
     }
     let text = text.replace("{table}", table.as_str());
     text.split(";\n")
@@ -138,13 +157,17 @@ pub(crate) async fn run<DB: SqlBackend>(
     table: &TableName,
     keys_table: &TableName,
     fence_table: &TableName,
+    attempts_table: &TableName,
 ) -> Result<i64, StoreError> {
     run_named::<DB>(
         pool,
         migrations(DB::DIALECT),
         table,
         keys_table,
-        Some(fence_table),
+        &[
+            ("{fence_table}", fence_table),
+            ("{attempts_table}", attempts_table),
+        ],
     )
     .await
 }
@@ -156,7 +179,7 @@ pub(crate) async fn run_set<DB: SqlBackend>(
     table: &TableName,
     keys_table: &TableName,
 ) -> Result<i64, StoreError> {
-    run_named::<DB>(pool, set, table, keys_table, None).await
+    run_named::<DB>(pool, set, table, keys_table, &[]).await
 }
 
 async fn run_named<DB: SqlBackend>(
@@ -164,7 +187,7 @@ async fn run_named<DB: SqlBackend>(
     set: &'static [Migration],
     table: &TableName,
     keys_table: &TableName,
-    fence_table: Option<&TableName>,
+    extra: &[(&str, &TableName)],
 ) -> Result<i64, StoreError> {
     let err = |e| map_sqlx_error::<DB>("migration", e);
     match DB::DIALECT {
@@ -183,7 +206,7 @@ async fn run_named<DB: SqlBackend>(
                     "mysql migration: timed out waiting for the migration lock".into(),
                 ));
             }
-            let res = apply::<DB>(&mut conn, set, table, keys_table, fence_table).await;
+            let res = apply::<DB>(&mut conn, set, table, keys_table, extra).await;
             let unlock = DB::execute(
                 &mut conn,
                 "SELECT RELEASE_LOCK(?)",
@@ -210,7 +233,7 @@ async fn run_named<DB: SqlBackend>(
                 .await
                 .map_err(err)?;
             }
-            let version = apply::<DB>(&mut tx, set, table, keys_table, fence_table).await?;
+            let version = apply::<DB>(&mut tx, set, table, keys_table, extra).await?;
             tx.commit().await.map_err(err)?;
             Ok(version)
         }
@@ -222,7 +245,7 @@ async fn apply<DB: SqlBackend>(
     set: &'static [Migration],
     table: &TableName,
     keys_table: &TableName,
-    fence_table: Option<&TableName>,
+    extra: &[(&str, &TableName)],
 ) -> Result<i64, StoreError> {
     let d = DB::DIALECT;
     let err = |e| map_sqlx_error::<DB>("migration", e);
@@ -267,7 +290,7 @@ async fn apply<DB: SqlBackend>(
     let mut version = from;
     for m in set.iter().filter(|m| m.version > from) {
         tracing::info!(table = %table, backend = d.name(), migration = m.name, "applying idemq migration");
-        for stmt in render_with(m.sql, table, keys_table, fence_table) {
+        for stmt in render_with(m.sql, table, keys_table, extra) {
             DB::execute(conn, &stmt, vec![])
                 .await
                 .map_err(|e| map_sqlx_error::<DB>(&format!("migration {} ({stmt})", m.name), e))?;

@@ -60,6 +60,9 @@ pub struct SqlStoreOptions {
     /// tombstones (default `<table>_fence`; see
     /// [`SqlStore::complete_in_tx`](crate::SqlStore::complete_in_tx)).
     pub fence_table: Option<TableName>,
+    /// The unique-index strategy's attempt counts per key (default `<table>_attempts`; see
+    /// [`SqlStore::unique_index`](crate::SqlStore::unique_index)).
+    pub attempts_table: Option<TableName>,
     /// PostgreSQL and MySQL: connections of the heartbeat's own pool (default 2), used by
     /// [`DedupStore::extend`](idemq_core::DedupStore::extend) /
     /// [`DedupStore::extend_batch`](idemq_core::DedupStore::extend_batch) only, so renewing
@@ -85,6 +88,7 @@ impl Default for SqlStoreOptions {
             sqlite_synchronous: SqliteSynchronous::Full,
             max_batch: 500,
             fence_table: None,
+            attempts_table: None,
             heartbeat_connections: 2,
         }
     }
@@ -116,6 +120,21 @@ impl SqlStoreOptions {
 }
 
 impl SqlStoreOptions {
+    /// The attempts table: [`SqlStoreOptions::attempts_table`] or `<table>_attempts` (an
+    /// error when that would exceed the identifier limit: set it explicitly).
+    pub fn attempts_table(&self) -> Result<TableName, StoreError> {
+        match &self.attempts_table {
+            Some(a) => Ok(a.clone()),
+            None => self.table.with_suffix("_attempts").map_err(|_| {
+                StoreError::Config(format!(
+                    "dedup table name `{}` is too long to derive the attempts table \
+                     `{}_attempts`: set SqlStoreOptions::attempts_table explicitly",
+                    self.table, self.table
+                ))
+            }),
+        }
+    }
+
     /// The fence table: [`SqlStoreOptions::fence_table`] or `<table>_fence` (an error when
     /// that would exceed the identifier limit: set it explicitly).
     pub fn fence_table(&self) -> Result<TableName, StoreError> {

@@ -205,6 +205,9 @@ pub(crate) struct Queries {
     pub get: String,
     /// `?key ?token` → rows affected.
     pub release: String,
+    /// [`Queries::release`] that also takes back the attempt the claim counted (the
+    /// handler did not run).
+    pub release_unrun: String,
     /// `SELECT <the database's clock>` → one row, one integer.
     pub now: String,
     /// `?result ?retention_ms ?key ?token` → rows affected.
@@ -408,6 +411,11 @@ impl Queries {
             release: p(format!(
                 "UPDATE {t} SET lease_until_ms = 0 WHERE dedup_key = ? AND token = ? AND status = 0 \
                  AND lease_until_ms > 0"
+            )),
+            release_unrun: p(format!(
+                "UPDATE {t} SET lease_until_ms = 0, \
+                 attempts = CASE WHEN attempts > 0 THEN attempts - 1 ELSE 0 END \
+                 WHERE dedup_key = ? AND token = ? AND status = 0 AND lease_until_ms > 0"
             )),
             now: format!("SELECT {now}"),
             complete_one: p(complete_one("?")),

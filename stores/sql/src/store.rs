@@ -40,6 +40,7 @@ pub struct SqlStore<DB: SqlBackend> {
     pub(crate) options: Arc<SqlStoreOptions>,
     pub(crate) keys_table: TableName,
     pub(crate) fence_table: TableName,
+    pub(crate) attempts_table: TableName,
 }
 
 impl<DB: SqlBackend> Clone for SqlStore<DB> {
@@ -51,6 +52,7 @@ impl<DB: SqlBackend> Clone for SqlStore<DB> {
             options: self.options.clone(),
             keys_table: self.keys_table.clone(),
             fence_table: self.fence_table.clone(),
+            attempts_table: self.attempts_table.clone(),
         }
     }
 }
@@ -91,11 +93,18 @@ impl<DB: SqlBackend> SqlStore<DB> {
         self.q.fence.as_ref().map(|_| &self.fence_table)
     }
 
+    /// The unique-index strategy's attempt counts (see [`SqlStore::unique_index`]).
+    pub fn attempts_table(&self) -> &TableName {
+        &self.attempts_table
+    }
+
     /// Every table the store keeps its records in (the dedup table, the keys table, the
-    /// fence table where there is one), e.g. to drop a store made for one test or benchmark.
+    /// fence table where there is one, the attempts table), e.g. to drop a store made for
+    /// one test or benchmark.
     pub fn tables(&self) -> Vec<&TableName> {
         let mut all = vec![self.table(), self.keys_table()];
         all.extend(self.fence_table());
+        all.push(self.attempts_table());
         all
     }
 
@@ -182,7 +191,16 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
         token: FencingToken,
     ) -> Result<ReleaseOutcome, StoreError> {
         let (this, key) = (self.clone(), key.clone());
-        detached(async move { this.release_here(&key, token).await }).await
+        detached(async move { this.release_here(&key, token, false).await }).await
+    }
+
+    async fn release_unrun(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        let (this, key) = (self.clone(), key.clone());
+        detached(async move { this.release_here(&key, token, true).await }).await
     }
 
     async fn extend(

@@ -23,6 +23,17 @@
 //! duplicate. A commit whose answer was lost is settled the same way: nacked, and the
 //! redelivery finds the key if the commit happened.
 //!
+//! Attempts: the keys table holds only keys whose effect committed, so the retry policy's
+//! count lives in the store's attempts table ([`SqlStore::attempts_table`]): a run of the
+//! handler that failed and a claim given back without a run (held behind a failing message
+//! of its lane, a claim answered late, a stale delivery) are each counted there, durably and
+//! for every consumer of the group. A claim reads it only for a redelivery (the broker's
+//! delivery count above 1), so a first delivery costs no round trip; its attempt is the
+//! deliveries less the claims given back unrun (a run cut short by a crash counts, as it may
+//! have applied its effect before the rollback), and at least one more than the failures
+//! counted. A broker that counts no deliveries across restarts (Kafka: the count is the
+//! source's own) starts a message that comes back after a restart at its first attempt.
+//!
 //! What it cannot do: effects outside this database (an HTTP call, a publish) are not in
 //! the transaction — give the consumer the [`SqlStore`] itself (leases) for those. There is
 //! no stored result to replay to duplicates (`on_duplicate` is not called), and no "in
@@ -60,12 +71,7 @@ use idemq_core::{
     StoreError,
 };
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
-
-/// Failed attempts remembered per key before the map is cleared (then the broker's
-/// delivery count is what remains).
-const MAX_REMEMBERED_FAILURES: usize = 100_000;
 
 /// A [`SqlStore`]'s keys table as the consumer's store: the unique-index strategy (see the
 /// module docs). Made by [`SqlStore::unique_index`]; run it with the store's
@@ -74,9 +80,6 @@ const MAX_REMEMBERED_FAILURES: usize = 100_000;
 pub struct UniqueIndexStore<DB: SqlBackend> {
     store: SqlStore<DB>,
     retention: Duration,
-    /// Failed attempts per key, for the retry policy: no record counts them across
-    /// deliveries (the engine also takes the broker's delivery count when it has one).
-    failures: Arc<Mutex<HashMap<DedupKey, u32>>>,
 }
 
 impl<DB: SqlBackend> Clone for UniqueIndexStore<DB> {
@@ -84,7 +87,6 @@ impl<DB: SqlBackend> Clone for UniqueIndexStore<DB> {
         Self {
             store: self.store.clone(),
             retention: self.retention,
-            failures: self.failures.clone(),
         }
     }
 }
@@ -107,7 +109,6 @@ impl<DB: SqlBackend> SqlStore<DB> {
         UniqueIndexStore {
             store: self.clone(),
             retention: Duration::from_secs(7 * 24 * 3600),
-            failures: Arc::default(),
         }
     }
 }
@@ -126,12 +127,61 @@ impl<DB: SqlBackend> UniqueIndexStore<DB> {
         &self.store
     }
 
-    fn failed_before(&self, key: &DedupKey) -> u32 {
-        let seen = self.failures.lock().unwrap_or_else(|p| p.into_inner());
-        match seen.is_empty() {
-            true => 0,
-            false => seen.get(key).copied().unwrap_or(0),
+    /// The (failures, unrun) counts of `keys` that have any.
+    async fn counts(&self, keys: &[&DedupKey]) -> Result<HashMap<String, (i64, i64)>, StoreError> {
+        let marks = vec!["?"; keys.len()].join(", ");
+        let sql = DB::DIALECT.placeholders(format!(
+            "SELECT dedup_key, failures, unrun FROM {} WHERE dedup_key IN ({marks})",
+            self.store.attempts_table()
+        ));
+        let args = keys
+            .iter()
+            .map(|k| Val::Key(k.as_str().to_owned()))
+            .collect();
+        let mut conn = self.store.acquire().await?;
+        let rows = DB::fetch(&mut conn, &sql, args, &[Kind::Text, Kind::I64, Kind::I64])
+            .await
+            .map_err(|e| map_sqlx_error::<DB>("read attempts", e))?;
+        let mut out = HashMap::with_capacity(rows.len());
+        for r in &rows {
+            if let (Ok(k), Ok(f), Ok(u)) = (r.text(0), r.i64(1), r.i64(2)) {
+                out.insert(k.to_owned(), (f, u));
+            }
         }
+        Ok(out)
+    }
+
+    /// Adds one failed run (`ran`) or one claim given back unrun to `key`'s counts.
+    async fn count(&self, key: &DedupKey, ran: bool) -> Result<(), StoreError> {
+        let a = self.store.attempts_table();
+        let upsert = match DB::DIALECT {
+            Dialect::MySql => format!(
+                "INSERT INTO {a} (dedup_key, failures, unrun, updated_ms) VALUES (?, ?, ?, {now}) \
+                 ON DUPLICATE KEY UPDATE failures = failures + VALUES(failures), \
+                 unrun = unrun + VALUES(unrun), updated_ms = VALUES(updated_ms)",
+                now = DB::DIALECT.now_ms_sql()
+            ),
+            Dialect::Postgres | Dialect::Sqlite => format!(
+                "INSERT INTO {a} (dedup_key, failures, unrun, updated_ms) VALUES (?, ?, ?, {now}) \
+                 ON CONFLICT (dedup_key) DO UPDATE SET failures = {a}.failures + excluded.failures, \
+                 unrun = {a}.unrun + excluded.unrun, updated_ms = excluded.updated_ms",
+                now = DB::DIALECT.now_ms_sql()
+            ),
+        };
+        let (failures, unrun) = if ran { (1, 0) } else { (0, 1) };
+        let mut conn = self.store.acquire().await?;
+        DB::execute(
+            &mut conn,
+            &DB::DIALECT.placeholders(upsert),
+            vec![
+                Val::Key(key.as_str().to_owned()),
+                Val::I64(Some(failures)),
+                Val::I64(Some(unrun)),
+            ],
+        )
+        .await
+        .map_err(|e| map_sqlx_error::<DB>("count attempt", e))?;
+        Ok(())
     }
 
     fn key_sql(&self, sql: &str) -> String {
@@ -145,16 +195,29 @@ impl<DB: SqlBackend> DedupStore for UniqueIndexStore<DB> {
         ClaimMode::InEffectTransaction
     }
 
-    /// Hands every key out (no round trip): the handler's transaction claims it.
+    /// Hands every key out: the handler's transaction claims it. A first delivery costs no
+    /// round trip; the attempt counts of redeliveries are read in one (module docs).
     async fn claim_batch(&self, reqs: &[ClaimRequest]) -> Result<Vec<ClaimOutcome>, StoreError> {
+        let redelivered: Vec<&DedupKey> = reqs
+            .iter()
+            .filter(|r| r.deliveries.is_some_and(|n| n > 1))
+            .map(|r| &r.key)
+            .collect();
+        let counts = match redelivered.is_empty() {
+            true => HashMap::new(),
+            false => self.counts(&redelivered).await?,
+        };
         let until_ms = now_ms();
         Ok(reqs
             .iter()
             .map(|r| {
+                let (failures, unrun) = counts.get(r.key.as_str()).copied().unwrap_or((0, 0));
+                let runs = i64::from(r.deliveries.unwrap_or(1)) - unrun;
+                let attempt = runs.max(failures + 1).clamp(1, i64::from(u32::MAX));
                 ClaimOutcome::Acquired(Lease {
                     token: r.token.unwrap_or_else(FencingToken::random),
                     until_ms: until_ms.saturating_add(r.lease.as_millis() as i64),
-                    attempt: self.failed_before(&r.key) + 1,
+                    attempt: u32::try_from(attempt).unwrap_or(u32::MAX),
                     takeover: false,
                 })
             })
@@ -173,17 +236,23 @@ impl<DB: SqlBackend> DedupStore for UniqueIndexStore<DB> {
         ))
     }
 
-    /// Counts a failed attempt of `key` (nothing is stored to give back).
+    /// Counts a failed run of `key` in the attempts table (nothing else is held).
     async fn release(
         &self,
         key: &DedupKey,
         _token: FencingToken,
     ) -> Result<ReleaseOutcome, StoreError> {
-        let mut seen = self.failures.lock().unwrap_or_else(|p| p.into_inner());
-        if seen.len() >= MAX_REMEMBERED_FAILURES {
-            seen.clear();
-        }
-        *seen.entry(key.clone()).or_default() += 1;
+        self.count(key, true).await?;
+        Ok(ReleaseOutcome::Released)
+    }
+
+    /// Counts a claim given back without a run, so the next attempt is not raised by it.
+    async fn release_unrun(
+        &self,
+        key: &DedupKey,
+        _token: FencingToken,
+    ) -> Result<ReleaseOutcome, StoreError> {
+        self.count(key, false).await?;
         Ok(ReleaseOutcome::Released)
     }
 
@@ -230,8 +299,25 @@ impl<DB: SqlBackend> DedupStore for UniqueIndexStore<DB> {
         }))
     }
 
-    /// Deletes up to `limit` keys older than the retention.
+    /// Deletes up to `limit` keys older than the retention, and the attempt counts last
+    /// changed before it.
     async fn purge_expired(&self, limit: usize) -> Result<u64, StoreError> {
+        let sql = DB::DIALECT.placeholders(format!(
+            "DELETE FROM {} WHERE updated_ms < {} - ?",
+            self.store.attempts_table(),
+            DB::DIALECT.now_ms_sql()
+        ));
+        let mut conn = self.store.acquire().await?;
+        DB::execute(
+            &mut conn,
+            &sql,
+            vec![Val::I64(Some(idemq_core::store::duration_ms(
+                self.retention,
+            )))],
+        )
+        .await
+        .map_err(|e| map_sqlx_error::<DB>("purge attempts", e))?;
+        drop(conn);
         self.store
             .purge_keys_older_than(self.retention, limit)
             .await
@@ -246,9 +332,17 @@ impl<DB: SqlBackend> DedupStore for UniqueIndexStore<DB> {
         Ok(Vec::new())
     }
 
+    /// Deletes the key and its attempt counts.
     async fn forget(&self, key: &DedupKey) -> Result<bool, StoreError> {
+        let counts = DB::DIALECT.placeholders(format!(
+            "DELETE FROM {} WHERE dedup_key = ?",
+            self.store.attempts_table()
+        ));
         let sql = self.key_sql("DELETE FROM {t} WHERE dedup_key = ?");
         let mut conn = self.store.acquire().await?;
+        DB::execute(&mut conn, &counts, vec![Val::Key(key.as_str().to_owned())])
+            .await
+            .map_err(|e| map_sqlx_error::<DB>("forget", e))?;
         let n = DB::execute(&mut conn, &sql, vec![Val::Key(key.as_str().to_owned())])
             .await
             .map_err(|e| map_sqlx_error::<DB>("forget", e))?;

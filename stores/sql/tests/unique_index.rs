@@ -459,3 +459,95 @@ async fn a_handler_that_records_no_key_is_refused_over_the_unique_index() {
     assert!(err.to_string().contains("does not insert them"), "{err}");
     assert_eq!(broker.dead_letters().len(), 0);
 }
+
+/// The unique index's attempt counts live in the attempts table: durable (a second store
+/// over the same database, as after a restart or in another consumer of the group, sees
+/// them), read only for redeliveries, and a claim given back unrun is not an attempt.
+async fn attempts_survive_a_restart<DB: SqlBackend>(a: SqlStore<DB>, b: SqlStore<DB>) {
+    use idemq_core::{ClaimOutcome, ClaimRequest, DedupKey, DedupStore, FencingToken};
+    let g = idemq_core::ConsumerGroup::new(&format!("attempts-{}", FencingToken::random()))
+        .expect("group");
+    let k = DedupKey::new(&g, "pay-1").expect("key");
+    let claim = |store: &SqlStore<DB>, deliveries: u32| {
+        let store = store.unique_index();
+        let req = ClaimRequest::new(k.clone(), Duration::from_secs(30)).with_deliveries(deliveries);
+        async move {
+            match store.claim(&req).await.expect("claim") {
+                ClaimOutcome::Acquired(l) => l,
+                o => panic!("the unique index hands every key out: {o:?}"),
+            }
+        }
+    };
+    let first = claim(&a, 1).await;
+    assert_eq!(first.attempt, 1);
+    a.unique_index()
+        .release(&k, first.token)
+        .await
+        .expect("a failed run");
+    // Delivered again, to another consumer (or after a restart): one failure was counted.
+    let second = claim(&b, 2).await;
+    assert_eq!(second.attempt, 2);
+    // Held behind a failing message of its lane: given back without a run.
+    b.unique_index()
+        .release_unrun(&k, second.token)
+        .await
+        .expect("given back unrun");
+    let third = claim(&a, 3).await;
+    assert_eq!(
+        third.attempt, 2,
+        "the claim given back unrun is not an attempt"
+    );
+    // A run lost to a crash (no release at all) counts: the broker delivered again.
+    let fourth = claim(&b, 4).await;
+    assert_eq!(fourth.attempt, 3, "three deliveries less one unrun claim");
+    // Forgetting the key forgets its counts.
+    assert!(!a.unique_index().forget(&k).await.expect("forget"));
+    assert_eq!(
+        claim(&b, 5).await.attempt,
+        5,
+        "only the broker's count is left"
+    );
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn unique_index_attempts_survive_a_restart_sqlite() {
+    let dir = support::TempDir::new();
+    let url = dir.sqlite_url("attempts");
+    let open = || idemq_sql::SqliteStore::connect(&url, support::options("idemq_attempts", 4));
+    let a = open().await.expect("sqlite");
+    let b = open().await.expect("sqlite again");
+    attempts_survive_a_restart(a, b).await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn unique_index_attempts_survive_a_restart_postgres() {
+    let Some(url) = support::postgres_url() else {
+        return;
+    };
+    let t = support::unique("attempts");
+    let a = idemq_sql::PgStore::connect(&url, support::options(&t, 4))
+        .await
+        .expect("pg");
+    let b = idemq_sql::PgStore::connect(&url, support::options(&t, 4))
+        .await
+        .expect("pg");
+    attempts_survive_a_restart(a, b).await;
+}
+
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn unique_index_attempts_survive_a_restart_mariadb() {
+    let Some(url) = support::mysql_url() else {
+        return;
+    };
+    let t = support::unique("attempts");
+    let a = idemq_sql::MySqlStore::connect(&url, support::options(&t, 4))
+        .await
+        .expect("mysql");
+    let b = idemq_sql::MySqlStore::connect(&url, support::options(&t, 4))
+        .await
+        .expect("mysql");
+    attempts_survive_a_restart(a, b).await;
+}

@@ -1,0 +1,11 @@
+-- The unique-index strategy's attempt counts. Its keys table holds only keys whose effect
+-- committed, so runs of a handler that failed (and claims given back without a run) are
+-- counted here, per key, for the retry policy: durable across restarts and shared by every
+-- consumer of the group. Rows are few (keys that failed) and purged with the keys.
+CREATE TABLE IF NOT EXISTS {attempts_table} (
+    dedup_key  VARBINARY(257) NOT NULL PRIMARY KEY,
+    failures   BIGINT NOT NULL,
+    unrun      BIGINT NOT NULL,
+    updated_ms BIGINT NOT NULL,
+    KEY updated_idx (updated_ms)
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4;
