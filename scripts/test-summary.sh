@@ -61,6 +61,8 @@ awk -F'\t' -v secs="$secs" '
     if (match($0, /[0-9]+ ignored/)) ig = substr($0, RSTART, RLENGTH) + 0
     passed[phase, cur] += pa; failed[cur] += fa; ignored[cur] += ig
     bins[cur] = 1
+    # What the binary cost: the wall time libtest gives for it ("finished in 12.34s").
+    if (match($0, /finished in [0-9.]+s/)) took[cur] += substr($0, RSTART + 12, RLENGTH - 13) + 0
     next
   }
   function crate_of(b,   c) {
@@ -97,6 +99,20 @@ awk -F'\t' -v secs="$secs" '
       if (shown++ < 40) printf "skipped (needs %s): %s %s\n", why[k], crate_of(kk[2]), (kk[3] == "" ? "(whole binary)" : kk[3])
     }
     if (shown > 40) printf "skipped: ... and %d more (%s)\n", shown - 40, "target/test-run/skipped-*.tsv"
+    # The cost of each test group, so that a new test or server can be weighed against the
+    # CI budget: the slowest binaries by the wall time libtest gives (each binary runs alone; its
+    # tests run in parallel inside it), and the share of the run they are.
+    nt = 0; tt = 0
+    for (b in took) { slow[++nt] = b; tt += took[b] }
+    for (i = 2; i <= nt; i++) { v = slow[i]; j = i - 1; while (j > 0 && took[slow[j]] < took[v]) { slow[j + 1] = slow[j]; j-- } slow[j + 1] = v }
+    if (nt > 0) {
+      print "---- test cost: the 15 slowest binaries (libtest wall time) ----"
+      for (i = 1; i <= nt && i <= 15; i++) {
+        b = slow[i]; c = crate_of(b); n = b; sub(/-[0-9a-f]+$/, "", n)
+        printf "%8.1f s  %5.1f %%  %-16s %s\n", took[b], (tt > 0 ? 100 * took[b] / tt : 0), c, n
+      }
+      printf "%8.1f s  in %d binaries\n", tt, nt
+    }
   }
   function ig_or0(x) { return x + 0 }
 ' "$dir/binaries.tsv" "$dir/skipped-1.tsv" "$dir/skipped-2.tsv" "$dir/phase-1.log" "$dir/phase-2.log"

@@ -181,7 +181,9 @@ pub struct ClaimedMessage {
     /// Proof of ownership: pass it to a store's in-transaction completion so the effect and
     /// the dedup record commit together (see `idemq_sql`'s `complete_in_tx`).
     pub token: FencingToken,
-    /// 1 on the first acquisition, more after failures and takeovers.
+    /// Which run of the handler this is: 1 the first time, one more after each run that
+    /// failed or was cut off (a takeover counts the crashed run). Claims given back without
+    /// a run (a lane held behind a failing message, a late claim) do not count.
     pub attempt: u32,
     /// True when an earlier attempt may have started effects: a crashed worker's expired
     /// lease was taken over, an earlier run here was cut off (panic, `handler_timeout`,

@@ -251,7 +251,8 @@ pub struct Lease {
     pub token: FencingToken,
     /// When the lease ends unless extended.
     pub until_ms: i64,
-    /// 1 for the first acquisition of this lifecycle, more after releases and takeovers.
+    /// 1 for the first acquisition of this lifecycle, one more after each release of a run
+    /// and each takeover (a release without a run, `release_unrun`, takes its count back).
     pub attempt: u32,
     /// True when an expired lease of another worker was taken over (crash recovery).
     pub takeover: bool,
