@@ -128,10 +128,19 @@ impl Handler for PaymentHandler {
             )
             .await
             .map_err(HandlerError::retryable)?;
-        if done == idemq::CompleteOutcome::Fenced {
-            // Our lease was taken over: roll the effect back; the owner applies it.
-            tx.rollback().await.map_err(HandlerError::retryable)?;
-            return Err(HandlerError::retryable("lease lost before commit"));
+        match done {
+            idemq::CompleteOutcome::Completed => {}
+            idemq::CompleteOutcome::AlreadyCompleted => {
+                // An earlier transaction of this claim committed the effect (its reply was
+                // lost): this one repeats it. Roll back; the message is done.
+                tx.rollback().await.map_err(HandlerError::retryable)?;
+                return Ok(Some(Bytes::from(receipt)));
+            }
+            _ => {
+                // Our lease was taken over: roll the effect back; the owner applies it.
+                tx.rollback().await.map_err(HandlerError::retryable)?;
+                return Err(HandlerError::retryable("lease lost before commit"));
+            }
         }
         tx.commit().await.map_err(HandlerError::retryable)?;
         self.applied.fetch_add(1, Ordering::Relaxed);

@@ -11,9 +11,11 @@
 //! [`DedupStore::complete`] marks a key done only while the caller's token still owns it; a
 //! worker whose lease expired and was taken over, or who released the key, gets
 //! [`CompleteOutcome::Fenced`], never a silent double commit. (A lease that ended but was not
-//! taken over still belongs to its token: nobody else ran the message.) Completion is idempotent for the token that owns a completed record,
-//! so a handler may complete inside its own database transaction and the engine's later
-//! `complete` still answers `Completed`.
+//! taken over still belongs to its token: nobody else ran the message.) Completion is
+//! idempotent for the token that owns a completed record, and a repeat says so
+//! ([`CompleteOutcome::AlreadyCompleted`]): the engine's `complete` after a handler completed
+//! in its own database transaction acks either way, and a transaction that finds its claim
+//! completed before rolls its repeated effect back.
 //!
 //! Record lifecycle (AWS Powertools' vocabulary): `IN_PROGRESS` with a lease; `EXPIRED` is an
 //! in-progress record whose lease ended (claimable by takeover, listed by

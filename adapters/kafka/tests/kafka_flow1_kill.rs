@@ -97,8 +97,11 @@ async fn child(arg: &str) -> ! {
                 let done = store
                     .complete_in_tx(&mut tx, &m.key, m.token, None, m.retention)
                     .await?;
-                if done == CompleteOutcome::Fenced {
-                    return Err(HandlerError::retryable(std::io::Error::other("lease lost")));
+                match done {
+                    CompleteOutcome::Completed => {}
+                    // Committed by an earlier transaction of this claim: nothing to repeat.
+                    CompleteOutcome::AlreadyCompleted => return Ok(None),
+                    _ => return Err(HandlerError::retryable(std::io::Error::other("lease lost"))),
                 }
                 tx.commit().await.classify()?;
                 if handled.fetch_add(1, std::sync::atomic::Ordering::SeqCst) + 1 == hang {

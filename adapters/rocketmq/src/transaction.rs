@@ -2,8 +2,14 @@
 //!
 //! [`TransactionalPublisher::send_in_transaction`] sends a half message (invisible to
 //! consumers), runs the caller's local transaction (the business effect, recorded in the dedup
-//! store under the message's dedup key, e.g. with the unique-index strategy), and commits or
-//! rolls back the half message by its outcome. When that last step is lost (the producer
+//! store under the message's dedup key: a claim of the key with a lease, and its completion
+//! in the effect's transaction, e.g. `idemq_sql`'s `begin_for` … `commit`), and commits or
+//! rolls back the half message by its outcome. The check-back reads that same record, so the
+//! local transaction must record its key in the store the check-back is given: a key recorded
+//! only elsewhere (a unique index's keys table, say) is unknown to the check-back, whose claim
+//! would be granted and answer ROLLBACK while the effect stays. A store that claims keys in
+//! the effect's transaction (the unique index) cannot answer a check-back at all (its claim
+//! proves nothing) and is refused by [`StoreCheckBack::new`]. When that last step is lost (the producer
 //! crashed after its local commit, or the outcome was [`LocalOutcome::Unknown`]), the broker
 //! checks back and [`StoreCheckBack`] answers from the store.
 //!
@@ -35,7 +41,9 @@ use crate::RocketError;
 use futures::future::BoxFuture;
 use idemq_core::key::{ConsumerGroup, DedupKey};
 use idemq_core::publish::{OutgoingMessage, PublishError, PublishReceipt, DEDUP_HEADER};
-use idemq_core::store::{ClaimOutcome, ClaimRequest, DedupStore, FencingToken, RecordStatus};
+use idemq_core::store::{
+    ClaimMode, ClaimOutcome, ClaimRequest, DedupStore, FencingToken, RecordStatus,
+};
 use rocketmq_client_rust::{LocalTransactionState, TransactionListener, TransactionMQProducer};
 use rocketmq_model::common::message::message_ext::MessageExt;
 use rocketmq_model::common::message::MessageTrait;
@@ -125,6 +133,15 @@ impl StoreCheckBack {
     pub fn new(store: Arc<dyn DedupStore>, group: &str) -> Result<Self, RocketError> {
         let group = ConsumerGroup::new(group)
             .map_err(|e| RocketError::Config(format!("group {group}: {e}")))?;
+        if store.claim_mode() == ClaimMode::InEffectTransaction {
+            return Err(RocketError::Config(
+                "the check-back cannot answer from a store that claims keys in the effect's \
+                 transaction (the unique index): its claim is granted without reading anything, \
+                 so every check-back would roll back. Give it the store with leases that the \
+                 local transaction records its key in"
+                    .into(),
+            ));
+        }
         Ok(Self {
             store,
             group,
@@ -368,6 +385,76 @@ mod tests {
     use std::time::Instant;
 
     const GROUP: &str = "orders";
+
+    /// A store that claims in the effect's transaction (as the unique index does): every
+    /// claim is granted without reading anything.
+    struct ClaimsInTransaction(MemoryStore);
+
+    #[async_trait::async_trait]
+    impl DedupStore for ClaimsInTransaction {
+        fn claim_mode(&self) -> ClaimMode {
+            ClaimMode::InEffectTransaction
+        }
+        async fn claim_batch(
+            &self,
+            reqs: &[ClaimRequest],
+        ) -> Result<Vec<ClaimOutcome>, idemq_core::StoreError> {
+            self.0.claim_batch(reqs).await
+        }
+        async fn complete_batch(
+            &self,
+            items: &[idemq_core::Completion],
+        ) -> Result<Vec<CompleteOutcome>, idemq_core::StoreError> {
+            self.0.complete_batch(items).await
+        }
+        async fn release(
+            &self,
+            key: &DedupKey,
+            token: FencingToken,
+        ) -> Result<idemq_core::ReleaseOutcome, idemq_core::StoreError> {
+            self.0.release(key, token).await
+        }
+        async fn extend(
+            &self,
+            key: &DedupKey,
+            token: FencingToken,
+            lease: Duration,
+        ) -> Result<idemq_core::ExtendOutcome, idemq_core::StoreError> {
+            self.0.extend(key, token, lease).await
+        }
+        async fn get(
+            &self,
+            key: &DedupKey,
+        ) -> Result<Option<idemq_core::DedupRecord>, idemq_core::StoreError> {
+            self.0.get(key).await
+        }
+        async fn purge_expired(&self, limit: usize) -> Result<u64, idemq_core::StoreError> {
+            self.0.purge_expired(limit).await
+        }
+        async fn list_stuck(
+            &self,
+            stale_for: Duration,
+            limit: usize,
+        ) -> Result<Vec<idemq_core::DedupRecord>, idemq_core::StoreError> {
+            self.0.list_stuck(stale_for, limit).await
+        }
+        async fn forget(&self, key: &DedupKey) -> Result<bool, idemq_core::StoreError> {
+            self.0.forget(key).await
+        }
+    }
+
+    /// Its claim proves nothing, so every check-back would answer ROLLBACK, dropping the
+    /// messages of committed local transactions: refused when the check-back is made.
+    #[test]
+    fn a_store_that_claims_in_the_effects_transaction_is_refused() {
+        let refused = StoreCheckBack::new(Arc::new(ClaimsInTransaction(MemoryStore::new())), GROUP);
+        match refused {
+            Err(RocketError::Config(why)) => assert!(why.contains("unique index"), "{why}"),
+            Err(e) => panic!("expected a configuration error, got {e}"),
+            Ok(_) => panic!("a check-back over a store that claims in the effect's transaction"),
+        }
+        assert!(StoreCheckBack::new(Arc::new(MemoryStore::new()), GROUP).is_ok());
+    }
 
     fn key(k: &str) -> DedupKey {
         DedupKey::new(&ConsumerGroup::new(GROUP).expect("group"), k).expect("key")

@@ -314,6 +314,40 @@ pub async fn retried_claim_with_its_token_is_idempotent(h: &Handles) {
         ),
         "once completed, even the owner's token sees a duplicate"
     );
+    // A claim retried with its token after its key was given back (a batch claim that
+    // failed part-way releases what it acquired, then the engine retries with the same
+    // tokens) must never hand out a lease that is not live: the handler would run without
+    // holding the key.
+    let k = key(&g, "retried-after-release");
+    let t = FencingToken::random();
+    let l = match s.claim(&req(&k, LONG).with_token(t)).await.expect("claim") {
+        ClaimOutcome::Acquired(l) => l,
+        o => panic!("fresh key: {o:?}"),
+    };
+    assert_eq!(
+        s.release(&k, l.token).await.expect("release"),
+        ReleaseOutcome::Released
+    );
+    for store in [s, &h[h.len() - 1]] {
+        let again = store
+            .claim_batch(&[req(&k, LONG).with_token(t)])
+            .await
+            .expect("claim_batch");
+        if let ClaimOutcome::Acquired(l) = again[0] {
+            assert!(
+                l.until_ms > crate::now_ms(),
+                "a retried claim after a release answered a lease that is not live: {l:?}"
+            );
+            let ClaimOutcome::InFlight { .. } = s
+                .claim(&req(&k, LONG).with_token(FencingToken::random()))
+                .await
+                .expect("claim")
+            else {
+                panic!("the key is held again: another token must see it in flight")
+            };
+            break;
+        }
+    }
 }
 
 /// A heartbeat keeps the lease alive past its first end.

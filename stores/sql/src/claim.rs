@@ -202,12 +202,24 @@ impl<DB: SqlBackend> SqlStore<DB> {
                         if Some(s.rec.token) == ours
                             && s.rec.status == RecordStatus::InProgress =>
                     {
-                        out[i] = Some(ClaimOutcome::Acquired(Lease {
-                            token: s.rec.token,
-                            until_ms: s.rec.lease_until_ms,
-                            attempt: s.rec.attempts,
-                            takeover: s.took_over,
-                        }));
+                        // Our token, from an earlier try of this claim whose reply was lost:
+                        // the same lease while it is live. Released (a batch claim that
+                        // failed part-way gives back what it acquired) or ended, it is not
+                        // ours to hand out, and taking it over with the same token would be
+                        // fenced by its own tombstone: in flight, so the redelivery claims
+                        // afresh.
+                        out[i] = Some(if s.rec.lease_until_ms > now {
+                            ClaimOutcome::Acquired(Lease {
+                                token: s.rec.token,
+                                until_ms: s.rec.lease_until_ms,
+                                attempt: s.rec.attempts,
+                                takeover: s.took_over,
+                            })
+                        } else {
+                            ClaimOutcome::InFlight {
+                                until_ms: s.rec.lease_until_ms,
+                            }
+                        });
                     }
                     _ => {
                         match evaluate_claim(stored.map(|s| &s.rec), req.payload_hash.as_ref(), now)

@@ -50,8 +50,12 @@
 //! {
 //!     // ... the effect, then in the same transaction as the effect:
 //!     let mut tx = store.pool().begin().await.map_err(|e| idemq_core::StoreError::Unavailable(e.to_string()))?;
-//!     store.complete_in_tx(&mut tx, &key, lease.token, None, Duration::from_secs(86_400)).await?;
-//!     tx.commit().await.map_err(|e| idemq_core::StoreError::Unavailable(e.to_string()))?;
+//!     let done = store.complete_in_tx(&mut tx, &key, lease.token, None, Duration::from_secs(86_400)).await?;
+//!     // Commit only a fresh completion: `AlreadyCompleted` means an earlier transaction of
+//!     // this claim committed the effect, `Fenced` that the lease was lost.
+//!     if done == idemq_core::CompleteOutcome::Completed {
+//!         tx.commit().await.map_err(|e| idemq_core::StoreError::Unavailable(e.to_string()))?;
+//!     }
 //! }
 //! # Ok(()) }
 //! ```
