@@ -38,6 +38,7 @@ use crate::client::{env, own_client};
 use crate::fields::to_message;
 use crate::publisher::{classify, confirmed};
 use crate::RocketError;
+use cheetah_string::CheetahString;
 use futures::future::BoxFuture;
 use idemq_core::key::{ConsumerGroup, DedupKey};
 use idemq_core::publish::{OutgoingMessage, PublishError, PublishReceipt, DEDUP_HEADER};
@@ -64,7 +65,9 @@ const CHECK_LEASE: Duration = Duration::from_secs(30);
 pub enum LocalOutcome {
     /// The effect is committed: deliver the message.
     Commit,
-    /// The effect did not happen: drop the message.
+    /// The effect did not happen: drop the message. Checked against the store first (an
+    /// error may hide a COMMIT that landed): a completed key commits the message instead,
+    /// and a key whose lease still lives leaves it to the check-back.
     Rollback,
     /// Not known yet: the broker will check back (and the store answers).
     Unknown,
@@ -238,7 +241,7 @@ fn dedup_key_of(m: &MessageExt) -> Option<String> {
 impl TransactionListener for Listener {
     fn execute_local_transaction(
         &self,
-        _msg: &dyn MessageTrait,
+        msg: &dyn MessageTrait,
         arg: Option<&(dyn Any + Send + Sync)>,
     ) -> LocalTransactionState {
         let Some(fut) = arg
@@ -249,7 +252,24 @@ impl TransactionListener for Listener {
         };
         match run_bounded(fut, self.local_timeout) {
             Some(LocalOutcome::Commit) => LocalTransactionState::CommitMessage,
-            Some(LocalOutcome::Rollback) => LocalTransactionState::RollbackMessage,
+            // A rollback drops the message for good, and a local transaction may answer it
+            // after an error whose COMMIT had in fact landed (its reply lost): the store
+            // decides, as for a check-back (COMMIT for a completed key, ROLLBACK only once its
+            // claim fenced every holder, UNKNOWN while a lease lives: the broker asks again).
+            Some(LocalOutcome::Rollback) => match msg
+                .property(&CheetahString::from_static_str(DEDUP_HEADER))
+                .map(|k| k.to_string())
+            {
+                Some(key) => {
+                    let check = self.check.clone();
+                    run_bounded(
+                        async move { check.state_of(&key).await },
+                        self.check.timeout,
+                    )
+                    .unwrap_or(LocalTransactionState::Unknown)
+                }
+                None => LocalTransactionState::RollbackMessage,
+            },
             Some(LocalOutcome::Unknown) => LocalTransactionState::Unknown,
             None => {
                 metrics::counter!("idemq_rocketmq_tx_local_timeouts_total").increment(1);
@@ -542,6 +562,58 @@ mod tests {
             !check.running.contains("order-slow"),
             "a cancelled local transaction no longer counts as running"
         );
+    }
+
+    /// A local transaction that answers Rollback is checked against the store: one whose
+    /// COMMIT landed though it saw an error (its effect and completion are in) is committed,
+    /// not dropped; one that released its key is rolled back; one whose lease still lives
+    /// is unknown (the broker checks back).
+    #[test]
+    fn a_rollback_answer_is_checked_against_the_store() {
+        let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+        let check = Arc::new(StoreCheckBack::new(store.clone(), GROUP).expect("check-back"));
+        let listener = Listener {
+            check: check.clone(),
+            local_timeout: Duration::from_secs(30),
+        };
+        let keyed = |k: &str| {
+            let mut m = half_message();
+            m.put_property(
+                CheetahString::from_static_str(DEDUP_HEADER),
+                CheetahString::from_string(k.to_string()),
+            );
+            m
+        };
+        let cases = [
+            ("order-landed", LocalTransactionState::CommitMessage),
+            ("order-released", LocalTransactionState::RollbackMessage),
+            ("order-held", LocalTransactionState::Unknown),
+        ];
+        for (name, want) in cases {
+            let db = store.clone();
+            let local = async move {
+                let k = key(name);
+                let Ok(ClaimOutcome::Acquired(lease)) =
+                    db.claim(&ClaimRequest::new(k.clone(), CHECK_LEASE)).await
+                else {
+                    return LocalOutcome::Unknown;
+                };
+                match name {
+                    // Committed; the reply was lost and the code mapped the error to Rollback.
+                    "order-landed" => {
+                        let _ = db.complete(&k, lease.token, None, CHECK_LEASE).await;
+                    }
+                    "order-released" => {
+                        let _ = db.release(&k, lease.token).await;
+                    }
+                    _ => {}
+                }
+                LocalOutcome::Rollback
+            };
+            let arg = local_tx(&check.running, name, local);
+            let state = listener.execute_local_transaction(&keyed(name), Some(&arg));
+            assert_eq!(state, want, "{name}");
+        }
     }
 
     /// A check-back that arrives while the local transaction runs in this process (it has
