@@ -16,7 +16,7 @@
 //! | settle | effect |
 //! |---|---|
 //! | `ack` | a *double ack*: `+ACK` sent, its confirmation awaited in the background (up to 4096 at once; a lost confirmation is logged and counted in `idemq_nats_acks_unconfirmed_total`, and the message may come back after `AckWait`, which the dedup store absorbs), and waited for on `close`. The engine acks only after the dedup record is durable |
-//! | `nack(delay)` | `-NAK` with the delay: the server redelivers it no sooner. With [`NatsSourceConfig::ordered`] the delivery is instead held locally (kept alive with progress acks) and nothing newer of its subject is handed out until it is handed out again |
+//! | `nack(delay)` | `-NAK` with the delay: the server redelivers it no sooner. With [`NatsSourceConfig::ordered`] the delivery is instead held locally (kept alive with progress acks) and nothing newer of its subject is handed out until it is handed out again; the other subjects flow meanwhile (the held subject's backlog beyond its share of the buffer is given back to the server and comes back in order) |
 //! | `reject(reason)` | a copy goes to the dead-letter subject ([`NatsSourceConfig::dead_letter_subject`], `idemq.dlq.<stream>` by default, stored by a stream the source creates when none captures it) with [`DLQ_REASON`], [`DLQ_SUBJECT`], [`DLQ_STREAM`] and [`DLQ_SEQUENCE`]; the original's `Nats-Msg-Id` moves to [`DLQ_MSG_ID`] and the copy's own names the dead-lettering (stream, durable, stream sequence, stored time), so the dead-letter stream drops a resend of the same dead-lettering but never the copy of another message with the same id. Only after its `PubAck` is the original terminated (`+TERM`, confirmed). A failed publish fails the reject (the engine then nacks), so nothing is lost |
 //! | dropped unsettled | `-NAK` without delay when the source still runs; otherwise the server redelivers it after `AckWait`. Never acked |
 //!
@@ -60,6 +60,7 @@
 #![warn(missing_docs)]
 
 mod envelope;
+mod lanes;
 mod link;
 mod publisher;
 mod source;
@@ -106,6 +107,13 @@ pub mod metrics {
     pub const STALE_SETTLES: &str = "idemq_nats_stale_settles_total";
     /// Counter: redelivered copies of a message the source still held, not handed out.
     pub const REDELIVERED_WHILE_HELD: &str = "idemq_nats_redelivered_while_held_total";
+    /// Counter: fetched messages an ordered source gave back to the server (a `-NAK` with a
+    /// delay) instead of keeping them behind their subject's held delivery.
+    pub const GIVEN_BACK: &str = "idemq_nats_given_back_total";
+    /// Counter: given-back messages the server did not redeliver within `AckWait` of their
+    /// delay while the source was fetching (settled by another consumer of the durable, or
+    /// removed from the stream); their subject stopped waiting for them.
+    pub const GIVEN_BACK_MISSING: &str = "idemq_nats_given_back_missing_total";
 }
 
 /// Why a NATS client, stream or consumer could not be set up.

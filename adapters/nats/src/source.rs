@@ -1,8 +1,10 @@
 //! The durable pull-consumer [`Source`]: a background task fetches batches and keeps
 //! unsettled deliveries alive with progress acks; deliveries reach `poll` through the core's
-//! [`ChannelSource`]; settlements go to each message's ack subject.
+//! [`ChannelSource`], or in ordered mode through per-subject lanes (`lanes.rs`); settlements
+//! go to each message's ack subject.
 
 use crate::envelope::{dead_letter_headers, stored_to_envelope, to_envelope, DeadLetterOrigin};
+use crate::lanes::{Fetched, GiveBack, Lanes, Limits, Room};
 use crate::link::{connect, Link};
 use crate::publisher::send_and_confirm;
 use crate::NatsError;
@@ -15,14 +17,12 @@ use async_nats::Subject;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
-use idemq_core::adapter::{
-    channel_source, ChannelSender, ChannelSource, DelayedRedelivery, SharedState,
-};
+use idemq_core::adapter::{channel_source, ChannelSender, ChannelSource, SharedState};
 use idemq_core::envelope::Position;
 use idemq_core::publish::PublishError;
 use idemq_core::source::{Delivery, Readiness, ReadinessProbe, Settle, Source, SourceError};
 use idemq_core::{Envelope, RetryPolicy};
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -76,6 +76,17 @@ pub struct NatsSourceConfig {
     /// source's life; after a crash the server redelivers the dead source's messages after
     /// `AckWait`, possibly behind newer ones, unless `max_ack_pending` is 1. Off: deliveries
     /// are handed out as fetched and a nack is a `-NAK` with its delay.
+    ///
+    /// A subject waiting for its held delivery does not hold up the others: the source keeps
+    /// up to `4 × batch` (at least 64) fetched messages, of which such a subject keeps a
+    /// quarter; its later messages are given back to the server (a `-NAK` whose delay ends
+    /// when the held delivery may go out again, counted in
+    /// [`GIVEN_BACK`](crate::metrics::GIVEN_BACK)) and handed out in order once back. Each
+    /// give-back spends one of the message's `max_deliver` deliveries; one that has no
+    /// delivery left to spend is kept instead. The server still sends nothing new while
+    /// `max_ack_pending` messages are unsettled, given-back ones included: when a held
+    /// subject's backlog fills that window, intake stops for every subject until the held
+    /// delivery is settled, and [`readiness`](Source::readiness) says `Waiting` and why.
     pub ordered: bool,
     /// Where `reject` publishes; `None`: `idemq.dlq.<stream>`. It must not be a subject this
     /// consumer reads (it would consume its own dead letters).
@@ -241,12 +252,13 @@ struct State {
     closed: bool,
     /// Why the last pull failed, until `poll` reports it.
     trouble: Option<String>,
-    /// Ordered mode: fetched, not yet handed out, in stream order.
-    waiting: VecDeque<Delivery>,
-    /// Ordered mode: subjects with a delivery out.
-    busy: HashSet<String>,
-    /// Ordered mode: nacked deliveries waiting for their delay, one lane per subject.
-    held: DelayedRedelivery<Delivery, String>,
+    /// Ordered mode: per subject, what was fetched and not handed out, the delivery held by
+    /// a nack, and what was given back.
+    lanes: Lanes,
+    /// Ordered mode: since when the pull loop has been reading from the server without a
+    /// pause (`None` while it waits for room, for the link, or after a failed pull). A
+    /// given-back message is expected back only while it reads.
+    reading_since: Option<Instant>,
 }
 
 impl State {
@@ -255,11 +267,23 @@ impl State {
     fn close(&mut self) -> (Vec<Subject>, Vec<Delivery>) {
         self.closed = true;
         self.by_seq.clear();
-        self.busy.clear();
         let owed = self.tracked.drain().map(|(_, t)| t.reply).collect();
-        let mut kept: Vec<Delivery> = self.waiting.drain(..).collect();
-        kept.extend(self.held.drain_lanes(|_| true));
-        (owed, kept)
+        (owed, self.lanes.drain())
+    }
+
+    /// Stops answering for given-back messages: where each one's `-NAK` goes, with its
+    /// delay.
+    fn let_go(&mut self, back: Vec<GiveBack>) -> Vec<(Subject, Duration)> {
+        back.into_iter()
+            .filter_map(|g| {
+                let t = self.tracked.remove(&g.id)?;
+                if let Some(s) = t.seq {
+                    self.by_seq.remove(&s);
+                }
+                tracing::debug!(subject = %g.subject, seq = ?g.seq, delay = ?g.delay, "ordered: given back behind its subject's held delivery");
+                Some((t.reply, g.delay))
+            })
+            .collect()
     }
 }
 
@@ -274,19 +298,30 @@ struct Shared {
     /// Acks sent whose confirmation is still awaited; bounded so a server that stopped
     /// answering slows the acks down instead of piling up tasks.
     acks_in_flight: Arc<tokio::sync::Semaphore>,
+    /// Ordered mode: what the lanes keep.
+    limits: Limits,
+    /// The consumer's `max_ack_pending` as the server applies it (`None`: unlimited): the
+    /// server sends nothing new while that many messages are unsettled.
+    window: Option<usize>,
+    /// Ordered mode: wakes the pull loop waiting for room in the lanes.
+    room: tokio::sync::Notify,
 }
 
 /// Double acks awaiting their confirmation at once, at most.
 const MAX_ACKS_IN_FLIGHT: usize = 4096;
+
+/// Ordered mode: how often the pull loop, waiting for room in the lanes, looks again
+/// without being notified.
+const ROOM_RECHECK: Duration = Duration::from_secs(1);
 
 fn ack_body(kind: AckKind) -> Bytes {
     Bytes::from(kind)
 }
 
 impl Shared {
-    /// Turns a fetched message into a delivery, or keeps it back: a redelivered copy of one
+    /// Starts answering for a fetched message, or keeps it back: a redelivered copy of one
     /// still held only refreshes where that one settles.
-    fn admit(self: &Arc<Self>, msg: async_nats::Message) -> Option<Delivery> {
+    fn admit(&self, msg: async_nats::Message) -> Option<Fetched> {
         let Some(reply) = msg.reply.clone() else {
             tracing::warn!(subject = %msg.subject, "message without an ack subject from a pull consumer: skipped");
             return None;
@@ -321,15 +356,146 @@ impl Shared {
             st.by_seq.insert(s, id);
         }
         drop(st);
-        let settle = NatsSettle {
-            shared: self.clone(),
+        Some(Fetched {
+            stored_ms: env.timestamp_ms,
+            env,
             id,
             seq,
-            stored_ms: env.timestamp_ms,
-            subject: env.source.name.clone(),
+        })
+    }
+
+    /// A fetched message as a delivery, settled through this source.
+    fn delivery(self: &Arc<Self>, f: Fetched) -> Delivery {
+        let settle = NatsSettle {
+            shared: self.clone(),
+            id: f.id,
+            seq: f.seq,
+            stored_ms: f.stored_ms,
+            subject: f.env.source.name.clone(),
             envelope: None,
         };
-        Some(Delivery::new(env, Box::new(settle)))
+        Delivery::new(f.env, Box::new(settle))
+    }
+
+    /// Ordered mode: keeps a fetched message in its subject's lane for `poll`, then waits
+    /// while the lanes are full and some can move (the engine takes from them); what a
+    /// stalled lane holds beyond its bound, or what blocks intake when none can move, is
+    /// given back. False when the source stops meanwhile.
+    async fn take_in(&self, f: Fetched, stop: &mut watch::Receiver<bool>) -> bool {
+        {
+            let mut st = self.state.lock();
+            if st.closed {
+                return false;
+            }
+            st.lanes.take_in(f);
+        }
+        self.state.wake_one();
+        let mut paused = false;
+        loop {
+            let naks = {
+                let mut st = self.state.lock();
+                if st.closed {
+                    return false;
+                }
+                match st.lanes.room(Instant::now(), &self.limits) {
+                    Room::Open => {
+                        if paused {
+                            st.reading_since = Some(Instant::now());
+                        }
+                        return true;
+                    }
+                    Room::Full => {
+                        st.reading_since = None;
+                        None
+                    }
+                    Room::GiveBack(back) => Some(st.let_go(back)),
+                }
+            };
+            match naks {
+                Some(naks) => self.give_back_delayed(naks).await,
+                None => {
+                    paused = true;
+                    // The lanes notify when they change; the periodic look covers a change
+                    // no one notified (a held delivery coming due while no one polls).
+                    tokio::select! {
+                        _ = stop.changed() => return false,
+                        _ = self.room.notified() => {}
+                        _ = tokio::time::sleep(ROOM_RECHECK) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Naks given-back messages with their delays: the server redelivers each no sooner
+    /// (and after `AckWait` if a nak is lost: nothing keeps them alive any more).
+    async fn give_back_delayed(&self, naks: Vec<(Subject, Duration)>) {
+        metrics::counter!(crate::metrics::GIVEN_BACK).increment(naks.len() as u64);
+        for (reply, delay) in naks {
+            let _ = self
+                .link
+                .client
+                .publish(reply, ack_body(AckKind::Nak(Some(delay))))
+                .await;
+        }
+    }
+
+    /// Ordered mode: the pull loop reads from the server from now on (`true`), or stopped.
+    fn reading(&self, on: bool) {
+        let mut st = self.state.lock();
+        if !on {
+            st.reading_since = None;
+        } else if st.reading_since.is_none() {
+            st.reading_since = Some(Instant::now());
+        }
+    }
+
+    /// Ordered mode: stops waiting for given-back messages due back `AckWait` ago while the
+    /// pull loop was reading all along: the server did not redeliver them (another consumer
+    /// of the durable settled them, or they left the stream), and their subject would
+    /// otherwise wait for them forever.
+    fn expire_given_back(&self) {
+        let grace = self.cfg.ack_wait;
+        let gone = {
+            let mut st = self.state.lock();
+            let now = Instant::now();
+            let Some(cut) = now.checked_sub(grace) else {
+                return;
+            };
+            if st.reading_since.is_none_or(|t| t > cut) || st.lanes.away() == 0 {
+                return;
+            }
+            st.lanes.expire_away(cut)
+        };
+        for (subject, seqs) in &gone {
+            metrics::counter!(crate::metrics::GIVEN_BACK_MISSING).increment(seqs.len() as u64);
+            tracing::warn!(%subject, ?seqs, "given-back messages were not redelivered (settled by another consumer of the durable, or removed from the stream): their subject stops waiting for them");
+        }
+        if !gone.is_empty() {
+            self.state.wake_one();
+        }
+    }
+
+    /// Why nothing new can arrive, when the server's `max_ack_pending` window is full of
+    /// messages this source holds back behind held subjects (ordered mode).
+    fn window_stall(&self) -> Option<String> {
+        let window = self.window?;
+        let st = self.state.lock();
+        let pending = st.tracked.len() + st.lanes.away();
+        if pending < window {
+            return None;
+        }
+        let stalled = st.lanes.stalled();
+        let (first, more) = stalled.split_at(stalled.len().min(3));
+        let subjects = match (first, more.len()) {
+            ([], _) => return None,
+            (first, 0) => first.join(", "),
+            (first, n) => format!("{} and {n} more", first.join(", ")),
+        };
+        Some(format!(
+            "no new messages from stream {}: {pending} messages of consumer {} are unsettled and its max_ack_pending is {window}, so the server sends nothing newer until some settle; among them is the backlog held behind a nacked message being retried, of {subjects} (intake resumes once such a message is settled or dead-lettered; a max_ack_pending above what one subject can pile up keeps the other subjects flowing)",
+            self.cfg.stream, self.cfg.durable
+        ))
     }
 
     /// Stops answering for delivery `id` and returns where its settlement goes; `None` when
@@ -343,9 +509,10 @@ impl Shared {
         if let Some(s) = t.seq {
             st.by_seq.remove(&s);
         }
-        st.busy.remove(subject);
+        st.lanes.settled(subject);
         drop(st);
         self.state.wake_one();
+        self.room.notify_one();
         Some(t.reply)
     }
 
@@ -449,6 +616,12 @@ impl NatsSettle {
 
     /// Ordered mode: the delivery waits here, unsettled and kept alive, until `delay` ends.
     fn hold(&mut self, mut env: Envelope, delay: Duration) {
+        let mut st = self.shared.state.lock();
+        if st.closed || !st.tracked.contains_key(&self.id) {
+            // The source is closed or the message settled: nothing to hold. (A delivery
+            // made of it and dropped would abandon itself, and come back here.)
+            return;
+        }
         env.redelivered = true;
         env.delivery_count = Some(env.delivery_count.unwrap_or(1).saturating_add(1));
         let again = NatsSettle {
@@ -460,18 +633,12 @@ impl NatsSettle {
             envelope: None,
         };
         let d = Delivery::new(env, Box::new(again));
-        let mut st = self.shared.state.lock();
-        if st.closed || !st.tracked.contains_key(&self.id) {
-            drop(st);
-            // Dropping it settles nothing: the source is closed or the message settled.
-            drop(d);
-            return;
-        }
-        st.busy.remove(&self.subject);
-        st.held
-            .push(self.subject.clone(), d, Instant::now() + delay);
+        st.lanes
+            .hold(self.subject.clone(), d, Instant::now() + delay);
         drop(st);
         self.shared.state.wake_one();
+        // The subject is stalled now: the pull loop may have to give back its backlog.
+        self.shared.room.notify_one();
     }
 
     /// The dead-letter copy: the message's payload and its headers as
@@ -632,11 +799,13 @@ impl Settle for NatsSettle {
     }
 }
 
-/// The background work of a source: pull requests, and progress acks.
+/// The background work of a source: pull requests, progress acks, and (ordered mode)
+/// forgetting given-back messages the server does not redeliver. Fetched messages go to
+/// `tx`, or into the lanes when it is `None` (ordered mode).
 async fn run(
     shared: Arc<Shared>,
     consumer: PullConsumer,
-    tx: ChannelSender,
+    tx: Option<ChannelSender>,
     stop: watch::Receiver<bool>,
 ) {
     let tick = (shared.cfg.ack_wait / 4).max(Duration::from_millis(50));
@@ -653,6 +822,7 @@ async fn run(
                 if shared.link.is_up() {
                     shared.keep_alive().await;
                 }
+                shared.expire_given_back();
             }
         }
     };
@@ -664,7 +834,7 @@ async fn run(
 async fn pull_loop(
     shared: Arc<Shared>,
     mut consumer: PullConsumer,
-    tx: ChannelSender,
+    tx: Option<ChannelSender>,
     mut stop: watch::Receiver<bool>,
 ) {
     let cfg = &shared.cfg;
@@ -686,29 +856,39 @@ async fn pull_loop(
             .messages()
             .await;
         let failed = match asked {
-            Ok(mut batch) => loop {
-                let next = tokio::select! {
-                    _ = stop.changed() => return,
-                    _ = shared.link.down() => break None,
-                    next = batch.next() => next,
-                };
-                match next {
-                    None => break None,
-                    Some(Err(e)) => break Some(e.to_string()),
-                    Some(Ok(m)) => {
-                        rests.reset();
-                        let Some(d) = shared.admit(m.message) else {
-                            continue;
-                        };
-                        tokio::select! {
-                            _ = stop.changed() => return,
-                            sent = tx.send(d) => if sent.is_err() { return },
+            Ok(mut batch) => {
+                shared.reading(true);
+                loop {
+                    let next = tokio::select! {
+                        _ = stop.changed() => return,
+                        _ = shared.link.down() => break None,
+                        next = batch.next() => next,
+                    };
+                    match next {
+                        None => break None,
+                        Some(Err(e)) => break Some(e.to_string()),
+                        Some(Ok(m)) => {
+                            rests.reset();
+                            let Some(f) = shared.admit(m.message) else {
+                                continue;
+                            };
+                            let Some(tx) = &tx else {
+                                if !shared.take_in(f, &mut stop).await {
+                                    return;
+                                }
+                                continue;
+                            };
+                            tokio::select! {
+                                _ = stop.changed() => return,
+                                sent = tx.send(shared.delivery(f)) => if sent.is_err() { return },
+                            }
                         }
                     }
                 }
-            },
+            }
             Err(e) => Some(e.to_string()),
         };
+        shared.reading(false);
         let Some(why) = failed else { continue };
         shared.note_trouble(format!(
             "pull request to consumer {} of stream {} failed: {why}",
@@ -734,8 +914,6 @@ pub struct NatsSource {
     inner: ChannelSource,
     stop: watch::Sender<bool>,
     task: Option<tokio::task::JoinHandle<()>>,
-    /// Ordered mode: the background task ended (the channel is closed).
-    ended: bool,
 }
 
 impl std::fmt::Debug for NatsSource {
@@ -840,7 +1018,15 @@ impl NatsSource {
             })?;
         tracing::info!(stream = %cfg.stream, durable = %cfg.durable, servers = %link.servers, batch = cfg.batch, ordered = cfg.ordered, "nats pull consumer started");
         let (tx, inner) = channel_source(cfg.batch);
+        // Ordered mode fills the lanes instead of the channel.
+        let tx = (!cfg.ordered).then_some(tx);
+        let window = usize::try_from(consumer.cached_info().config.max_ack_pending)
+            .ok()
+            .filter(|w| *w > 0);
         let shared = Arc::new(Shared {
+            limits: Limits::new(cfg.batch, cfg.max_deliver),
+            window,
+            room: tokio::sync::Notify::new(),
             cfg,
             link,
             js,
@@ -865,7 +1051,6 @@ impl NatsSource {
             inner,
             stop,
             task: Some(task),
-            ended: false,
         })
     }
 
@@ -909,84 +1094,48 @@ impl NatsSource {
         }
     }
 
-    /// Ordered: due held deliveries first, then the oldest waiting delivery of each subject
-    /// without one out.
+    /// Ordered: due held deliveries first, then the next kept message of each subject with
+    /// nothing out, in stream order.
     fn hand_out(&self, max: usize) -> Vec<Delivery> {
-        let mut st = self.shared.state.lock();
-        let st = &mut *st;
-        let mut out = st.held.pop_due(Instant::now(), max);
-        for d in &out {
-            st.busy.insert(d.envelope.source.name.clone());
+        let (mut out, fetched) = self.shared.state.lock().lanes.hand_out(Instant::now(), max);
+        if !out.is_empty() || !fetched.is_empty() {
+            self.shared.room.notify_one();
         }
-        let mut i = 0;
-        while i < st.waiting.len() && out.len() < max {
-            let subject = &st.waiting[i].envelope.source.name;
-            if st.busy.contains(subject) || st.held.holds(subject) {
-                i += 1;
-                continue;
-            }
-            if let Some(d) = st.waiting.remove(i) {
-                st.busy.insert(d.envelope.source.name.clone());
-                out.push(d);
-            }
-        }
+        out.extend(fetched.into_iter().map(|f| self.shared.delivery(f)));
         out
     }
 
+    /// Ordered: what the lanes can hand out, waiting for the pull loop, a held delivery's
+    /// delay or a settlement when they can hand out nothing.
     async fn poll_ordered(&mut self, max: usize) -> Result<Option<Vec<Delivery>>, SourceError> {
-        let room = self.shared.cfg.batch.saturating_mul(4).max(64);
         loop {
-            // Take in what arrived, without waiting.
-            while !self.ended && self.shared.state.lock().waiting.len() < room {
-                match self.inner.poll(room).now_or_never() {
-                    Some(Ok(Some(ds))) => self.shared.state.lock().waiting.extend(ds),
-                    Some(Ok(None)) => self.ended = true,
-                    Some(Err(e)) => return Err(e),
-                    None => break,
-                }
-            }
             let out = self.hand_out(max);
             if !out.is_empty() {
                 return Ok(Some(out));
             }
-            let (idle, next_due, full) = {
-                let st = self.shared.state.lock();
-                (
-                    st.waiting.is_empty() && st.held.is_empty(),
-                    st.held.next_due(),
-                    st.waiting.len() >= room,
-                )
-            };
-            if self.ended && idle {
-                return Ok(None);
-            }
             if let Some(e) = self.obstacle() {
                 return Err(e);
             }
+            let next_due = self.shared.state.lock().lanes.next_due();
             let due = async {
                 match next_due {
                     Some(at) => tokio::time::sleep_until(at).await,
                     None => std::future::pending().await,
                 }
             };
-            let shared = &self.shared;
-            let inner = &mut self.inner;
             tokio::select! {
-                got = inner.poll(room), if !full && !self.ended => match got {
-                    Ok(Some(ds)) => shared.state.lock().waiting.extend(ds),
-                    Ok(None) => self.ended = true,
-                    Err(e) => return Err(e),
-                },
                 _ = due => {}
-                _ = shared.link.down() => {}
-                _ = shared.state.woken() => {}
+                _ = self.shared.link.down() => {}
+                _ = self.shared.state.woken() => {}
             }
         }
     }
 
     /// Marks everything stale and takes it out: the naks owed and the deliveries kept.
     fn end(&self) -> (Vec<Subject>, Vec<Delivery>) {
-        self.shared.state.lock().close()
+        let ended = self.shared.state.lock().close();
+        self.shared.room.notify_one();
+        ended
     }
 }
 
@@ -1042,13 +1191,15 @@ impl Source for NatsSource {
         let shared = self.shared.clone();
         ReadinessProbe::new(move || {
             let cfg = &shared.cfg;
-            if shared.link.is_up() {
+            if !shared.link.is_up() {
+                Readiness::Waiting(shared.link.unreachable())
+            } else if let Some(why) = shared.window_stall() {
+                Readiness::Waiting(why)
+            } else {
                 Readiness::Ready(format!(
                     "pulling {} from stream {}",
                     cfg.durable, cfg.stream
                 ))
-            } else {
-                Readiness::Waiting(shared.link.unreachable())
             }
         })
     }

@@ -220,6 +220,278 @@ mod ordered_source {
         let dlq = support::config(&url, &names).dead_letter_stream_name();
         support::delete_streams(&url, &[names.stream, dlq]).await;
     }
+
+    /// The poison message of the poison tests: its handler fails every time.
+    const POISON: &str = "a-000";
+
+    /// What a poison test's handler did: the keys it applied, in order, and how often it
+    /// ran the poison message.
+    #[derive(Clone, Default)]
+    struct Runs {
+        applied: Arc<std::sync::Mutex<Vec<String>>>,
+        poison_attempts: Arc<std::sync::atomic::AtomicU32>,
+    }
+
+    impl Runs {
+        fn applied(&self) -> Vec<String> {
+            self.applied
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone()
+        }
+        fn attempts(&self) -> u32 {
+            self.poison_attempts
+                .load(std::sync::atomic::Ordering::SeqCst)
+        }
+        /// True once every key of `keys` was applied.
+        fn applied_all(&self, keys: &[String]) -> bool {
+            let applied = self.applied();
+            keys.iter().all(|k| applied.contains(k))
+        }
+    }
+
+    /// An engine with one lane per subject whose handler fails [`POISON`] every time
+    /// (retried after `retry`'s delays, then dead-lettered) and applies every other key.
+    fn poisoned_consumer(
+        retry: idemq_core::RetryPolicy,
+        runs: &Runs,
+    ) -> idemq_core::IdempotentConsumer<impl idemq_core::Handler> {
+        use idemq_core::{ClaimedMessage, HandlerError};
+        let runs = runs.clone();
+        idemq_core::IdempotentConsumer::new(
+            Arc::new(idemq_core::MemoryStore::new()),
+            idemq_core::KeyStrategy::dedup_header("ordered-poison").expect("group"),
+            move |m: ClaimedMessage| {
+                let runs = runs.clone();
+                async move {
+                    let key = m.envelope.headers.get_str(idemq_core::DEDUP_HEADER);
+                    let key = key.unwrap_or_default().to_string();
+                    if key == POISON {
+                        runs.poison_attempts
+                            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                        return Err(HandlerError::retryable("poison: fails every time"));
+                    }
+                    runs.applied
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .push(key);
+                    Ok(None)
+                }
+            },
+        )
+        .with_config(idemq_core::ConsumerConfig {
+            max_batch: 32,
+            ordering: idemq_core::DeliveryOrder::PerPartition,
+            retry,
+            ..idemq_core::ConsumerConfig::default()
+        })
+    }
+
+    /// Publishes `keys` to `subject` in order, each stored before the next is sent.
+    async fn publish_in_order(url: &str, subject: &str, keys: &[String]) {
+        let p = support::publisher(url).await;
+        for k in keys {
+            p.publish(OutgoingMessage::new(subject, "{}").with_dedup_key(k.as_str()))
+                .await
+                .unwrap_or_else(|e| panic!("publish {k}: {e}"));
+        }
+    }
+
+    /// Waits until `done` says so, `within` at most; false when it did not.
+    async fn eventually(within: Duration, done: impl Fn() -> bool) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        while !done() {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        true
+    }
+
+    /// The keys of `applied` that start with `prefix`, in the order applied.
+    fn of(applied: &[String], prefix: &str) -> Vec<String> {
+        applied
+            .iter()
+            .filter(|k| k.starts_with(prefix))
+            .cloned()
+            .collect()
+    }
+
+    /// A message of subject a that always fails is held by its retries (3 s, 6 s, 8 s, then
+    /// the dead letter) in front of 300 more of a — more than an ordered source keeps in
+    /// memory — and 20 messages of subject b are published after all of them. b's all run
+    /// while a's head is still being retried (a's backlog does not take intake away from b),
+    /// the source saying ready; once the head is dead-lettered, a's rest runs in order, each
+    /// message once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_poison_message_holds_up_only_its_own_subject() {
+        let Some(url) = support::nats_url() else {
+            return;
+        };
+        let names = support::Names::fresh("ordered-poison");
+        let mut cfg = support::config(&url, &names);
+        cfg.ordered = true;
+        let dlq = cfg.dead_letter_stream_name();
+        let mut src = support::source(cfg).await;
+        let readiness = src.readiness();
+        let (a, b) = (format!("{}.a", names.root), format!("{}.b", names.root));
+        let a_rest: Vec<String> = (1..=300).map(|i| format!("a-{i:03}")).collect();
+        let b_all: Vec<String> = (0..20).map(|i| format!("b-{i:02}")).collect();
+        publish_in_order(&url, &a, &[POISON.to_string()]).await;
+        publish_in_order(&url, &a, &a_rest).await;
+        publish_in_order(&url, &b, &b_all).await;
+        let retry = idemq_core::RetryPolicy {
+            initial_delay: Duration::from_secs(3),
+            max_delay: Duration::from_secs(8),
+            multiplier: 2.0,
+            jitter: 0.0,
+            max_attempts: Some(4),
+        };
+        let runs = Runs::default();
+        let consumer = poisoned_consumer(retry, &runs);
+        // The poison's attempts, what had been applied and the source's readiness once b's
+        // messages had all run.
+        type Seen = (u32, Vec<String>, idemq_core::source::Readiness);
+        let at_b_done = Arc::new(std::sync::Mutex::new(None::<Seen>));
+        let stop = {
+            let (runs, at_b_done, b_all, a_rest) = (
+                runs.clone(),
+                at_b_done.clone(),
+                b_all.clone(),
+                a_rest.clone(),
+            );
+            async move {
+                if eventually(Duration::from_secs(60), || runs.applied_all(&b_all)).await {
+                    let seen = (runs.attempts(), runs.applied(), readiness.check());
+                    *at_b_done.lock().unwrap_or_else(|e| e.into_inner()) = Some(seen);
+                }
+                eventually(Duration::from_secs(120), || runs.applied_all(&a_rest)).await;
+            }
+        };
+        consumer.run(&mut src, stop).await.expect("run");
+        let applied = runs.applied();
+        let seen = at_b_done.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some((attempts, then, ready)) = seen else {
+            panic!(
+                "b's messages did not all run within 60 s ({} of 20 did): a's poison held up \
+                 every subject",
+                of(&applied, "b-").len()
+            );
+        };
+        assert!(
+            attempts < 4 && of(&then, "a-").is_empty(),
+            "b's messages ran only after a's poison message was dead-lettered ({attempts} of \
+             its 4 attempts made, {} of a's later messages applied before b's were done): a's \
+             backlog held up every subject",
+            of(&then, "a-").len()
+        );
+        assert!(
+            ready.is_ready(),
+            "intake was flowing, yet the source said {ready:?}"
+        );
+        assert_eq!(
+            of(&applied, "b-"),
+            b_all,
+            "b's messages once each, in order"
+        );
+        assert_eq!(
+            of(&applied, "a-"),
+            a_rest,
+            "a's messages after its head once each, in order"
+        );
+        assert_eq!(
+            runs.attempts(),
+            4,
+            "the poison ran as often as the policy says"
+        );
+        let copies = dead_copies(&url, &dlq, POISON, 1).await;
+        assert_eq!(copies.len(), 1, "the poison message is dead-lettered once");
+        support::delete_streams(&url, &[names.stream, dlq]).await;
+    }
+
+    /// The server hands a consumer nothing new while `max_ack_pending` of its messages are
+    /// unsettled. With a window of 40, a message of subject a that always fails (retried
+    /// after 2 s and 4 s, then dead-lettered) in front of 100 more of a fills it, and 5
+    /// messages of subject b published after cannot arrive: the source is not ready and says
+    /// why while that lasts. Once the poison is dead-lettered everything runs (a in order,
+    /// each message once) and the source is ready again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_window_filled_behind_a_poison_message_is_reported_not_ready() {
+        let Some(url) = support::nats_url() else {
+            return;
+        };
+        let names = support::Names::fresh("ordered-window");
+        let mut cfg = support::config(&url, &names);
+        cfg.ordered = true;
+        cfg.max_ack_pending = 40;
+        let dlq = cfg.dead_letter_stream_name();
+        let mut src = support::source(cfg).await;
+        let readiness = src.readiness();
+        let (a, b) = (format!("{}.a", names.root), format!("{}.b", names.root));
+        let a_rest: Vec<String> = (1..=100).map(|i| format!("a-{i:03}")).collect();
+        let b_all: Vec<String> = (0..5).map(|i| format!("b-{i:02}")).collect();
+        publish_in_order(&url, &a, &[POISON.to_string()]).await;
+        publish_in_order(&url, &a, &a_rest).await;
+        publish_in_order(&url, &b, &b_all).await;
+        let retry = idemq_core::RetryPolicy {
+            initial_delay: Duration::from_secs(2),
+            max_delay: Duration::from_secs(4),
+            multiplier: 2.0,
+            jitter: 0.0,
+            max_attempts: Some(3),
+        };
+        let runs = Runs::default();
+        let consumer = poisoned_consumer(retry, &runs);
+        // What the readiness probe said while the poison was being retried, and at the end.
+        let reported = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+        let ready_after = Arc::new(std::sync::Mutex::new(None::<bool>));
+        let stop = {
+            let (runs, reported, ready_after) =
+                (runs.clone(), reported.clone(), ready_after.clone());
+            let everything: Vec<String> = a_rest.iter().chain(&b_all).cloned().collect();
+            async move {
+                let watch = async {
+                    while runs.attempts() < 3 {
+                        if let idemq_core::source::Readiness::Waiting(why) = readiness.check() {
+                            reported.lock().unwrap_or_else(|e| e.into_inner()).push(why);
+                        }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(60), watch).await;
+                eventually(Duration::from_secs(90), || runs.applied_all(&everything)).await;
+                let ready =
+                    eventually(Duration::from_secs(10), || readiness.check().is_ready()).await;
+                *ready_after.lock().unwrap_or_else(|e| e.into_inner()) = Some(ready);
+            }
+        };
+        consumer.run(&mut src, stop).await.expect("run");
+        let reported = reported.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        assert!(
+            reported.iter().any(|why| why.contains("max_ack_pending")),
+            "the server's window was full behind the poison message (nothing new could \
+             arrive), yet the source said ready throughout; it said {reported:?}"
+        );
+        let applied = runs.applied();
+        assert_eq!(
+            of(&applied, "a-"),
+            a_rest,
+            "a's messages after its head once each, in order"
+        );
+        assert_eq!(
+            of(&applied, "b-"),
+            b_all,
+            "b's messages once each, in order"
+        );
+        assert_eq!(
+            *ready_after.lock().unwrap_or_else(|e| e.into_inner()),
+            Some(true),
+            "ready again once the window emptied"
+        );
+        assert_eq!(dead_copies(&url, &dlq, POISON, 1).await.len(), 1);
+        support::delete_streams(&url, &[names.stream, dlq]).await;
+    }
 }
 
 /// Header names and values of every shape the client admits (printable-ASCII names, one
