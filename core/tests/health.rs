@@ -331,3 +331,64 @@ async fn messages_the_key_strategy_cannot_read_turn_the_consumer_degraded_with_a
     stop.notify_one();
     run.await.expect("join").expect("run");
 }
+
+/// A source that polls fine but says it cannot deliver what its broker holds (a window
+/// filled behind a held message, no partitions assigned): the consumer is not ready, and
+/// says why, read from the source when the report is made.
+#[tokio::test]
+async fn a_source_that_says_it_is_waiting_makes_the_consumer_not_ready() {
+    struct WaitingSource {
+        inner: SwitchedSource,
+        waiting: Arc<AtomicBool>,
+    }
+    #[async_trait]
+    impl Source for WaitingSource {
+        async fn poll(&mut self, max: usize) -> Result<Option<Vec<Delivery>>, SourceError> {
+            self.inner.poll(max).await
+        }
+        fn readiness(&self) -> idemq_core::source::ReadinessProbe {
+            let waiting = self.waiting.clone();
+            idemq_core::source::ReadinessProbe::new(move || {
+                if waiting.load(Ordering::SeqCst) {
+                    idemq_core::source::Readiness::Waiting(
+                        "the server's window is full behind a held message on subject a".into(),
+                    )
+                } else {
+                    idemq_core::source::Readiness::Ready("subscribed".into())
+                }
+            })
+        }
+    }
+    let broker = MemoryBroker::new();
+    let consumer = IdempotentConsumer::new(
+        Arc::new(MemoryStore::new()),
+        KeyStrategy::header("billing", "x-idempotency-key").expect("keys"),
+        |_m: ClaimedMessage| async { Ok::<_, HandlerError>(None) },
+    )
+    .with_config(config());
+    let health = consumer.health();
+    let waiting = Arc::new(AtomicBool::new(false));
+    let mut source = WaitingSource {
+        inner: SwitchedSource {
+            inner: broker.subscribe(),
+            down: Arc::default(),
+        },
+        waiting: waiting.clone(),
+    };
+    let stop = Arc::new(tokio::sync::Notify::new());
+    let stopped = stop.clone();
+    let run = tokio::spawn(async move { consumer.run(&mut source, stopped.notified()).await });
+    broker.publish(payment(1));
+    wait_for("acked", || broker.acked() == 1).await;
+    wait_for("ready", || health.is_ready()).await;
+    waiting.store(true, Ordering::SeqCst);
+    let report = health.report();
+    assert_eq!(report.state, HealthState::SourceWaiting);
+    let why = report.last_error.expect("what it waits for");
+    assert!(why.contains("window is full"), "{why}");
+    waiting.store(false, Ordering::SeqCst);
+    assert!(health.is_ready());
+    stop.notify_one();
+    run.await.expect("join").expect("run");
+    assert_eq!(health.report().state, HealthState::Stopped);
+}

@@ -5,6 +5,7 @@
 //! store call's and each poll's outcome, and [`Health::report`] answers what a readiness
 //! probe needs (ready or not, since when, the last error) without touching the store.
 
+use crate::source::{Readiness, ReadinessProbe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::SystemTime;
@@ -21,6 +22,11 @@ pub enum HealthState {
     StoreUnavailable,
     /// A source's poll failed (broker unreachable, channel lost); the loop backs off.
     BrokerUnavailable,
+    /// Polling, but a source says it cannot deliver what its broker holds for it
+    /// ([`Source::readiness`](crate::Source::readiness): waiting for a partition assignment,
+    /// or a window filled behind a held message); the report's `last_error` says what it
+    /// waits for. Read from the sources when the report is made.
+    SourceWaiting,
     /// Polling, but the last [`KEYLESS_RUN`] messages or more in a row were dead-lettered
     /// because no dedup key could be derived from them: the key strategy does not match
     /// what the producers send. Not ready: nothing is processed until it is fixed.
@@ -37,6 +43,7 @@ impl HealthState {
             Self::Ready => "ready",
             Self::StoreUnavailable => "store_unavailable",
             Self::BrokerUnavailable => "broker_unavailable",
+            Self::SourceWaiting => "source_waiting",
             Self::Degraded => "degraded",
             Self::Stopped => "stopped",
         }
@@ -94,6 +101,9 @@ struct Inner {
     keyless: AtomicBool,
     outages: AtomicU64,
     shown: Mutex<Since>,
+    /// The readiness probes of the sources of running loops, by loop.
+    sources: Mutex<Vec<(u64, ReadinessProbe)>>,
+    next_loop: AtomicU64,
 }
 
 /// A consumer's readiness: cheap to clone, shared by clones of the engine, read from any
@@ -135,6 +145,8 @@ impl Default for Health {
                 since: SystemTime::now(),
                 last_error: None,
             }),
+            sources: Mutex::new(Vec::new()),
+            next_loop: AtomicU64::new(0),
         }))
     }
 }
@@ -145,15 +157,37 @@ impl Health {
         Self::default()
     }
 
-    /// The state now.
+    /// The state now. A consumer otherwise ready whose source says it cannot deliver (a
+    /// probe asked now) is [`HealthState::SourceWaiting`], with what it waits for.
     pub fn report(&self) -> HealthReport {
-        let shown = self.shown();
-        HealthReport {
-            state: shown.state,
-            since: shown.since,
-            last_error: shown.last_error.clone(),
-            outages: self.0.outages.load(Ordering::Relaxed),
+        let mut report = {
+            let shown = self.shown();
+            HealthReport {
+                state: shown.state,
+                since: shown.since,
+                last_error: shown.last_error.clone(),
+                outages: self.0.outages.load(Ordering::Relaxed),
+            }
+        };
+        if report.state == HealthState::Ready {
+            let probes: Vec<ReadinessProbe> = self
+                .0
+                .sources
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .iter()
+                .map(|(_, p)| p.clone())
+                .collect();
+            // Asked outside the lock: a probe is the source's code.
+            if let Some(why) = probes.iter().find_map(|p| match p.check() {
+                Readiness::Waiting(why) => Some(why),
+                Readiness::Ready(_) => None,
+            }) {
+                report.state = HealthState::SourceWaiting;
+                report.last_error = Some(format!("source waiting: {why}"));
+            }
         }
+        report
     }
 
     /// Shorthand for `report().is_ready()`.
@@ -239,13 +273,21 @@ impl Health {
         }
     }
 
-    /// A poll loop started; the returned guard tracks that loop's source.
-    pub(crate) fn loop_started(&self) -> LoopHealth {
+    /// A poll loop started over a source whose readiness `probe` tells; the returned guard
+    /// tracks that loop's source.
+    pub(crate) fn loop_started(&self, probe: ReadinessProbe) -> LoopHealth {
+        let id = self.0.next_loop.fetch_add(1, Ordering::Relaxed);
+        self.0
+            .sources
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((id, probe));
         self.0.loops.fetch_add(1, Ordering::SeqCst);
         self.refresh(None);
         LoopHealth {
             health: self.clone(),
             source_down: false,
+            id,
         }
     }
 }
@@ -257,6 +299,7 @@ impl Health {
 pub(crate) struct LoopHealth {
     health: Health,
     source_down: bool,
+    id: u64,
 }
 
 impl LoopHealth {
@@ -294,6 +337,12 @@ impl Drop for LoopHealth {
         if self.source_down {
             self.health.0.sources_down.fetch_sub(1, Ordering::SeqCst);
         }
+        self.health
+            .0
+            .sources
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .retain(|(id, _)| *id != self.id);
         self.health.0.loops.fetch_sub(1, Ordering::SeqCst);
         self.health.refresh(None);
     }

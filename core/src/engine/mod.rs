@@ -541,7 +541,7 @@ where
     F: FnMut(Vec<crate::source::Delivery>) -> Fut,
     Fut: Future<Output = bool>,
 {
-    let mut reporter = health.loop_started();
+    let mut reporter = health.loop_started(source.readiness());
     drive(
         source,
         max_batch,
