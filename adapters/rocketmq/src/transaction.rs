@@ -181,9 +181,17 @@ impl StoreCheckBack {
             Ok(ClaimOutcome::PayloadConflict(r)) if r.status == RecordStatus::Completed => {
                 LocalTransactionState::CommitMessage
             }
-            Ok(ClaimOutcome::InFlight { .. }) | Ok(ClaimOutcome::PayloadConflict(_)) => {
-                LocalTransactionState::Unknown
-            }
+            Ok(ClaimOutcome::InFlight { .. }) => match self.store.get(&key).await {
+                // Completed in the local transaction through a fence table (PostgreSQL,
+                // MySQL): the claim still sees the live lease, the read folds the completion
+                // in. Without this the answer stayed UNKNOWN until the lease ended, which a
+                // long lease can stretch past the broker's last check-back.
+                Ok(Some(r)) if r.status == RecordStatus::Completed => {
+                    LocalTransactionState::CommitMessage
+                }
+                _ => LocalTransactionState::Unknown,
+            },
+            Ok(ClaimOutcome::PayloadConflict(_)) => LocalTransactionState::Unknown,
             Ok(ClaimOutcome::Acquired(lease)) => {
                 // The key is ours now: whoever held it before is fenced. Give it back so a
                 // new attempt of the operation can claim it (if this fails, the lease ends).

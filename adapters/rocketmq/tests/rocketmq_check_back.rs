@@ -337,3 +337,29 @@ async fn a_store_clock_behind_the_producer_does_not_roll_back_a_live_lease() {
         LocalTransactionState::CommitMessage
     );
 }
+
+/// A local transaction that completed its key in its own transaction (PostgreSQL's fence
+/// table) and committed, whose end-of-transaction was lost: its lease is still live, and the
+/// check-back commits at once instead of answering UNKNOWN until the lease ends (a long lease
+/// could outlast the broker's check-backs, which then drop the message).
+#[tokio::test]
+async fn on_postgres_a_completion_in_the_local_transaction_commits_before_its_lease_ends() {
+    let _serial = SERIAL.lock().await;
+    let Some(store) = pg().await else { return };
+    let group = support::unique("orders");
+    let check = StoreCheckBack::new(Arc::new(store.clone()), &group).expect("check-back");
+    let k = key(&group, "order-done");
+    let lease = acquire(&store, &k, Duration::from_secs(600)).await;
+    let mut tx = store.pool().begin().await.expect("begin");
+    let done = store
+        .complete_in_tx(&mut *tx, &k, lease.token, None, RETENTION)
+        .await
+        .expect("complete_in_tx");
+    assert_eq!(done, CompleteOutcome::Completed);
+    tx.commit().await.expect("commit");
+    assert_eq!(
+        check.state_of("order-done").await,
+        LocalTransactionState::CommitMessage,
+        "a key completed in the local transaction commits while its lease is live"
+    );
+}
