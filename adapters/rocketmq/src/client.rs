@@ -25,6 +25,13 @@ fn build() -> Result<ClientEnv, String> {
     // 2 x cores (4 here, for every consumer of the process) and which they hold while the
     // engine settles: size the lanes as for 64 cores, keep few async workers.
     let mut config = RuntimeConfig::for_parallelism("idemq-rocketmq-client", LANE_PARALLELISM);
+    // A listener call lasts as long as the engine keeps its message: a held nack's back-off
+    // (minutes), a store outage (as long as it lasts). Past the lane's task budget (30 s by
+    // default) the client stops waiting for the call while it still runs: it gives the
+    // message back to the broker (a second copy, one reconsume spent) and frees the consume
+    // thread's permit for the next message, so more calls than `consume_threads` wait at
+    // once. The budget is the consumer's consume timeout instead.
+    config.blocking_lane_policies.metadata_io.task_timeout = crate::source::CONSUME_TIMEOUT;
     config.worker_threads = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(2)

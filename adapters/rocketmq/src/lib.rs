@@ -23,18 +23,20 @@
 //! | idemq | concurrently | orderly |
 //! |---|---|---|
 //! | ack | `CONSUME_SUCCESS` | `SUCCESS` |
-//! | nack(d) | held on the listener thread for `d`, then the same message handed to the engine again (delivery count + 1) | same, order kept |
+//! | nack(d) | held on the listener thread for `d`, then the same message handed to the engine again (delivery count + 1); past [`max_held_nacks`](RocketSourceConfig::max_held_nacks) held at once, sent to the retry topic `%RETRY%<group>` with a delay level ≥ `d`, then success | held, order kept |
 //! | reject(reason) | copy to the dead-letter topic (`%DLQ%<group>` or configured) with [`DLQ_REASON`], confirmed `SEND_OK`, then success | same |
-//! | dropped unsettled | held 1 s, handed over again | same |
+//! | dropped unsettled | held 1 s, handed over again (same bound) | same |
 //! | source closing | `RECONSUME_LATER` (the broker's levels: ~10 s, ~30 s, …; [`MIN_RECONSUME_DELAY`]) | `SUSPEND_CURRENT_QUEUE_A_MOMENT` |
 //!
-//! A nack never reaches the broker: each `RECONSUME_LATER` or suspend would spend one of
-//! `max_reconsume_times`, after which the broker moves the message to `%DLQ%<group>` without
-//! a reason, and the engine also nacks what is not a failure (a key in flight elsewhere, the
-//! store down, a deferred lane). The engine's retry policy, which counts handler failures
-//! (the store's attempts), is the one budget, and it dead-letters with a reason. A held
-//! message keeps its listener thread and holds back its queue's committed offset until it
-//! is acked or rejected.
+//! A held nack does not reach the broker: each `RECONSUME_LATER`, send-back or suspend
+//! spends one of `max_reconsume_times`, after which the broker moves the message to
+//! `%DLQ%<group>` without a reason, and the engine also nacks what is not a failure (a key
+//! in flight elsewhere, the store down, a deferred lane). The engine's retry policy, which
+//! counts handler failures (the store's attempts), dead-letters with a reason. A held message
+//! keeps its listener thread and holds back its queue's committed offset until it is acked
+//! or rejected, so in concurrent mode only a few are held at once: the others go to the
+//! broker's delayed retry, which frees their threads for healthy messages and spends one
+//! reconsume each.
 //!
 //! ## What is fenced
 //! RocketMQ has no producer fencing and no consumer-side generation: a listener call that

@@ -8,22 +8,29 @@
 //! | settlement | concurrently | orderly |
 //! |---|---|---|
 //! | ack | `CONSUME_SUCCESS` | `SUCCESS` |
-//! | nack(d) | held on the listener thread for d, then handed to the engine again | same |
+//! | nack(d) | held on the listener thread for d, then handed to the engine again; past `max_held_nacks` held at once, sent back to the broker's retry topic (delay level ≥ d) | held, always |
 //! | reject(reason) | copy to the DLQ topic with the reason, then success | same |
-//! | dropped unsettled | held `ABANDONED_RETRY` (1 s), then handed over again | same |
+//! | dropped unsettled | held `ABANDONED_RETRY` (1 s), then handed over again (same bound) | same |
 //! | source closing | `RECONSUME_LATER` (broker levels: ~10 s, ~30 s, …) | `SUSPEND_CURRENT_QUEUE_A_MOMENT` |
 //!
-//! **Why a nack is held here.** Every `RECONSUME_LATER` (and every orderly suspend) spends
-//! one of `max_reconsume_times`, after which the broker moves the message to `%DLQ%<group>`
-//! without a reason. The engine nacks for reasons that are not failures (another worker
-//! holds the key, the store is down, an earlier message of the lane went back), and the
-//! settlement does not say which: a store outage of a few hours would dead-letter messages
-//! that never ran. So no nack reaches the broker: the engine's retry policy, which counts
-//! handler failures only (the store's attempt count), is the one budget, and its give-up is
-//! a reject with a reason. Only a source that closes with a message in hand gives it back
-//! (one broker attempt). The price: a held message keeps its listener thread and holds back
-//! its queue's committed offset (the client pulls on up to `consume_concurrently_max_span`,
-//! 2000, past it) until the engine acks or rejects it.
+//! **Why a nack is held here.** Every `RECONSUME_LATER` or send-back (and every orderly
+//! suspend) spends one of `max_reconsume_times`, after which the broker moves the message to
+//! `%DLQ%<group>` without a reason. The engine nacks for reasons that are not failures
+//! (another worker holds the key, the store is down, an earlier message of the lane went
+//! back), and the settlement does not say which: a store outage of a few hours would
+//! dead-letter messages that never ran. So a held nack does not reach the broker: the
+//! engine's retry policy, which counts handler failures only (the store's attempt count), is
+//! the budget, and its give-up is a reject with a reason. The price: a held message keeps
+//! its listener thread and holds back its queue's committed offset (the client pulls on up
+//! to `consume_concurrently_max_span`, 2000, past it) until the engine acks or rejects it.
+//!
+//! **Why only a few.** Held through back-offs of up to minutes, failing messages would take
+//! every consume thread and the consumer would stop taking healthy ones. In concurrent mode a
+//! source holds at most `max_held_nacks` messages in back-off at once; a nack past that is
+//! sent back to the broker's retry topic (`%RETRY%<group>`) with a delay level no shorter
+//! than the nack's delay nor than the broker's own level for its next reconsume, and the
+//! listener answers success at once, freeing its thread. That one spends a reconsume. In
+//! orderly mode nothing is bounded: the queue waits behind its message anyway.
 
 use crate::client::{env, own_client};
 use crate::fields::{dead_letter_copy, to_envelope};
@@ -31,6 +38,7 @@ use crate::listener_guard::{guarded, poll_or_fatal, ListenerPanic};
 use crate::publisher::RocketPublisher;
 use crate::RocketError;
 use async_trait::async_trait;
+use futures::future::BoxFuture;
 use futures::future::{select, Either};
 use idemq_core::adapter::{channel_source, ChannelSender, ChannelSource, SettleRecorder};
 use idemq_core::source::{Delivery, Settle, Settlement, Source, SourceError};
@@ -41,8 +49,9 @@ use rocketmq_client_rust::{
 };
 use rocketmq_model::common::consumer::consume_from_where::ConsumeFromWhere;
 use rocketmq_model::common::message::message_ext::MessageExt;
+use rocketmq_model::common::message::message_queue::MessageQueue;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 use tokio::sync::{watch, Mutex, Notify};
 
@@ -62,11 +71,63 @@ const ABANDONED_RETRY: Duration = Duration::from_secs(1);
 /// but not lost.
 const DEAD_LETTER_ATTEMPTS: u32 = 3;
 
+/// The broker's delay levels (its default `messageDelayLevel`, `1s 5s 10s 30s 1m 2m 3m 4m 5m
+/// 6m 7m 8m 9m 10m 20m 30m 1h 2h`), level 1 first.
+const DELAY_LEVELS: [Duration; 18] = [
+    Duration::from_secs(1),
+    Duration::from_secs(5),
+    Duration::from_secs(10),
+    Duration::from_secs(30),
+    Duration::from_secs(60),
+    Duration::from_secs(2 * 60),
+    Duration::from_secs(3 * 60),
+    Duration::from_secs(4 * 60),
+    Duration::from_secs(5 * 60),
+    Duration::from_secs(6 * 60),
+    Duration::from_secs(7 * 60),
+    Duration::from_secs(8 * 60),
+    Duration::from_secs(9 * 60),
+    Duration::from_secs(10 * 60),
+    Duration::from_secs(20 * 60),
+    Duration::from_secs(30 * 60),
+    Duration::from_secs(60 * 60),
+    Duration::from_secs(2 * 60 * 60),
+];
+
+/// The level the broker picks itself for a message reconsumed `reconsume_times` times so far
+/// (`RECONSUME_LATER`: 10 s, then 30 s, 1 min, …).
+const BROKER_FIRST_LEVEL: i32 = 3;
+
+/// Longest a listener waits for a send-back to the retry topic (the client's own request
+/// timeout is 5 s, and it then tries a plain send of the retry message).
+const SEND_BACK_TIMEOUT: Duration = Duration::from_secs(15);
+
+/// The delay level a nack of `delay` is sent back with: the first level not shorter than the
+/// delay (so the engine's back-off holds), and never below the level the broker would pick
+/// itself (so a run of short nacks, a store outage, spends `max_reconsume_times` no faster
+/// than the broker's own schedule would).
+fn delay_level(delay: Duration, reconsume_times: i32) -> i32 {
+    let covering = DELAY_LEVELS
+        .iter()
+        .position(|l| *l >= delay)
+        .unwrap_or(DELAY_LEVELS.len() - 1);
+    let covering = i32::try_from(covering)
+        .unwrap_or(i32::MAX)
+        .saturating_add(1);
+    let brokers = BROKER_FIRST_LEVEL.saturating_add(reconsume_times.max(0));
+    let last = i32::try_from(DELAY_LEVELS.len()).unwrap_or(i32::MAX);
+    covering.max(brokers).min(last)
+}
+
 /// The client's `consume_timeout`, in minutes: a message in a listener call longer than that
 /// is sent back by the client (one broker attempt). Messages are held in listener calls
 /// while the engine nacks them, so the bound is far off (the engine's retry policy bounds a
 /// failing message; a long store outage holds them as long as it lasts).
 const CONSUME_TIMEOUT_MINUTES: u64 = 7 * 24 * 60;
+
+/// [`CONSUME_TIMEOUT_MINUTES`] as a duration: also the budget of one listener call on the
+/// client's blocking lane (see `client::build`).
+pub(crate) const CONSUME_TIMEOUT: Duration = Duration::from_secs(CONSUME_TIMEOUT_MINUTES * 60);
 
 /// How the consumer group consumes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,9 +157,19 @@ pub struct RocketSourceConfig {
     pub dlq_topic: Option<String>,
     /// Consume threads (listener calls that may wait for settlements at once).
     pub consume_threads: u32,
-    /// Broker-side reconsume attempts before `%DLQ%<group>` (without a reason). Nacks do
-    /// not spend them (they are held in the listener; the engine's retry policy gives up
-    /// with a reason); only a source closed with a message in hand gives it back, one each.
+    /// Concurrent mode: nacked messages this source keeps on listener threads through their
+    /// back-off at once (default 4; at most `consume_threads - 1`, so one thread is always
+    /// left for healthy messages). A nack past it goes to the broker's retry topic with a
+    /// delay level covering its delay, and its thread is freed at once; that spends one of
+    /// `max_reconsume_times`. 0 sends every nack to the broker. Orderly mode holds every
+    /// nack (its queue waits behind the message anyway).
+    pub max_held_nacks: u32,
+    /// Broker-side reconsume attempts before `%DLQ%<group>` (without a reason). The broker
+    /// counts the times a message came back through its retry topic: nacks held in the
+    /// listener do not spend them; a nack sent back past `max_held_nacks`, and a source
+    /// closed with a message in hand, spend one each. The engine's attempt count (the
+    /// store's, handler runs) is kept apart and survives the round trip, so keep this above
+    /// the retry policy's `max_attempts` for the engine to dead-letter first, with a reason.
     pub max_reconsume_times: i32,
     /// Deliveries buffered between the listener threads and the engine.
     pub buffer: usize,
@@ -127,6 +198,7 @@ impl RocketSourceConfig {
             mode: ConsumeMode::Concurrently,
             dlq_topic: None,
             consume_threads: 16,
+            max_held_nacks: 4,
             max_reconsume_times: 16,
             buffer: 64,
             from_first_offset: true,
@@ -146,9 +218,17 @@ impl RocketSourceConfig {
     }
 }
 
+/// Sends a message back to the broker's retry topic with a delay level (the push consumer's
+/// own send-back, as `RECONSUME_LATER` does, but with a level of ours: the listener's context
+/// cannot set one).
+type SendBack = Box<
+    dyn Fn(MessageExt, i32, MessageQueue) -> BoxFuture<'static, Result<(), String>> + Send + Sync,
+>;
+
 /// What the listener thread waits on: the settlements, or the source closing.
 struct Bridge {
-    /// Timers of the held nacks (the listener threads are not on a runtime of ours).
+    /// Timers of the held nacks and the send-backs' runtime (the listener threads are not
+    /// on a runtime of ours).
     timers: tokio::runtime::Handle,
     tx: ChannelSender,
     closed: watch::Receiver<bool>,
@@ -156,6 +236,47 @@ struct Bridge {
     idle: Arc<Notify>,
     dlq: Arc<DeadLetters>,
     progress: Arc<Progress>,
+    /// Listener calls holding a nack through its back-off (concurrent mode's bound).
+    holds: HoldSlots,
+    /// Set once the consumer started; until then a nack past the bound answers "later".
+    send_back: OnceLock<SendBack>,
+    /// The consumer's `max_reconsume_times`: a send-back of a message that spent them all
+    /// lands in `%DLQ%<group>`.
+    max_reconsume_times: i32,
+}
+
+/// Listener calls that hold a nacked message through its back-off, and how many may at once.
+struct HoldSlots {
+    taken: AtomicUsize,
+    max: usize,
+}
+
+impl HoldSlots {
+    fn new(max: usize) -> Self {
+        Self {
+            taken: AtomicUsize::new(0),
+            max,
+        }
+    }
+
+    /// A slot for one back-off, or `None` when all are taken.
+    fn take(&self) -> Option<HoldSlot<'_>> {
+        self.taken
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < self.max).then_some(n + 1)
+            })
+            .ok()
+            .map(|_| HoldSlot(self))
+    }
+}
+
+/// One back-off's slot, given back when dropped.
+struct HoldSlot<'a>(&'a HoldSlots);
+
+impl Drop for HoldSlot<'_> {
+    fn drop(&mut self) {
+        self.0.taken.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// Settlements handed to listener threads, and listener calls that took theirs back to the
@@ -171,7 +292,10 @@ struct Progress {
 
 /// One message's outcome as the listener answers it.
 enum Verdict {
+    /// Success: acked, dead-lettered with its reason, or stored in the retry topic by
+    /// `Bridge::send_back`.
     Done,
+    /// Give it back to the broker (`RECONSUME_LATER`, or an orderly suspend of that long).
     Later(Duration),
 }
 
@@ -181,15 +305,17 @@ enum Step {
     /// Acked, or dead-lettered with its reason by `RocketSettle`: answer success.
     Done,
     /// Keep the message on this listener thread and hand it to the engine again after the
-    /// delay: the broker hears nothing, so no reconsume attempt is spent.
+    /// delay: the broker hears nothing, so no reconsume attempt is spent. Past the hold
+    /// bound (concurrent mode), send it to the broker's retry topic instead.
     Hold(Duration),
     /// The source is closing: give the message back to the broker.
     GiveBack(Duration),
 }
 
 /// The listener's next step for a settlement (`None`: none arrived), the source closing or
-/// not. Only a closing source gives a message back to the broker; every nack — a handler
-/// failure, another worker's lease, a store outage, a deferred lane — is held here.
+/// not. A closing source gives the message back to the broker; every nack — a handler
+/// failure, another worker's lease, a store outage, a deferred lane — is to be held (within
+/// the hold bound: see `Bridge::consume_inner`).
 fn step(settled: Option<&Settlement>, closing: bool) -> Step {
     match settled {
         Some(Settlement::Ack) => Step::Done,
@@ -206,17 +332,21 @@ fn step(settled: Option<&Settlement>, closing: bool) -> Step {
 
 impl Bridge {
     /// Delivers one message and waits (on this blocking listener thread) for its settlement.
-    fn consume(&self, m: &MessageExt) -> Verdict {
+    /// `queue`: the message's queue when a nack past the hold bound may be sent back to the
+    /// broker's retry topic (concurrent mode); `None` holds every nack (orderly).
+    fn consume(&self, m: &MessageExt, queue: Option<&MessageQueue>) -> Verdict {
         self.active.fetch_add(1, Ordering::SeqCst);
         let later = || Verdict::Later(ABANDONED_RETRY);
-        let v = guarded(&self.progress.panicked, m, later, || self.consume_inner(m));
+        let v = guarded(&self.progress.panicked, m, later, || {
+            self.consume_inner(m, queue)
+        });
         if self.active.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.idle.notify_waiters();
         }
         v
     }
 
-    fn consume_inner(&self, m: &MessageExt) -> Verdict {
+    fn consume_inner(&self, m: &MessageExt, queue: Option<&MessageQueue>) -> Verdict {
         // Hand-overs of this message by this listener call after the first (held nacks).
         let mut held = 0u32;
         let dlq_failures = Arc::new(AtomicU32::new(0));
@@ -244,8 +374,19 @@ impl Bridge {
                     return Verdict::Later(ABANDONED_RETRY);
                 }
                 Step::Hold(d) => {
+                    // The slot is kept through the back-off only, not while the engine runs
+                    // the message again: it bounds threads that wait, not threads that work.
+                    let slot = match queue {
+                        Some(q) => match self.holds.take() {
+                            Some(slot) => Some(slot),
+                            None => return self.send_back(m, d, q),
+                        },
+                        None => None,
+                    };
                     metrics::counter!("idemq_rocketmq_nacks_held_total").increment(1);
-                    if !self.hold(d) {
+                    let waited = self.hold(d);
+                    drop(slot);
+                    if !waited {
                         return Verdict::Later(ABANDONED_RETRY);
                     }
                     held = held.saturating_add(1);
@@ -299,6 +440,54 @@ impl Bridge {
         Some(settled)
     }
 
+    /// Sends `m`, nacked for `delay` while every hold slot is taken, to the broker's retry
+    /// topic with a delay level covering the delay, so this listener thread is free at once.
+    /// `Done` once the broker stored it there (the listener answers success: the client
+    /// removes the message from its queue, as after its own send-back); `Later` when the
+    /// send-back failed or the consumer is not started yet (`RECONSUME_LATER`: the client
+    /// tries its own send-back at the broker's level, and if that fails too it consumes the
+    /// message again itself after a few seconds).
+    fn send_back(&self, m: &MessageExt, delay: Duration, queue: &MessageQueue) -> Verdict {
+        let Some(send) = self.send_back.get() else {
+            return Verdict::Later(delay);
+        };
+        let level = delay_level(delay, m.reconsume_times());
+        if m.reconsume_times() >= self.max_reconsume_times {
+            // The broker's count, not the engine's: only send-backs spent it.
+            tracing::warn!(
+                topic = %m.topic(),
+                reconsume_times = m.reconsume_times(),
+                max_reconsume_times = self.max_reconsume_times,
+                "a nacked message past the hold bound has no reconsume left: the broker moves \
+                 it to %DLQ%<group> without a reason"
+            );
+        }
+        let sent = send(m.clone(), level, queue.clone());
+        let task = self
+            .timers
+            .spawn(async move { tokio::time::timeout(SEND_BACK_TIMEOUT, sent).await });
+        let why = match futures::executor::block_on(task) {
+            Ok(Ok(Ok(()))) => {
+                metrics::counter!("idemq_rocketmq_nacks_sent_back_total").increment(1);
+                tracing::debug!(
+                    topic = %m.topic(),
+                    queue_offset = m.queue_offset(),
+                    level,
+                    held = self.holds.max,
+                    "every hold slot is taken: nacked message sent to the retry topic"
+                );
+                return Verdict::Done;
+            }
+            Ok(Ok(Err(e))) => e,
+            Ok(Err(_)) => format!("no answer within {SEND_BACK_TIMEOUT:?}"),
+            Err(e) => format!("send-back task: {e}"),
+        };
+        // A send-back that timed out may still have been stored: the second copy the client's
+        // own give-back makes is skipped by the store as a duplicate of the same key.
+        tracing::warn!(topic = %m.topic(), level, error = %why, "sending a nacked message to the retry topic failed: answering RECONSUME_LATER");
+        Verdict::Later(delay)
+    }
+
     /// Waits `d` on this listener thread; false when the source started closing meanwhile.
     fn hold(&self, d: Duration) -> bool {
         let sleep = {
@@ -321,12 +510,12 @@ impl MessageListenerConcurrently for Concurrent {
     fn consume_message(
         &self,
         msgs: &[&MessageExt],
-        _ctx: &ConsumeConcurrentlyContext,
+        ctx: &ConsumeConcurrentlyContext,
     ) -> ClientResult<ConsumeConcurrentlyStatus> {
         // Batch size 1; a longer batch is all-or-nothing, so every message must be done.
         let mut all_done = true;
         for m in msgs {
-            if let Verdict::Later(_) = self.0.consume(m) {
+            if let Verdict::Later(_) = self.0.consume(m, Some(ctx.get_message_queue())) {
                 all_done = false;
             }
         }
@@ -349,7 +538,7 @@ impl MessageListenerOrderly for Orderly {
     ) -> ClientResult<ConsumeOrderlyStatus> {
         let mut suspend: Option<Duration> = None;
         for m in msgs {
-            if let Verdict::Later(d) = self.0.consume(m) {
+            if let Verdict::Later(d) = self.0.consume(m, None) {
                 suspend = Some(suspend.map_or(d, |s| s.max(d)));
             }
         }
@@ -468,6 +657,8 @@ impl RocketSource {
         let active = Arc::new(AtomicUsize::new(0));
         let idle = Arc::new(Notify::new());
         let progress = Arc::new(Progress::default());
+        let threads = cfg.consume_threads.max(1);
+        let max_held = cfg.max_held_nacks.min(threads - 1);
         let bridge = Arc::new(Bridge {
             timers: env.bridge.clone(),
             tx,
@@ -476,8 +667,15 @@ impl RocketSource {
             idle: idle.clone(),
             dlq: dlq.clone(),
             progress: progress.clone(),
+            holds: HoldSlots::new(usize::try_from(max_held).unwrap_or(usize::MAX)),
+            send_back: OnceLock::new(),
+            // The client reads -1 as its default, 16, and sends that to the broker.
+            max_reconsume_times: if cfg.max_reconsume_times == -1 {
+                16
+            } else {
+                cfg.max_reconsume_times
+            },
         });
-        let threads = cfg.consume_threads.max(1);
         let client_config = own_client(&cfg.name_server)?;
         let mut consumer = DefaultMQPushConsumer::builder(env.client.clone())
             .client_config(client_config)
@@ -499,14 +697,35 @@ impl RocketSource {
             .map_err(|e| RocketError::Client(format!("subscribe {}: {e}", cfg.topic)))?;
         match cfg.mode {
             ConsumeMode::Concurrently => {
-                consumer.register_message_listener_concurrently(Concurrent(bridge))
+                consumer.register_message_listener_concurrently(Concurrent(bridge.clone()))
             }
-            ConsumeMode::Orderly => consumer.register_message_listener_orderly(Orderly(bridge)),
+            ConsumeMode::Orderly => {
+                consumer.register_message_listener_orderly(Orderly(bridge.clone()))
+            }
         }
         consumer
             .start()
             .await
             .map_err(|e| RocketError::Client(format!("consumer {}: {e}", cfg.group)))?;
+        if let Some(inner) = consumer.default_mq_push_consumer_impl() {
+            // Weak: the consumer holds the listener, which holds the bridge.
+            let inner = Arc::downgrade(inner);
+            let send_back: SendBack = Box::new(move |mut m, level, queue| {
+                let inner = inner.clone();
+                Box::pin(async move {
+                    let Some(inner) = inner.upgrade() else {
+                        return Err("the consumer was shut down".to_string());
+                    };
+                    inner
+                        .send_message_back(&mut m, level, &queue)
+                        .await
+                        .map_err(|e| e.to_string())
+                })
+            });
+            let _ = bridge.send_back.set(send_back);
+        } else {
+            tracing::warn!(group = %cfg.group, "the started consumer has no push-consumer core: nacks past the hold bound answer RECONSUME_LATER (the broker's levels)");
+        }
         tracing::info!(group = %cfg.group, topic = %cfg.topic, mode = ?cfg.mode, "rocketmq consumer started");
         Ok(Self {
             inner,
@@ -619,8 +838,9 @@ impl Drop for RocketSource {
 mod retry_budget_tests {
     //! What a nack costs: the listener calls of both modes driven the way the client calls
     //! them (on a blocking thread, one message), the real engine settling over the channel
-    //! source, no broker. A nack that is not a handler failure must not reach the broker as
-    //! RECONSUME_LATER / a suspend, each of which spends one of `max_reconsume_times`.
+    //! source, no broker. A nack within the hold bound must not reach the broker as
+    //! RECONSUME_LATER / a suspend, each of which spends one of `max_reconsume_times`; past
+    //! the bound (concurrent mode) it goes to the retry topic and frees its thread.
 
     use super::*;
     use cheetah_string::CheetahString;
@@ -654,6 +874,11 @@ mod retry_budget_tests {
     /// A bridge like `RocketSource::connect` builds, without a consumer; its dead-letter
     /// producer is never used here (nothing is rejected).
     async fn bridge() -> (Arc<Bridge>, ChannelSource, watch::Sender<bool>) {
+        bridge_holding(4).await
+    }
+
+    /// The same, holding at most `max_held` nacks at once.
+    async fn bridge_holding(max_held: usize) -> (Arc<Bridge>, ChannelSource, watch::Sender<bool>) {
         let dlq = Arc::new(DeadLetters {
             topic: format!("%DLQ%{GROUP}"),
             publisher: RocketPublisher::connect(crate::RocketPublisherConfig::new(
@@ -673,6 +898,9 @@ mod retry_budget_tests {
             idle: Arc::new(Notify::new()),
             dlq,
             progress: Arc::new(Progress::default()),
+            holds: HoldSlots::new(max_held),
+            send_back: OnceLock::new(),
+            max_reconsume_times: 16,
         });
         (bridge, inner, closing)
     }
@@ -1013,6 +1241,174 @@ mod retry_budget_tests {
             "a duplicate: not run here"
         );
         assert!(consumer.stats().duplicates >= 1);
+        let _ = stop.send(());
+        let _ = run.await;
+    }
+
+    /// A handler that always fails, and an engine that nacks each failure for `backoff`.
+    fn always_failing(backoff: Duration) -> IdempotentConsumer<impl idemq_core::Handler> {
+        IdempotentConsumer::new(
+            Arc::new(MemoryStore::new()),
+            KeyStrategy::dedup_header(GROUP).expect("keys"),
+            |_m: ClaimedMessage| async {
+                Err::<Option<bytes::Bytes>, _>(HandlerError::retryable("test: always fails"))
+            },
+        )
+        .with_config(ConsumerConfig {
+            retry: RetryPolicy::fixed(backoff),
+            ..quick_config()
+        })
+    }
+
+    #[test]
+    fn a_send_back_level_covers_the_nack_and_never_undercuts_the_brokers_own() {
+        // The broker's own level for a first reconsume (10 s) is the floor.
+        assert_eq!(delay_level(Duration::ZERO, 0), 3);
+        assert_eq!(delay_level(Duration::from_secs(1), 0), 3);
+        assert_eq!(delay_level(Duration::from_secs(10), 0), 3);
+        // The first level not shorter than the delay: 1 min, 2 min, 5 min.
+        assert_eq!(delay_level(Duration::from_secs(60), 0), 5);
+        assert_eq!(delay_level(Duration::from_secs(61), 0), 6);
+        assert_eq!(delay_level(Duration::from_secs(300), 0), 9);
+        // Longer than the last level (2 h): the last.
+        assert_eq!(delay_level(Duration::from_secs(3 * 3600), 0), 18);
+        // After 5 reconsumes the broker itself would wait 3 min (level 8).
+        assert_eq!(delay_level(Duration::from_secs(1), 5), 8);
+        assert_eq!(delay_level(Duration::from_secs(1), 40), 18);
+    }
+
+    /// One hold slot: the first failing message is held through its minute of back-off; the
+    /// second, nacked while the slot is taken, goes to the retry topic at the level covering
+    /// the minute and its listener answers success at once (its thread is free); a third whose
+    /// send-back fails answers RECONSUME_LATER (the client's own give-back). Closing releases
+    /// the held one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn past_the_hold_bound_a_nack_goes_to_the_retry_topic_and_frees_its_thread() {
+        let backoff = Duration::from_secs(60);
+        let (bridge, mut source, closing) = bridge_holding(1).await;
+        let sent: Arc<std::sync::Mutex<Vec<(String, i32)>>> = Arc::default();
+        let refuse = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let (record, refusing) = (sent.clone(), refuse.clone());
+        let fake: SendBack = Box::new(move |m: MessageExt, level, _queue| {
+            let key = m
+                .get_user_property(DEDUP_HEADER)
+                .map(|k| k.to_string())
+                .unwrap_or_default();
+            record
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((key, level));
+            let refused = refusing.load(Ordering::SeqCst);
+            Box::pin(async move {
+                if refused {
+                    Err("test: the broker refused the send-back".to_string())
+                } else {
+                    Ok(())
+                }
+            })
+        });
+        assert!(bridge.send_back.set(fake).is_ok());
+        let consumer = always_failing(backoff);
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let engine = consumer.clone();
+        let run = tokio::spawn(async move {
+            let _ = engine
+                .run(&mut source, async move {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+
+        let held = concurrently(&bridge, message("pay-held"));
+        until("the first failure", Duration::from_secs(30), || {
+            consumer.stats().retried >= 1
+        })
+        .await;
+        let given = concurrently(&bridge, message("pay-given"));
+        until(
+            "the second listener answers",
+            Duration::from_secs(30),
+            || given.is_finished(),
+        )
+        .await;
+        assert_eq!(
+            given.join().expect("listener"),
+            ConsumeConcurrentlyStatus::ConsumeSuccess,
+            "stored in the retry topic by the send-back: the client must not send it again"
+        );
+        assert_eq!(
+            sent.lock().unwrap_or_else(|e| e.into_inner()).clone(),
+            vec![("pay-given".to_string(), 5)],
+            "sent back once, at level 5 (1 min), which covers the back-off"
+        );
+        assert!(
+            !held.is_finished(),
+            "the first is held through its back-off"
+        );
+
+        refuse.store(true, Ordering::SeqCst);
+        let refused = concurrently(&bridge, message("pay-refused"));
+        until(
+            "the third listener answers",
+            Duration::from_secs(30),
+            || refused.is_finished(),
+        )
+        .await;
+        assert_eq!(
+            refused.join().expect("listener"),
+            ConsumeConcurrentlyStatus::ReconsumeLater,
+            "a failed send-back falls back to the client's own give-back"
+        );
+
+        let _ = closing.send(true);
+        until("the held listener answers", Duration::from_secs(10), || {
+            held.is_finished()
+        })
+        .await;
+        assert_eq!(
+            held.join().expect("listener"),
+            ConsumeConcurrentlyStatus::ReconsumeLater
+        );
+        assert_eq!(
+            bridge.holds.taken.load(Ordering::SeqCst),
+            0,
+            "the slot is free again"
+        );
+        let _ = stop.send(());
+        let _ = run.await;
+    }
+
+    /// Orderly mode holds every nack, bound or not: its queue waits behind the message
+    /// anyway, and a suspend would spend a reconsume.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn orderly_mode_holds_every_nack_whatever_the_bound() {
+        let (bridge, mut source, closing) = bridge_holding(0).await;
+        let consumer = always_failing(Duration::from_secs(60));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let engine = consumer.clone();
+        let run = tokio::spawn(async move {
+            let _ = engine
+                .run(&mut source, async move {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        let listener = orderly(&bridge, message("pay-ordered"));
+        until("the first failure", Duration::from_secs(30), || {
+            consumer.stats().retried >= 1
+        })
+        .await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(!listener.is_finished(), "held on its listener thread");
+        let _ = closing.send(true);
+        until("the listener answers", Duration::from_secs(10), || {
+            listener.is_finished()
+        })
+        .await;
+        assert_eq!(
+            listener.join().expect("listener"),
+            ConsumeOrderlyStatus::SuspendCurrentQueueAMoment
+        );
         let _ = stop.send(());
         let _ = run.await;
     }
