@@ -26,7 +26,7 @@
 #   scripts/servers.sh rocketmq-built     exit 0 when the RocketMQ servers are built
 #
 # SERVER is any of: postgres mariadb redis redis-cluster kafka rabbitmq rocketmq nats
-# nats-cluster (default: all of them; the first RocketMQ start builds its servers from source: ~20 min on 2 cores beside a cargo build, once).
+# nats-cluster toxiproxy (default: all of them; the first RocketMQ start builds its servers from source: ~20 min on 2 cores beside a cargo build, once).
 # Every server gets a private data dir under $IDEMQ_STATE_DIR, listens on
 # 127.0.0.1 only, on a non-default port, so it never collides with a
 # system-wide instance or another checkout's defaults. Data is thrown away on
@@ -40,7 +40,10 @@
 # `cargo install` into $IDEMQ_CACHE_DIR/rocketmq (Apache's Java servers are
 # not obtainable here), run with small mapped files. NATS is nats-server 2.15.3 with
 # JetStream, built once with `go install` into $IDEMQ_CACHE_DIR/nats (one node, and a
-# 3-node cluster whose streams and KV buckets may be R3).
+# 3-node cluster whose streams and KV buckets may be R3). Toxiproxy 2.5.0 (network faults:
+# latency, half-open links, resets, partitions) is built once with `go install` into
+# $IDEMQ_CACHE_DIR/toxiproxy; its REST API listens on one port, and the proxies tests
+# create through it listen on ports of their own range.
 set -euo pipefail
 
 # CI runs with a trimmed environment; derive HOME rather than die under `set -u`.
@@ -79,6 +82,11 @@ ROCKET_HEALTH_PORT=20558
 NATS_PORT=24222
 # The cluster's client ports, and each node's route port (client port + 20).
 NATS_CLUSTER_PORTS=(24231 24232 24233)
+# Toxiproxy's REST API, and the ports the proxies that tests create listen on (a test picks
+# a free one of the range; each proxy's own listener must lie below the ephemeral range too,
+# since a partition closes it and enabling the proxy again binds the same port anew).
+TOXIPROXY_PORT=28474
+TOXIPROXY_PROXY_PORTS=28500-28599
 
 PG_BIN=/usr/lib/postgresql/15/bin
 PG_DIR=$STATE_DIR/postgres
@@ -151,8 +159,9 @@ RABBIT_STREAM_URL="rabbitmq-stream://guest:guest@127.0.0.1:$RABBIT_STREAM_PORT/%
 ROCKET_NAMESRV="127.0.0.1:$ROCKET_NAMESRV_PORT"
 NATS_URL="nats://127.0.0.1:$NATS_PORT"
 NATS_CLUSTER_URL="nats://$(printf '127.0.0.1:%s,' "${NATS_CLUSTER_PORTS[@]}" | sed 's/,$//')"
+TOXIPROXY_URL="http://127.0.0.1:$TOXIPROXY_PORT"
 
-ALL_SERVERS=(postgres mariadb redis redis-cluster kafka rabbitmq rocketmq nats nats-cluster)
+ALL_SERVERS=(postgres mariadb redis redis-cluster kafka rabbitmq rocketmq nats nats-cluster toxiproxy)
 SELECTED=("${ALL_SERVERS[@]}")
 
 SCRIPT_PATH=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
@@ -1412,6 +1421,89 @@ restart_nats_cluster_node() {
   log "nats cluster node $1 running again"
 }
 
+# -------------------------------------------------------------- toxiproxy --
+
+TOXIPROXY_VERSION=v2.5.0
+TOXIPROXY_HOME=$CACHE_DIR/toxiproxy/$TOXIPROXY_VERSION
+# The module's command is named `server`.
+TOXIPROXY_BIN=$TOXIPROXY_HOME/server
+TOXIPROXY_DIR=$STATE_DIR/toxiproxy
+TOXIPROXY_PID=$TOXIPROXY_DIR/toxiproxy.pid
+TOXIPROXY_LOG=$TOXIPROXY_DIR/toxiproxy.log
+
+# Toxiproxy from the Go module proxy, once: 37 s here with Go's module and build caches
+# empty, 13 s with the modules cached, 2 s with both.
+install_toxiproxy() {
+  [[ -x $TOXIPROXY_BIN ]] && return 0
+  local go lock start=$SECONDS
+  go=$(go_bin) || die "Go is needed to build toxiproxy (go install github.com/Shopify/toxiproxy/v2/cmd/server@$TOXIPROXY_VERSION)"
+  mkdir -p "$TOXIPROXY_HOME"
+  exec {lock}>"$TOXIPROXY_HOME/build.lock"
+  flock "$lock"
+  if [[ ! -x $TOXIPROXY_BIN ]]; then
+    log "building toxiproxy $TOXIPROXY_VERSION with go install (once, into $TOXIPROXY_HOME)"
+    GOBIN="$TOXIPROXY_HOME" "$go" install "github.com/Shopify/toxiproxy/v2/cmd/server@$TOXIPROXY_VERSION" \
+      >"$TOXIPROXY_HOME/install.log" 2>&1 ||
+      die_with_log "go install of toxiproxy $TOXIPROXY_VERSION failed" "$TOXIPROXY_HOME/install.log"
+    log "toxiproxy built in $((SECONDS - start))s"
+  fi
+  exec {lock}>&-
+}
+
+# The pid in our pid file is alive and runs our toxiproxy binary (not a recycled pid).
+toxiproxy_pid_ours() {
+  pid_alive "$TOXIPROXY_PID" &&
+    tr '\0' ' ' <"/proc/$(cat "$TOXIPROXY_PID")/cmdline" 2>/dev/null | grep -qF -- "$TOXIPROXY_BIN"
+}
+
+# The REST API answers GET /version with 200 (HTTP/1.0: the server closes after its reply).
+toxiproxy_answers() {
+  local reply
+  reply=$(
+    exec 3<>"/dev/tcp/127.0.0.1/$TOXIPROXY_PORT" || exit 1
+    printf 'GET /version HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n' >&3
+    timeout 2 head -n1 <&3
+  ) 2>/dev/null || true
+  [[ $reply == HTTP/1.?' 200'* ]]
+}
+
+toxiproxy_died() { ! proc_alive "$TOXIPROXY_LAUNCH_PID"; }
+
+# No data to keep: a start (or restart) begins with no proxies.
+start_toxiproxy() {
+  local start=$SECONDS
+  install_toxiproxy
+  if toxiproxy_pid_ours && toxiproxy_answers; then
+    log "toxiproxy already running on $TOXIPROXY_URL"
+    return 0
+  fi
+  require_port_free "$TOXIPROXY_PORT" toxiproxy
+  rm -rf "$TOXIPROXY_DIR"
+  mkdir -p "$TOXIPROXY_DIR"
+  # setsid + no job control: the server itself is $!, in its own session.
+  setsid "$TOXIPROXY_BIN" -host 127.0.0.1 -port "$TOXIPROXY_PORT" \
+    </dev/null >>"$TOXIPROXY_LOG" 2>&1 9>&- &
+  TOXIPROXY_LAUNCH_PID=$!
+  echo "$TOXIPROXY_LAUNCH_PID" >"$TOXIPROXY_PID"
+  wait_ready toxiproxy_died toxiproxy_answers ||
+    die_with_log "toxiproxy did not start (exited, or not within ${TIMEOUT}s)" "$TOXIPROXY_LOG"
+  log "toxiproxy started on $TOXIPROXY_URL in $((SECONDS - start))s (proxies on 127.0.0.1:$TOXIPROXY_PROXY_PORTS)"
+}
+
+stop_toxiproxy() {
+  if toxiproxy_pid_ours; then
+    local pid
+    pid=$(cat "$TOXIPROXY_PID")
+    kill -TERM "$pid" 2>/dev/null || true
+    if ! wait_pid_gone "$pid"; then
+      kill -KILL "$pid" 2>/dev/null || true
+      wait_pid_gone "$pid" || die_with_log "toxiproxy (pid $pid) survived SIGKILL" "$TOXIPROXY_LOG"
+    fi
+  fi
+  rm -f "$TOXIPROXY_PID"
+  log "toxiproxy stopped"
+}
+
 # ------------------------------------------------------------------- main --
 
 # Serialise start/stop: test.sh, a developer and a test calling
@@ -1473,6 +1565,11 @@ cmd_status() {
   else
     echo "nats-cluster stopped"; rc=3
   fi
+  if toxiproxy_pid_ours && toxiproxy_answers; then
+    echo "toxiproxy running  $TOXIPROXY_URL  pid $(cat "$TOXIPROXY_PID")  proxies: 127.0.0.1:$TOXIPROXY_PROXY_PORTS"
+  else
+    echo "toxiproxy stopped"; rc=3
+  fi
   return "$rc"
 }
 
@@ -1500,6 +1597,8 @@ export IDEMQ_TEST_NATS_RESTART_CMD='$SCRIPT_PATH restart-nats'
 export IDEMQ_TEST_NATS_CLUSTER_URL=$NATS_CLUSTER_URL
 export IDEMQ_TEST_NATS_CLUSTER_KILL_NODE_CMD='$SCRIPT_PATH kill-nats-cluster-node'
 export IDEMQ_TEST_NATS_CLUSTER_RESTART_NODE_CMD='$SCRIPT_PATH restart-nats-cluster-node'
+export IDEMQ_TEST_TOXIPROXY_URL=$TOXIPROXY_URL
+export IDEMQ_TEST_TOXIPROXY_PORTS=$TOXIPROXY_PROXY_PORTS
 export IDEMQ_STATE_DIR='$STATE_DIR'
 export IDEMQ_REQUIRE_SERVERS=1
 EOF
@@ -1559,6 +1658,7 @@ main() {
       # The RocketMQ build (minutes, once) runs before the servers' lock is taken.
       if selected rocketmq; then install_rocketmq; fi
       if selected nats || selected nats-cluster; then install_nats; fi
+      if selected toxiproxy; then install_toxiproxy; fi
       take_lock
       install_packages
       for i in "${SELECTED[@]}"; do "start_$i"; done

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test suite, against the real servers scripts/servers.sh runs (PostgreSQL, MariaDB,
-# Redis and a Redis Cluster, Kafka, RabbitMQ, RocketMQ):
+# Redis and a Redis Cluster, Kafka, RabbitMQ, RocketMQ, NATS, Toxiproxy):
 #
 #   scripts/test.sh [--servers LIST] [extra cargo test args...]
 #
@@ -18,7 +18,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-ALL_SERVERS=(postgres mariadb redis redis-cluster kafka rabbitmq rocketmq nats nats-cluster)
+ALL_SERVERS=(postgres mariadb redis redis-cluster kafka rabbitmq rocketmq nats nats-cluster toxiproxy)
 # What each server gives the tests (scripts/servers.sh env): unset when it is not started.
 declare -A SERVER_VARS=(
   [postgres]="IDEMQ_TEST_POSTGRES_URL IDEMQ_TEST_POSTGRES_RESTART_CMD"
@@ -30,6 +30,7 @@ declare -A SERVER_VARS=(
   [rocketmq]="IDEMQ_TEST_ROCKETMQ_NAMESRV IDEMQ_TEST_ROCKETMQ_RESTART_CMD"
   [nats]="IDEMQ_TEST_NATS_URL IDEMQ_TEST_NATS_RESTART_CMD"
   [nats-cluster]="IDEMQ_TEST_NATS_CLUSTER_URL IDEMQ_TEST_NATS_CLUSTER_KILL_NODE_CMD IDEMQ_TEST_NATS_CLUSTER_RESTART_NODE_CMD"
+  [toxiproxy]="IDEMQ_TEST_TOXIPROXY_URL IDEMQ_TEST_TOXIPROXY_PORTS"
 )
 
 log() { printf 'test.sh: %s\n' "$*" >&2; }

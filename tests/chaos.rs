@@ -33,10 +33,20 @@
 //!   `restart-rabbitmq`, `restart-rocketmq`, `restart-nats`; every pair with
 //!   `IDEMQ_CHAOS_BROKER_RESTART=all`,
 //!   none with `=never`);
+//! - applies four network faults through Toxiproxy, one at a time: each consumer reaches its
+//!   store, and its broker where the broker's client dials only the address it is given
+//!   (RabbitMQ AMQP and stream consumers, NATS), through proxies of its slot; replies cut
+//!   mid-stream and a short partition on every consumer, replies held past the handler
+//!   timeout and the lease and a half-open store link on the busier one
+//!   (`IDEMQ_CHAOS_NETWORK=never`: none);
 //!
-//! and then requires every key's effect exactly once (`double_effects=0 lost=0`) and every
-//! planned fault to have fired. The keys go out in stages, each a little past the next
-//! fault, so a fast run cannot reach its end before its faults.
+//! and then requires every key's effect exactly once (`double_effects=0 lost=0`), every
+//! planned fault to have fired, and, on a pair with network faults, at least one ambiguous
+//! outcome met by the consumers while those were on (from the children's engine metrics:
+//! store errors, messages given back unfinished, handlers failed or cut off, fenced
+//! completions, refused settlements, batch calls split; and consumers that gave up on their
+//! link). The keys go out in stages, each a little past the next fault, so a fast run cannot
+//! reach its end before its faults.
 //!
 //! The CI profile (the defaults) is small; the long profile is the same tests with more:
 //!
@@ -86,8 +96,10 @@ use idemq::{
     ClaimedMessage, ConsumerConfig, DedupStore, DeliveryOrder, HandlerError, HandlerResult,
     IdempotentConsumer, KeyStrategy, OutgoingMessage, PublishError, Publisher, Source,
 };
+use idemq_core::testkit::toxiproxy::{self, Stream, Toxic, Toxiproxy};
 use rand::Rng;
 use std::collections::HashMap;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -96,6 +108,9 @@ const CHILD: &str = "IDEMQ_CHAOS_CHILD";
 const CONSUMERS: usize = 2;
 /// The consumers' lease: short, so a paused consumer loses its claims within the run.
 const LEASE: Duration = Duration::from_secs(3);
+/// The longest a consumer's handler may run before the engine cuts it off and redelivers
+/// its message: below the lease, so the latency fault (replies held past both) meets it.
+const HANDLER_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// The broker, and for Kafka the flow, a pair consumes with.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -174,6 +189,16 @@ impl Broker {
             Self::Nats => "IDEMQ_TEST_NATS_URL",
         }
     }
+    /// Whether the consumers' broker client dials only the address it is given, so that a
+    /// proxy in front of it carries all of a consumer's broker traffic. Kafka's clients dial
+    /// the addresses the brokers advertise in their metadata and RocketMQ's those the name
+    /// server's routes give: a proxy would carry only the first connection. RabbitMQ's
+    /// stream consumers ask the broker for the stream's replicas and dial one of them, but a
+    /// single node has none and the consumer stays on the address it was given; single-node
+    /// NATS announces no `connect_urls`.
+    fn proxied(self) -> bool {
+        matches!(self, Self::RabbitMq | Self::RabbitStream | Self::Nats)
+    }
     /// The command that restarts the broker (same port, same data).
     fn restart_env(self) -> &'static str {
         match self {
@@ -210,6 +235,10 @@ impl Store {
             Self::Changelog => "IDEMQ_TEST_KAFKA_BROKERS",
         }
     }
+    /// Whether the consumers reach the store through a proxy (flow 2's state is in Kafka).
+    fn proxied(self) -> bool {
+        self != Self::Changelog
+    }
     /// The command that crashes and restarts the store's server mid-run, if there is one
     /// (flow 2's state lives in the broker: its restart is the broker's).
     fn restart_env(self) -> Option<&'static str> {
@@ -233,11 +262,21 @@ fn knob(name: &str, default: usize) -> usize {
     })
 }
 
-/// The broker's and the store's URLs, or `None` when the pair must not run
-/// (`idemq_core::testkit::servers`: a recorded skip, or a panic under `IDEMQ_REQUIRE_SERVERS=1`).
-fn servers(broker: Broker, store: Store) -> Option<(String, String)> {
+/// The broker's and the store's URLs, and Toxiproxy's when the pair has network faults, or
+/// `None` when the pair must not run (`idemq_core::testkit::servers`: a recorded skip, or a
+/// panic under `IDEMQ_REQUIRE_SERVERS=1`).
+fn servers(
+    broker: Broker,
+    store: Store,
+    network: bool,
+) -> Option<(String, String, Option<String>)> {
     use idemq_core::testkit::servers::server_url;
-    Some((server_url(broker.env())?, server_url(store.env())?))
+    let (broker_url, store_url) = (server_url(broker.env())?, server_url(store.env())?);
+    let toxiproxy = match network {
+        true => Some(server_url("IDEMQ_TEST_TOXIPROXY_URL")?),
+        false => None,
+    };
+    Some((broker_url, store_url, toxiproxy))
 }
 
 fn unique(what: &str) -> String {
@@ -445,12 +484,18 @@ struct Plan {
     abort_after: usize,
     /// Where: `before-effect` or `before-ack`.
     abort_at: String,
+    /// The broker's and the store's URLs as this slot reaches them (through its proxies,
+    /// when the pair has network faults).
+    broker_url: String,
+    store_url: String,
+    /// Where the consumer writes its engine metrics for the parent to count.
+    stats: String,
 }
 
 impl Plan {
     fn encode(&self) -> String {
         format!(
-            "{}|{}|{}|{}|{}|{}|{}|{}|{}",
+            "{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}|{}",
             self.broker.name(),
             self.store.name(),
             self.destination,
@@ -459,13 +504,16 @@ impl Plan {
             self.ledger,
             self.slot,
             self.abort_after,
-            self.abort_at
+            self.abort_at,
+            self.broker_url,
+            self.store_url,
+            self.stats
         )
     }
 
     fn decode(s: &str) -> Self {
         let p: Vec<&str> = s.split('|').collect();
-        assert_eq!(p.len(), 9, "bad {CHILD}: {s}");
+        assert_eq!(p.len(), 12, "bad {CHILD}: {s}");
         Self {
             broker: Broker::parse(p[0]),
             store: Store::parse(p[1]),
@@ -476,6 +524,9 @@ impl Plan {
             slot: p[6].parse().expect("slot"),
             abort_after: p[7].parse().expect("abort_after"),
             abort_at: p[8].into(),
+            broker_url: p[9].into(),
+            store_url: p[10].into(),
+            stats: p[11].into(),
         }
     }
 
@@ -566,6 +617,7 @@ fn consumer_config() -> ConsumerConfig {
         in_flight_delay_max: Duration::from_millis(500),
         store_backoff: Duration::from_millis(200),
         retry: RetryPolicy::fixed(Duration::from_millis(200)),
+        handler_timeout: Some(HANDLER_TIMEOUT),
         ..ConsumerConfig::default()
     }
 }
@@ -839,8 +891,8 @@ async fn consumer_child(arg: &str) {
         Some(f) => fmt.with_writer(std::sync::Mutex::new(f)).try_init(),
         None => fmt.with_writer(std::io::stderr).try_init(),
     };
-    let broker_url = var(plan.broker.env()).expect("broker URL");
-    let store_url = var(plan.store.env()).expect("store URL");
+    let flush_stats = write_stats(&plan.stats);
+    let (broker_url, store_url) = (plan.broker_url.clone(), plan.store_url.clone());
     let trip = Arc::new(Tripwire {
         after: plan.abort_after,
         at: plan.abort_at.clone(),
@@ -872,7 +924,393 @@ async fn consumer_child(arg: &str) {
         Store::Redis | Store::Layered => redis_child(&plan, &store_url, &broker_url, trip).await,
         Store::Changelog => txn_child(&plan, &broker_url, trip).await,
     };
+    flush_stats();
     panic!("the consumer stopped: {stopped}");
+}
+
+/// Writes this process's engine metrics into `dir` every 100 ms (a file per process,
+/// renamed into place so the parent never reads half of one): a SIGKILLed consumer's last
+/// counts stay for the parent to add up.
+/// Returns what writes them once more, for a consumer about to end on its own (what it met
+/// last is what ended it).
+fn write_stats(dir: &str) -> impl Fn() {
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| eprintln!("child {}: no metrics recorder: {e}", std::process::id()))
+        .ok();
+    let path = Path::new(dir).join(format!("{}.prom", std::process::id()));
+    let write = move || {
+        let Some(handle) = &handle else { return };
+        handle.run_upkeep();
+        let tmp = path.with_extension("tmp");
+        if std::fs::write(&tmp, handle.render()).is_ok() {
+            let _ = std::fs::rename(&tmp, &path);
+        }
+    };
+    let write = Arc::new(write);
+    let every = write.clone();
+    tokio::spawn(async move {
+        loop {
+            every();
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    move || write()
+}
+
+/// Ambiguous outcomes the consumers met, from their engine metrics: each is a moment when a
+/// consumer could not know whether what it asked for took effect, or lost what it held.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Ambiguous {
+    /// Store calls that failed (`idemq_store_errors_total`: claims, completions, releases,
+    /// heartbeats).
+    store_errors: u64,
+    /// Messages given back because the store did not answer, or answered an error
+    /// (`store_unavailable`, `store_error`): completions not durable among them.
+    not_durable: u64,
+    /// Handlers that failed or were cut off (timeout, lost lease): a commit whose reply was
+    /// lost fails although it committed.
+    retried: u64,
+    /// Completions refused because the lease had been taken over.
+    fenced: u64,
+    /// Expired leases taken over.
+    takeovers: u64,
+    /// Acks and nacks the broker refused or did not confirm.
+    settle: u64,
+    /// Batch handler calls that failed or were cut off, their messages run again one at a
+    /// time as takeovers (a batch's transaction may have committed).
+    batch_splits: u64,
+    /// Consumers that ended on their own (a client that gave up on its link) with their
+    /// deliveries unsettled: counted by the parent, not read from the metrics.
+    deaths: u64,
+}
+
+impl Ambiguous {
+    /// The sums over every consumer process of the run (files in `dir`), with the parent's
+    /// count of `deaths`.
+    fn read(dir: &Path, deaths: usize) -> Self {
+        let mut sum = Self {
+            deaths: deaths as u64,
+            ..Self::default()
+        };
+        let Ok(files) = std::fs::read_dir(dir) else {
+            return sum;
+        };
+        for f in files.flatten() {
+            if f.path().extension().and_then(|e| e.to_str()) != Some("prom") {
+                continue;
+            }
+            let text = std::fs::read_to_string(f.path()).unwrap_or_default();
+            for line in text.lines().filter(|l| !l.starts_with('#')) {
+                let Some((series, value)) = line.rsplit_once(' ') else {
+                    continue;
+                };
+                let Ok(value) = value.parse::<f64>() else {
+                    continue;
+                };
+                let n = value as u64;
+                let name = series.split('{').next().unwrap_or_default();
+                let outcome = |o: &str| series.contains(&format!("outcome=\"{o}\""));
+                match name {
+                    "idemq_store_errors_total" => sum.store_errors += n,
+                    "idemq_fenced_completions_total" => sum.fenced += n,
+                    "idemq_lease_takeovers_total" => sum.takeovers += n,
+                    "idemq_settle_failures_total" => sum.settle += n,
+                    "idemq_batch_splits_total" => sum.batch_splits += n,
+                    "idemq_messages_total" if outcome("retried") => sum.retried += n,
+                    "idemq_messages_total"
+                        if outcome("store_unavailable") || outcome("store_error") =>
+                    {
+                        sum.not_durable += n
+                    }
+                    _ => {}
+                }
+            }
+        }
+        sum
+    }
+
+    /// Messages the consumer process `pid` has settled so far, whatever their outcome (its
+    /// own file in `dir`): how busy it is.
+    fn handled_by(dir: &Path, pid: u32) -> u64 {
+        let text = std::fs::read_to_string(dir.join(format!("{pid}.prom"))).unwrap_or_default();
+        text.lines()
+            .filter(|l| l.starts_with("idemq_messages_total"))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .map(|v| v as u64)
+            .sum()
+    }
+
+    fn total(&self) -> u64 {
+        self.takeovers + self.attributable()
+    }
+
+    /// All but the takeovers: the outcomes a SIGKILL or a self-abort does not cause in the
+    /// consumer that survives it (it only takes the dead one's leases over, seconds later:
+    /// after a Kafka rebalance, up to the session timeout), so those met while a network
+    /// fault is on are the fault's doing.
+    fn attributable(&self) -> u64 {
+        self.store_errors
+            + self.not_durable
+            + self.retried
+            + self.fenced
+            + self.settle
+            + self.batch_splits
+            + self.deaths
+    }
+
+    /// What was met since `before`.
+    fn since(&self, before: &Self) -> Self {
+        Self {
+            store_errors: self.store_errors.saturating_sub(before.store_errors),
+            not_durable: self.not_durable.saturating_sub(before.not_durable),
+            retried: self.retried.saturating_sub(before.retried),
+            fenced: self.fenced.saturating_sub(before.fenced),
+            takeovers: self.takeovers.saturating_sub(before.takeovers),
+            settle: self.settle.saturating_sub(before.settle),
+            batch_splits: self.batch_splits.saturating_sub(before.batch_splits),
+            deaths: self.deaths.saturating_sub(before.deaths),
+        }
+    }
+
+    fn add(&mut self, more: &Self) {
+        self.store_errors += more.store_errors;
+        self.not_durable += more.not_durable;
+        self.retried += more.retried;
+        self.fenced += more.fenced;
+        self.takeovers += more.takeovers;
+        self.settle += more.settle;
+        self.batch_splits += more.batch_splits;
+        self.deaths += more.deaths;
+    }
+}
+
+impl std::fmt::Display for Ambiguous {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} (store_errors={} not_durable={} retried={} fenced={} takeovers={} settle={} \
+             batch_splits={} deaths={})",
+            self.total(),
+            self.store_errors,
+            self.not_durable,
+            self.retried,
+            self.fenced,
+            self.takeovers,
+            self.settle,
+            self.batch_splits,
+            self.deaths
+        )
+    }
+}
+
+/// A network fault the parent applies through Toxiproxy to the consumers' links: to the
+/// busier consumer's, the other going on and taking over what the faulted one held, or to
+/// every consumer's ([`NetFault::every_consumer`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum NetFault {
+    /// Replies cut mid-stream, on every consumer: each store connection is closed after
+    /// `Net::cut_bytes` more bytes of replies (`limit_data`), each broker connection reset at its
+    /// next bytes from the broker (`reset_peer`). Requests the server acted on, answers that
+    /// never come.
+    ReplyCut,
+    /// Every store reply held `LATENCY` (`latency`): a round trip outlasts the handler
+    /// timeout and the lease.
+    Latency,
+    /// A half-open store link: nothing comes back and no connection is closed (`timeout` 0)
+    /// until the fault is lifted, when Toxiproxy closes them. The requests still reach the
+    /// store, which acts on them.
+    HalfOpen,
+    /// A partition of every consumer from its servers: the store and broker proxies disabled
+    /// (connections closed, new ones refused).
+    Partition,
+}
+
+/// The network faults of a pair: each at a share of the keys applied, for how long. They
+/// come early, one after the other, before the pause (0.3): a network fault waits while a
+/// consumer is paused (6 s), and later in a CI-sized run the consumers would have little
+/// work left to meet it with. The latency and the half-open link last past the lease, so
+/// the other consumer takes the faulted one's keys over; a latency window shorter than
+/// `LATENCY` would let the held replies go early (Toxiproxy passes them on when the toxic is
+/// removed).
+const NET_FAULTS: [(NetFault, f64, Duration); 4] = [
+    (NetFault::ReplyCut, 0.05, Duration::from_millis(800)),
+    (NetFault::Latency, 0.1, Duration::from_millis(3600)),
+    (NetFault::HalfOpen, 0.15, Duration::from_millis(3300)),
+    (NetFault::Partition, 0.2, Duration::from_millis(1500)),
+];
+/// How long each store reply is held in the latency fault: past the lease and the handler
+/// timeout.
+const LATENCY: Duration = Duration::from_millis(3500);
+/// After a network fault is lifted, what the consumers meet is still counted as its doing
+/// this long (leases it let run out are taken over, late completions fenced).
+const NET_AFTERMATH: Duration = Duration::from_millis(700);
+/// No network fault begins sooner than this after a fault whose own aftermath looks the
+/// same (the store's crash and the broker's restart: store errors and refused settlements
+/// while the clients reconnect; a SIGCONT: fenced completions).
+const NET_SETTLE: Duration = Duration::from_millis(1500);
+
+impl NetFault {
+    /// Whether the fault goes to every consumer's links rather than the busier one's: the
+    /// short ones, which must find traffic to cut (a Kafka pair applies its keys in bursts
+    /// between rebalances). The long ones leave the other consumer to take over.
+    fn every_consumer(self) -> bool {
+        matches!(self, Self::ReplyCut | Self::Partition)
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::ReplyCut => "reply-cut",
+            Self::Latency => "latency",
+            Self::HalfOpen => "half-open",
+            Self::Partition => "partition",
+        }
+    }
+}
+
+/// The consumers' links through Toxiproxy, per slot: a proxy in front of the store and, where
+/// the broker's client dials only the address it is given, one in front of the broker. The
+/// parent's own connections (ledger, publisher, restarts) go direct.
+struct Net {
+    api: Toxiproxy,
+    /// Reply bytes a store connection still gets once the reply cut is on.
+    cut_bytes: u64,
+    /// Per slot: (store proxy, broker proxy).
+    links: Vec<(Option<toxiproxy::Proxy>, Option<toxiproxy::Proxy>)>,
+}
+
+impl Net {
+    async fn setup(
+        api_url: &str,
+        pair: &str,
+        (broker, broker_url): (Broker, &str),
+        (store, store_url): (Store, &str),
+    ) -> Self {
+        let api = Toxiproxy::new(api_url).expect("IDEMQ_TEST_TOXIPROXY_URL");
+        let proxy = |role: &'static str, slot: usize, url: &str| {
+            let (api, url) = (api.clone(), url.to_string());
+            let name = format!("idemq-chaos-{pair}-{slot}-{role}");
+            async move {
+                // A run that died before its teardown left it behind.
+                if let Err(e) = api.delete_proxy(&name).await {
+                    assert!(e.is_not_found(), "{e}");
+                }
+                let upstream = toxiproxy::url_host_port(&url)
+                    .unwrap_or_else(|| panic!("{url}: no host:port to proxy"));
+                api.create_proxy_in(&name, upstream, toxiproxy::ports_from_env())
+                    .await
+                    .unwrap_or_else(|e| panic!("proxy {name}: {e}"))
+            }
+        };
+        let mut links = Vec::new();
+        for slot in 0..CONSUMERS {
+            let s = match store.proxied() {
+                true => Some(proxy("store", slot, store_url).await),
+                false => None,
+            };
+            let b = match broker.proxied() {
+                true => Some(proxy("broker", slot, broker_url).await),
+                false => None,
+            };
+            links.push((s, b));
+        }
+        // Past a PostgreSQL or MariaDB handshake, so a reconnect is cut mid-reply too, not at
+        // its greeting; Redis's replies are a few bytes each (a claim's, a completion's), and
+        // 1 KB of them can outlast the cut.
+        let cut_bytes = match store {
+            Store::Redis | Store::Layered => 64,
+            _ => 1024,
+        };
+        Self {
+            api,
+            cut_bytes,
+            links,
+        }
+    }
+
+    /// `(broker URL, store URL)` of the consumer in `slot`: through its proxies.
+    fn urls(&self, slot: usize, broker_url: &str, store_url: &str) -> (String, String) {
+        let via = |p: &Option<toxiproxy::Proxy>, url: &str| match p {
+            Some(p) => toxiproxy::url_via(url, &p.listen)
+                .unwrap_or_else(|| panic!("{url}: no host:port to proxy")),
+            None => url.to_string(),
+        };
+        let (s, b) = &self.links[slot];
+        (via(b, broker_url), via(s, store_url))
+    }
+
+    /// Which of the links are faulted: `store`, `broker`, `store+broker`.
+    fn faulted(&self) -> &'static str {
+        match &self.links[0] {
+            (Some(_), Some(_)) => "store+broker",
+            (Some(_), None) => "store",
+            (None, Some(_)) => "broker",
+            (None, None) => "none",
+        }
+    }
+
+    /// The toxics a fault puts on a slot's store and broker proxies.
+    fn toxics(&self, fault: NetFault) -> (Option<Toxic>, Option<Toxic>) {
+        let down = Stream::Downstream;
+        match fault {
+            NetFault::ReplyCut => (
+                Some(Toxic::limit_data("reply-cut", down, self.cut_bytes)),
+                Some(Toxic::reset_peer("reply-cut", down, Duration::ZERO)),
+            ),
+            NetFault::Latency => (Some(Toxic::latency("latency", down, LATENCY)), None),
+            // The store link only: a broker link gone silent too would only starve the
+            // consumer of deliveries, leaving it nothing to wait on the store for.
+            NetFault::HalfOpen => (
+                Some(Toxic::timeout("half-open", down, Duration::ZERO)),
+                None,
+            ),
+            NetFault::Partition => (None, None),
+        }
+    }
+
+    /// Puts `fault` on (`on`) or lifts it from the links of `slots`.
+    async fn set(&self, fault: NetFault, slots: &[usize], on: bool) {
+        let (store_toxic, broker_toxic) = self.toxics(fault);
+        let links = slots.iter().flat_map(|&slot| {
+            let (store_proxy, broker_proxy) = &self.links[slot];
+            [
+                (store_proxy, store_toxic.clone()),
+                (broker_proxy, broker_toxic.clone()),
+            ]
+        });
+        for (proxy, toxic) in links {
+            let Some(proxy) = proxy else { continue };
+            let done = match (fault, toxic) {
+                (NetFault::Partition, _) => self.api.set_enabled(&proxy.name, !on).await.map(drop),
+                (_, Some(t)) if on => self.api.add_toxic(&proxy.name, &t).await,
+                (_, Some(t)) => self.api.remove_toxic(&proxy.name, &t.name).await,
+                (_, None) => Ok(()),
+            };
+            done.unwrap_or_else(|e| panic!("{} on {}: {e}", fault.name(), proxy.name));
+        }
+    }
+
+    async fn teardown(&self) {
+        for (s, b) in &self.links {
+            for p in [s, b].into_iter().flatten() {
+                if let Err(e) = self.api.delete_proxy(&p.name).await {
+                    eprintln!("proxy {}: {e}", p.name);
+                }
+            }
+        }
+    }
+}
+
+/// A network fault in progress, or lifted and still being counted.
+struct NetWindow {
+    fault: NetFault,
+    slots: Vec<usize>,
+    /// When it is lifted; `None` once it is.
+    lift_at: Option<Instant>,
+    /// When its counting ends (set when it is lifted).
+    counted_until: Instant,
+    /// The consumers' counts when it began.
+    before: Ambiguous,
 }
 
 async fn create_topic(brokers: &str, topic: &str) {
@@ -1174,7 +1612,10 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
         consumer_child(&arg).await;
         return;
     }
-    let Some((broker_url, store_url)) = servers(broker, store) else {
+    // `never`: no network faults, and no Toxiproxy needed.
+    let network = var("IDEMQ_CHAOS_NETWORK").as_deref() != Some("never")
+        && (broker.proxied() || store.proxied());
+    let Some((broker_url, store_url, toxiproxy_url)) = servers(broker, store, network) else {
         return;
     };
     let _alone = ONE_AT_A_TIME.lock().await;
@@ -1209,7 +1650,20 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
     let feeder = Feeder::start(broker, &broker_url, &destination, keys);
     // Every consumer of the run is one group.
     let group = unique("billing");
+    let net = match &toxiproxy_url {
+        Some(api) => {
+            let pair = format!("{}_{}", broker.name(), store.name());
+            Some(Net::setup(api, &pair, (broker, &broker_url), (store, &store_url)).await)
+        }
+        None => None,
+    };
+    let stats = std::env::temp_dir().join(unique("stats"));
+    std::fs::create_dir_all(&stats).expect("the consumers' stats dir");
     let spawn = |slot: usize, (abort_after, abort_at): (usize, &str)| {
+        let (broker_url, store_url) = match &net {
+            Some(net) => net.urls(slot, &broker_url, &store_url),
+            None => (broker_url.clone(), store_url.clone()),
+        };
         let p = Plan {
             broker,
             store,
@@ -1220,6 +1674,9 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
             slot,
             abort_after,
             abort_at: abort_at.into(),
+            broker_url,
+            store_url,
+            stats: stats.display().to_string(),
         };
         ChildProcess::spawn_self(test, CHILD, &p.encode()).expect("spawn a consumer")
     };
@@ -1247,6 +1704,32 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
     // are still busy when it fires (the parent looks every 100 ms; a fast pair applies a few
     // hundred keys in that time), and cannot finish before it.
     let margin = keys / (kills + 2) + 1;
+    // One network fault at a time, with the rest of the run held still around it: it begins
+    // with at least `margin / 2` keys of work for the consumers (what the feeder may publish
+    // then) and the feeder lets no more out until it is over; no other fault fires while it
+    // is on or being counted (one whose share went by meanwhile fires right after), and the
+    // pause waits for all four. A network fault does not begin `NET_SETTLE` after the store's
+    // crash, the broker's restart or a SIGCONT, nor while no consumer is busy (below). What
+    // the consumers meet meanwhile is its doing (takeovers aside, see
+    // `Ambiguous::attributable`).
+    let net_planned = if net.is_some() { NET_FAULTS.len() } else { 0 };
+    let (mut net_applied, mut net_window, mut net_met) =
+        (0, None::<NetWindow>, Ambiguous::default());
+    // The store's crash, the broker's restart or a SIGCONT came at most `NET_SETTLE` ago.
+    let mut disturbed_until = Instant::now();
+    // Keys applied at the last look. A network fault held back (above) is due no sooner than
+    // now: the feeder keeps a margin past it rather than stopping at its planned share, so
+    // the consumers are busy when it comes.
+    let mut last_applied = 0;
+    // Messages each slot's consumer handled over the last three looks (its metrics file, at
+    // most 100 ms old), and the counts of those looks: a network fault goes to the busier
+    // consumer, and waits (the feeder going on meanwhile) while neither handles anything: a
+    // Kafka group rebalancing after a consumer's self-abort or death (a fast pair then
+    // applies hundreds of keys in a burst, seconds apart), a RocketMQ queue not yet assigned.
+    // Once every key is applied it waits for nothing (and meets idle consumers).
+    let mut busy = vec![0u64; CONSUMERS];
+    let mut handled_so_far = vec![0u64; CONSUMERS];
+    let mut busy_marks = std::collections::VecDeque::<Vec<(u32, u64)>>::new();
 
     let started = Instant::now();
     let (mut killed, mut paused, mut aborts, mut deaths) = (0, false, 0, 0);
@@ -1255,16 +1738,27 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
     let mut resume: Option<(usize, Instant)> = None;
     let mut tails = Vec::new();
     loop {
+        let net_held =
+            resume.is_some() || Instant::now() < disturbed_until || busy.iter().all(|&b| b == 0);
         let next_fault = [
             (killed < kills).then(|| kill_at(killed)),
-            (pause && !paused).then(|| share(PAUSE_AT)),
+            (pause && !paused).then(|| match net_applied < net_planned {
+                true => share(PAUSE_AT).max(last_applied),
+                false => share(PAUSE_AT),
+            }),
             (store_planned && !store_restarted).then(|| share(STORE_RESTART_AT)),
             (broker_restart && !broker_restarted).then(|| share(BROKER_RESTART_AT)),
+            (net_applied < net_planned).then(|| match net_held {
+                true => share(NET_FAULTS[net_applied].1).max(last_applied),
+                false => share(NET_FAULTS[net_applied].1),
+            }),
         ]
         .into_iter()
         .flatten()
         .min();
-        feeder.allow(next_fault.map_or(keys, |at| at + margin));
+        if net_window.is_none() {
+            feeder.allow(next_fault.map_or(keys, |at| at + margin));
+        }
         tokio::time::sleep(Duration::from_millis(100)).await;
         let Some((_, done)) = db.counts().await else {
             // The store is restarting; the time limit still holds.
@@ -1274,7 +1768,18 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
             continue;
         };
         let applied = done as usize;
-        if (applied >= keys && resume.is_none() && feeder.done())
+        last_applied = applied;
+        // A fault held back may still be due after the last key: the run waits for it.
+        let all_fired = killed == kills
+            && paused == pause
+            && store_restarted == store_planned
+            && broker_restarted == broker_restart
+            && net_applied == net_planned;
+        if (applied >= keys
+            && resume.is_none()
+            && net_window.is_none()
+            && all_fired
+            && feeder.done())
             || feeder.failed()
             || started.elapsed() > limit
         {
@@ -1296,7 +1801,89 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
                 *c = spawn(slot, plans[slot]);
             }
         }
-        if killed < kills && applied >= kill_at(killed) {
+        let now: Vec<(u32, u64)> = match &net {
+            Some(_) => children
+                .iter()
+                .map(|c| (c.id(), Ambiguous::handled_by(&stats, c.id())))
+                .collect(),
+            None => Vec::new(),
+        };
+        handled_so_far = now.iter().map(|&(_, n)| n).collect();
+        if let Some(was) = busy_marks.front() {
+            busy = now
+                .iter()
+                .zip(was)
+                .map(|(&(pid, n), &(was_pid, was))| match pid == was_pid {
+                    true => n.saturating_sub(was),
+                    false => n,
+                })
+                .collect();
+        }
+        busy_marks.push_back(now);
+        if busy_marks.len() > 3 {
+            busy_marks.pop_front();
+        }
+        if let (Some(net), Some(w)) = (&net, &mut net_window) {
+            let now = Instant::now();
+            if w.lift_at.is_some_and(|at| now >= at) {
+                net.set(w.fault, &w.slots, false).await;
+                w.lift_at = None;
+                w.counted_until = now + NET_AFTERMATH;
+                eprintln!(
+                    "{broker:?}/{store:?}: {} lifted from slots {:?} at {done}",
+                    w.fault.name(),
+                    w.slots
+                );
+            } else if w.lift_at.is_none() && now >= w.counted_until {
+                let met = Ambiguous::read(&stats, deaths).since(&w.before);
+                eprintln!("{broker:?}/{store:?}: {} met: {met}", w.fault.name());
+                net_met.add(&met);
+                net_window = None;
+            }
+        }
+        if let Some(net) = net.as_ref().filter(|_| {
+            net_window.is_none()
+                && resume.is_none()
+                && Instant::now() >= disturbed_until
+                && (busy.iter().any(|&b| b > 0) || applied >= keys)
+                && net_applied < net_planned
+                && applied >= share(NET_FAULTS[net_applied].1)
+        }) {
+            let (fault, _, lasts) = NET_FAULTS[net_applied];
+            // The busier consumer's links: a fault on one that holds no work (a Kafka member
+            // not yet assigned, a stream reader trailing the other) would meet nothing.
+            // Busy just now, or (every key applied) the one that handled more.
+            let by = match busy.iter().any(|&b| b > 0) {
+                true => &busy,
+                false => &handled_so_far,
+            };
+            let most = by.iter().copied().max().unwrap_or(0);
+            let slots: Vec<usize> = match fault.every_consumer() {
+                true => (0..CONSUMERS).collect(),
+                false => vec![by.iter().position(|&b| b == most).unwrap_or(0)],
+            };
+            let handled = busy.clone();
+            let before = Ambiguous::read(&stats, deaths);
+            feeder.allow(applied + margin / 2);
+            net.set(fault, &slots, true).await;
+            net_applied += 1;
+            let now = Instant::now();
+            net_window = Some(NetWindow {
+                fault,
+                slots: slots.clone(),
+                lift_at: Some(now + lasts),
+                counted_until: now,
+                before,
+            });
+            eprintln!(
+                "{broker:?}/{store:?}: {} on slots {slots:?} ({}; messages handled per slot \
+                 just now {handled:?}) at {done} of {keys}",
+                fault.name(),
+                net.faulted()
+            );
+        }
+        let quiet = net_window.is_none();
+        if quiet && killed < kills && applied >= kill_at(killed) {
             let i = rand::thread_rng().gen_range(0..children.len());
             tokio::time::sleep(Duration::from_millis(rand::thread_rng().gen_range(0..50))).await;
             let status = children[i].kill().expect("SIGKILL");
@@ -1314,7 +1901,9 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
             tails.push(tail);
             children[i] = spawn(i, plans[i]);
         }
-        if pause && !paused && applied >= share(PAUSE_AT) {
+        // The pause waits for the network faults: they would wait for its SIGCONT (6 s), in
+        // which a fast pair applies the rest of its keys.
+        if quiet && net_applied == net_planned && pause && !paused && applied >= share(PAUSE_AT) {
             paused = true;
             let i = rand::thread_rng().gen_range(0..children.len());
             send_signal(&children[i], "-STOP");
@@ -1324,27 +1913,29 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
         if let Some((i, at)) = resume.filter(|(_, at)| Instant::now() >= *at) {
             send_signal(&children[i], "-CONT");
             resume = None;
+            disturbed_until = Instant::now() + NET_SETTLE;
             eprintln!(
                 "{broker:?}/{store:?}: SIGCONT at {done} ({:?} late)",
                 at.elapsed()
             );
         }
-        if let Some(cmd) = store
-            .restart_env()
-            .filter(|_| store_planned && !store_restarted && applied >= share(STORE_RESTART_AT))
-        {
+        if let Some(cmd) = store.restart_env().filter(|_| {
+            quiet && store_planned && !store_restarted && applied >= share(STORE_RESTART_AT)
+        }) {
             store_restarted = true;
             let t = Instant::now();
             restart_server(cmd).await;
+            disturbed_until = Instant::now() + NET_SETTLE;
             eprintln!(
                 "{broker:?}/{store:?}: the store's server crashed and restarted at {done} in {:.1?}",
                 t.elapsed()
             );
         }
-        if broker_restart && !broker_restarted && applied >= share(BROKER_RESTART_AT) {
+        if quiet && broker_restart && !broker_restarted && applied >= share(BROKER_RESTART_AT) {
             broker_restarted = true;
             let t = Instant::now();
             restart_server(broker.restart_env()).await;
+            disturbed_until = Instant::now() + NET_SETTLE;
             eprintln!(
                 "{broker:?}/{store:?}: the broker restarted at {done} in {:.1?}",
                 t.elapsed()
@@ -1368,6 +1959,11 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
         tails.push(format!("[alive at the end] {}", c.stderr_tail(3000)));
         let _ = c.kill();
     }
+    let met = Ambiguous::read(&stats, deaths);
+    if let Some(net) = &net {
+        net.teardown().await;
+    }
+    let _ = std::fs::remove_dir_all(&stats);
     let double_effects = total - done;
     let lost = keys as i64 - done;
     let records = if lost > 0 {
@@ -1385,10 +1981,12 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
     println!(
         "chaos {}/{}: keys={keys} published={published} sigkills={killed} aborts={aborts}/{planned_aborts} \
          deaths={deaths} sigstop={paused} store_restart={store_restarted} \
-         broker_restart={broker_restarted} rows={total} double_effects={double_effects} \
-         lost={lost} in {:.0?}",
+         broker_restart={broker_restarted} net_faults={net_applied}/{net_planned} \
+         net_links={} ambiguous={met} in_net={net_met} rows={total} \
+         double_effects={double_effects} lost={lost} in {:.0?}",
         broker.name(),
         store.name(),
+        net.as_ref().map_or("none", Net::faulted),
         started.elapsed()
     );
     // Dropped before the verdict, so a failed long run leaves no million records behind
@@ -1406,10 +2004,24 @@ async fn soak(test: &str, broker: Broker, store: Store, broker_restart: bool) {
     // it reaches, after enough claims of its own, and a stream consumer trailing the other
     // finds its keys done and claims nothing.
     assert_eq!(
-        (killed, paused, store_restarted, broker_restarted),
-        (kills, pause, store_planned, broker_restart),
+        (
+            killed,
+            paused,
+            store_restarted,
+            broker_restarted,
+            net_applied
+        ),
+        (kills, pause, store_planned, broker_restart, net_planned),
         "{broker:?}/{store:?}: planned faults that did not fire \
-         (SIGKILLs, SIGSTOP, store crash, broker restart)"
+         (SIGKILLs, SIGSTOP, store crash, broker restart, network faults)"
+    );
+    // A network fault nobody noticed proves nothing: the consumers must have met at least
+    // one ambiguous outcome while the faults were on (takeovers aside: a SIGKILLed
+    // consumer's come seconds after its kill).
+    assert!(
+        net_planned == 0 || net_met.attributable() > 0,
+        "{broker:?}/{store:?}: {net_applied} network faults and no ambiguous outcome met \
+         during them ({net_met}; whole run: {met})"
     );
 }
 

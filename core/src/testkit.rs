@@ -10,7 +10,9 @@
 //!   and text; [`process`], [`switchable`], [`clock_skew`]: helpers for crash, outage and
 //!   clock-skew tests; [`storm`]: keys claimed and completed while a server is disrupted;
 //!   [`reply_cut`]: a TCP proxy that loses exactly the reply to one request (the ambiguous
-//!   outcome every retry must be safe for).
+//!   outcome every retry must be safe for);
+//! - [`toxiproxy`]: a client for Toxiproxy's API, for byte- and time-based network faults
+//!   (latency, half-open links, resets, replies cut after N bytes, partitions).
 
 pub mod fuzz;
 pub mod process;
@@ -21,6 +23,7 @@ pub mod source;
 pub mod store;
 pub mod storm;
 pub mod switchable;
+pub mod toxiproxy;
 
 /// The clock-skew scenario, shared by the SQL and Redis stores' tests.
 pub mod clock_skew {

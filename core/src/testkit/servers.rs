@@ -39,6 +39,7 @@ pub fn server_of(var: &str) -> &'static str {
         v if v.contains("ROCKETMQ") => "rocketmq",
         v if v.contains("NATS_CLUSTER") => "nats-cluster",
         v if v.contains("NATS") => "nats",
+        v if v.contains("TOXIPROXY") => "toxiproxy",
         _ => "unknown",
     }
 }
