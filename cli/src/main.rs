@@ -70,7 +70,8 @@ enum Command {
 enum StoreOp {
     /// Create or upgrade the store's tables (opening a store migrates it).
     Migrate,
-    /// Count the records by state: in progress, abandoned (lease ended), completed, expired.
+    /// Count the records by state: in progress, abandoned (lease ended), completed, rolled
+    /// back, expired.
     Stats,
     /// Delete completed records past their retention, in chunks.
     Purge {
@@ -151,6 +152,10 @@ async fn store_op(url: &str, op: StoreOp) -> anyhow::Result<ExitCode> {
             println!(
                 "completed:   {} (duplicates are acked without running)",
                 s.completed
+            );
+            println!(
+                "rolled back: {} (given up for good: claims are refused until retention ends)",
+                s.rolled_back
             );
             println!(
                 "expired:     {} (past retention; `purge` deletes them)",
@@ -267,6 +272,15 @@ fn describe(r: &idemq::DedupRecord, now: i64) -> String {
                     )
                 }
                 None => out += "expires:     never\n",
+            }
+        }
+        idemq::RecordStatus::RolledBack => {
+            out += "status:      rolled back (its message was dropped: claims are refused)\n";
+            if let Some(c) = r.completed_ms {
+                out += &format!("rolled back: {}\n", ago(c));
+            }
+            if let Some(e) = r.expires_ms {
+                out += &format!("expires:     {} (then the key is claimable afresh)\n", ago(e));
             }
         }
         idemq::RecordStatus::InProgress if r.is_released() => {

@@ -49,8 +49,8 @@ pub use source::{Delivery, Settle, Settlement, Source, SourceError};
 pub use store::{
     acquired_record, evaluate_claim, evaluate_claim_request, now_ms, ClaimMode, ClaimOutcome,
     ClaimRequest, ClaimVerdict, CompleteOutcome, Completion, DedupRecord, DedupStore,
-    ExtendOutcome, FencingToken, Lease, PayloadHash, RecordStatus, ReleaseOutcome, StoreError,
-    StoreStats,
+    ExtendOutcome, FencingToken, Lease, PayloadHash, RecordStatus, ReleaseOutcome, RollbackOutcome,
+    StoreError, StoreStats,
 };
 
 #[cfg(all(test, feature = "testkit"))]

@@ -8,7 +8,8 @@ use crate::key::DedupKey;
 use crate::store::{
     acquired_record, check_distinct_keys, duration_ms, evaluate_claim_request, now_ms,
     ClaimOutcome, ClaimRequest, ClaimVerdict, CompleteOutcome, Completion, DedupRecord, DedupStore,
-    ExtendOutcome, FencingToken, RecordStatus, ReleaseOutcome, StoreError, StoreStats,
+    ExtendOutcome, FencingToken, RecordStatus, ReleaseOutcome, RollbackOutcome, StoreError,
+    StoreStats,
 };
 use async_trait::async_trait;
 use std::collections::hash_map::Entry;
@@ -230,6 +231,31 @@ impl DedupStore for MemoryStore {
         token: FencingToken,
     ) -> Result<ReleaseOutcome, StoreError> {
         self.give_back(key, token, true)
+    }
+
+    async fn roll_back(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        retention: Duration,
+    ) -> Result<RollbackOutcome, StoreError> {
+        let mut map = self.lock()?;
+        let now = now_ms();
+        match map.get_mut(key) {
+            Some(r)
+                if r.token == token && r.status == RecordStatus::InProgress && !r.is_released() =>
+            {
+                r.status = RecordStatus::RolledBack;
+                r.result = None;
+                r.completed_ms = Some(now);
+                r.expires_ms = Some(now.saturating_add(duration_ms(retention)));
+                Ok(RollbackOutcome::RolledBack)
+            }
+            Some(r) if r.token == token && r.status == RecordStatus::RolledBack => {
+                Ok(RollbackOutcome::RolledBack)
+            }
+            _ => Ok(RollbackOutcome::Fenced),
+        }
     }
 
     async fn extend(

@@ -21,7 +21,11 @@
 //! in-progress record whose lease ended (claimable by takeover, listed by
 //! [`DedupStore::list_stuck`]); `COMPLETED` until its retention ends, after which a claim
 //! starts afresh and [`DedupStore::purge_expired`] deletes it. A released record keeps its
-//! row (and its attempt count) with an ended lease.
+//! row (and its attempt count) with an ended lease. `ROLLED_BACK` ([`DedupStore::roll_back`])
+//! is terminal like `COMPLETED`, for the opposite reason: the operation of the key was given
+//! up for good (a transactional message's check-back dropped its half message), so until its
+//! retention ends every claim is refused with [`ClaimOutcome::RolledBack`] — a late holder
+//! of the key can no longer apply an effect whose message is gone.
 //!
 //! Time is milliseconds since the Unix epoch. Leases, retention and expiry are decided on the
 //! *store's* clock (the SQL database's own time, Redis `TIME` inside the scripts), so workers
@@ -126,14 +130,18 @@ pub enum RecordStatus {
     InProgress,
     /// Done; duplicates are skipped until the retention ends.
     Completed,
+    /// Given up for good ([`DedupStore::roll_back`]): claims are refused until the retention
+    /// ends.
+    RolledBack,
 }
 
 impl RecordStatus {
-    /// The stored code: 0 in progress, 1 completed.
+    /// The stored code: 0 in progress, 1 completed, 2 rolled back.
     pub fn code(self) -> i64 {
         match self {
             RecordStatus::InProgress => 0,
             RecordStatus::Completed => 1,
+            RecordStatus::RolledBack => 2,
         }
     }
     /// Parses a stored code.
@@ -141,8 +149,14 @@ impl RecordStatus {
         match c {
             0 => Some(RecordStatus::InProgress),
             1 => Some(RecordStatus::Completed),
+            2 => Some(RecordStatus::RolledBack),
             _ => None,
         }
+    }
+    /// Whether the record ended its lifecycle (completed or rolled back): it lives until its
+    /// retention ends and no claim acquires it before.
+    pub fn is_terminal(self) -> bool {
+        matches!(self, RecordStatus::Completed | RecordStatus::RolledBack)
     }
 }
 
@@ -165,9 +179,9 @@ pub struct DedupRecord {
     pub result: Option<Bytes>,
     /// When the key was first claimed in this lifecycle.
     pub first_seen_ms: i64,
-    /// When it was completed.
+    /// When it was completed (or rolled back).
     pub completed_ms: Option<i64>,
-    /// When a completed record may be forgotten.
+    /// When a completed (or rolled-back) record may be forgotten.
     pub expires_ms: Option<i64>,
     /// Who holds / held it.
     pub worker: Option<Arc<str>>,
@@ -182,9 +196,9 @@ impl DedupRecord {
     pub fn is_lease_expired(&self, now: i64) -> bool {
         self.status == RecordStatus::InProgress && self.lease_until_ms <= now
     }
-    /// Whether a completed record's retention has ended at `now`.
+    /// Whether a completed or rolled-back record's retention has ended at `now`.
     pub fn is_retention_expired(&self, now: i64) -> bool {
-        self.status == RecordStatus::Completed && self.expires_ms.is_some_and(|e| e <= now)
+        self.status.is_terminal() && self.expires_ms.is_some_and(|e| e <= now)
     }
 }
 
@@ -274,6 +288,10 @@ pub enum ClaimOutcome {
     },
     /// The key is known with a different payload hash.
     PayloadConflict(DedupRecord),
+    /// The key's operation was given up for good ([`DedupStore::roll_back`]: its
+    /// transactional message was dropped) and its retention has not ended: do not apply the
+    /// effect. The engine dead-letters a delivery that meets it.
+    RolledBack(DedupRecord),
 }
 
 /// The answer to `complete`.
@@ -311,6 +329,16 @@ impl CompleteOutcome {
 pub enum ReleaseOutcome {
     /// The key can be claimed again.
     Released,
+    /// The token no longer owns the key; nothing changed.
+    Fenced,
+}
+
+/// The answer to [`DedupStore::roll_back`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RollbackOutcome {
+    /// The key is recorded as rolled back (now, or by this token before: a retried call
+    /// whose first reply was lost).
+    RolledBack,
     /// The token no longer owns the key; nothing changed.
     Fenced,
 }
@@ -468,6 +496,28 @@ pub trait DedupStore: Send + Sync + 'static {
         self.release(key, token).await
     }
 
+    /// Records the key as rolled back if `token` still owns it: the operation is given up
+    /// for good, and every claim until `retention` ends is answered
+    /// [`ClaimOutcome::RolledBack`]. For a check-back that drops a transactional message: a
+    /// claim granted to it proves the local transaction cannot commit *now* (its holder is
+    /// fenced, or it never claimed), and this record keeps a late local transaction from
+    /// claiming the key afterwards and applying an effect whose message was dropped.
+    /// Idempotent for the token (a repeat answers `RolledBack`).
+    ///
+    /// The default refuses ([`StoreError::Config`]): a store that cannot keep the state must
+    /// not be used to drop messages. Every store of this workspace keeps it.
+    async fn roll_back(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        retention: Duration,
+    ) -> Result<RollbackOutcome, StoreError> {
+        let _ = (key, token, retention);
+        Err(StoreError::Config(
+            "this store cannot record a rolled-back key".into(),
+        ))
+    }
+
     /// Extends the lease (heartbeat for long handlers).
     async fn extend(
         &self,
@@ -529,8 +579,11 @@ pub struct StoreStats {
     pub abandoned: u64,
     /// Completed, within retention: duplicates are acked without running.
     pub completed: u64,
-    /// Completed past retention: `purge_expired` deletes them; a copy arriving now runs.
+    /// Completed or rolled back, past retention: `purge_expired` deletes them; a copy
+    /// arriving now runs.
     pub expired: u64,
+    /// Rolled back, within retention: claims are refused.
+    pub rolled_back: u64,
 }
 
 impl StoreStats {
@@ -543,11 +596,15 @@ impl StoreStats {
                 self.expired += 1
             }
             RecordStatus::Completed => self.completed += 1,
+            RecordStatus::RolledBack if r.expires_ms.is_some_and(|e| e <= now_ms) => {
+                self.expired += 1
+            }
+            RecordStatus::RolledBack => self.rolled_back += 1,
         }
     }
     /// All records.
     pub fn total(&self) -> u64 {
-        self.in_progress + self.abandoned + self.completed + self.expired
+        self.in_progress + self.abandoned + self.completed + self.expired + self.rolled_back
     }
 }
 
@@ -633,6 +690,10 @@ pub fn evaluate_claim(
     if rec.is_lease_expired(now) {
         return ClaimVerdict::TakeOver;
     }
+    // Given up whatever its payload: no claim may apply the effect of a dropped message.
+    if rec.status == RecordStatus::RolledBack {
+        return ClaimVerdict::Answer(ClaimOutcome::RolledBack(rec.clone()));
+    }
     if let (Some(stored), Some(given)) = (rec.payload_hash.as_ref(), payload_hash) {
         if stored != given {
             return ClaimVerdict::Answer(ClaimOutcome::PayloadConflict(rec.clone()));
@@ -640,6 +701,7 @@ pub fn evaluate_claim(
     }
     match rec.status {
         RecordStatus::Completed => ClaimVerdict::Answer(ClaimOutcome::Duplicate(rec.clone())),
+        RecordStatus::RolledBack => ClaimVerdict::Answer(ClaimOutcome::RolledBack(rec.clone())),
         RecordStatus::InProgress => ClaimVerdict::Answer(ClaimOutcome::InFlight {
             until_ms: rec.lease_until_ms,
         }),

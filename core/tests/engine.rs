@@ -1329,3 +1329,52 @@ async fn messages_held_behind_a_failing_one_keep_their_retry_budget() {
     );
     assert_eq!(broker.acked(), 2);
 }
+
+/// A delivery whose key a transactional check-back recorded rolled back (its message was
+/// dropped) is not run and not acked unseen: it is dead-lettered with the reason.
+#[tokio::test]
+async fn a_key_recorded_rolled_back_is_dead_lettered_not_run() {
+    let store = Arc::new(MemoryStore::new());
+    let key = keys()
+        .derive(&payment("dropped"))
+        .expect("the payment's dedup key");
+    let idemq_core::ClaimOutcome::Acquired(check) = store
+        .claim(&idemq_core::ClaimRequest::new(
+            key.clone(),
+            Duration::from_secs(30),
+        ))
+        .await
+        .expect("claim")
+    else {
+        panic!("the check-back's claim of a fresh key")
+    };
+    store
+        .roll_back(&key, check.token, Duration::from_secs(3600))
+        .await
+        .expect("roll_back");
+    let broker = MemoryBroker::new();
+    broker.publish(payment("dropped"));
+    broker.publish(payment("kept"));
+    let effects: Effects = Arc::default();
+    let e2 = effects.clone();
+    let handler = move |m: ClaimedMessage| {
+        let e = e2.clone();
+        async move {
+            *e.lock()
+                .expect("lock")
+                .entry(m.key.to_string())
+                .or_default() += 1;
+            Ok(None)
+        }
+    };
+    let c = IdempotentConsumer::new(store, keys(), handler).with_config(fast());
+    c.run_until_idle(&mut broker.subscribe())
+        .await
+        .expect("run");
+    let dead = broker.dead_letters();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert!(dead[0].reason.contains("rolled back"), "{}", dead[0].reason);
+    let ran = counts(&effects);
+    assert_eq!(ran.len(), 1, "only the other payment ran: {ran:?}");
+    assert!(!ran.keys().any(|k| k.ends_with("dropped")), "{ran:?}");
+}

@@ -866,31 +866,35 @@ where
 // back) or stall for as long as the scheduler likes while its lease ends on the store's clock
 // (`Expire`), then carry on: a paused process, or a slow one in a process whose bound did not
 // cancel it. The broker checks the half message back any number of times while it is
-// pending, from any producer of the group, once the local transaction has claimed its key.
-// Not modelled: a check-back (after the broker's 6 s transaction timeout, from another
-// producer of the group) that comes before the claim: it finds no record, claims and releases
-// the key, and the late transaction claims it afterwards; nothing can fence a transaction
-// that holds no token yet (a check-back in the transaction's own process answers UNKNOWN,
-// and the docs tell users to claim first).
+// pending, from any producer of the group — also before the local transaction has claimed
+// its key (after the broker's transaction timeout, from another producer of the group, while
+// the transaction's own process stalls before its claim); nothing can fence a transaction
+// that holds no token yet, so the record the check-back leaves must refuse its late claim.
 //
-// The two check-back rules:
-// * `Read` (before the fix): a read of the record; an ended lease (by the producer's clock,
-//   which may also run ahead of the store's) or no record answers ROLLBACK, the store
+// The check-back rules:
+// * `Read` (the first version): a read of the record; an ended lease (by the producer's
+//   clock, which may also run ahead of the store's) or no record answers ROLLBACK, the store
 //   unchanged — the stalled transaction's completion still owns the key.
-// * `Fenced`: the check-back claims the key; only a claim the store grants (no record, a
-//   released key, an ended lease taken over: a new token) answers ROLLBACK, and the key is
-//   released; completed → COMMIT; a live lease → UNKNOWN.
+// * `FencedRelease` (the second): the check-back claims the key; only a claim the store
+//   grants (no record, a released key, an ended lease taken over: a new token) answers
+//   ROLLBACK, and the key is released; completed → COMMIT; a live lease → UNKNOWN. A
+//   transaction that had not claimed yet claims the released key afterwards.
+// * `FencedRolledBack` (today's): as `FencedRelease`, but the granted key is recorded rolled
+//   back (terminal): a late claim is refused, and a check-back that finds the record answers
+//   ROLLBACK again.
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum CheckRule {
     Read,
-    Fenced,
+    FencedRelease,
+    FencedRolledBack,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum TxRecord {
     InProgress { token: u8, live: bool },
     Completed,
+    RolledBack,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -970,6 +974,7 @@ impl CheckBackModel {
         let mut n = s.clone();
         let answer = match (self.rule, s.record) {
             (_, Some(TxRecord::Completed)) => Some(Half::Committed),
+            (_, Some(TxRecord::RolledBack)) => Some(Half::RolledBack),
             (CheckRule::Read, Some(TxRecord::InProgress { live, .. })) => {
                 if live && !clock_ahead {
                     None
@@ -978,14 +983,23 @@ impl CheckBackModel {
                 }
             }
             (CheckRule::Read, None) => Some(Half::RolledBack),
-            (CheckRule::Fenced, Some(TxRecord::InProgress { live: true, .. })) => None,
-            (CheckRule::Fenced, Some(TxRecord::InProgress { live: false, .. }) | None) => {
+            (_, Some(TxRecord::InProgress { live: true, .. })) => None,
+            (CheckRule::FencedRelease, Some(TxRecord::InProgress { live: false, .. }) | None) => {
                 // Granted: a new token (a takeover fences the old one), then released.
                 n.tokens += 1;
                 n.record = Some(TxRecord::InProgress {
                     token: n.tokens,
                     live: false,
                 });
+                Some(Half::RolledBack)
+            }
+            (
+                CheckRule::FencedRolledBack,
+                Some(TxRecord::InProgress { live: false, .. }) | None,
+            ) => {
+                // Granted (a new token fences the old one), then recorded rolled back.
+                n.tokens += 1;
+                n.record = Some(TxRecord::RolledBack);
                 Some(Half::RolledBack)
             }
         };
@@ -1028,9 +1042,9 @@ impl Model for CheckBackModel {
         if matches!(s.record, Some(TxRecord::InProgress { live: true, .. })) {
             actions.push(CheckAction::Expire);
         }
-        // The broker asks only while the half message is pending; the claim comes first in
-        // the local transaction (see the header for the window before it).
-        if s.half == Half::Pending && s.local != LocalPhase::Started {
+        // The broker asks only while the half message is pending, before the local
+        // transaction's claim too (see the header).
+        if s.half == Half::Pending {
             actions.push(CheckAction::CheckBack { clock_ahead: false });
             if self.rule == CheckRule::Read && self.clock_skew {
                 actions.push(CheckAction::CheckBack { clock_ahead: true });
@@ -1051,8 +1065,8 @@ impl Model for CheckBackModel {
                         });
                         LocalPhase::Claimed(n.tokens)
                     }
-                    // Duplicate (done before) / InFlight: nothing written, let the
-                    // check-back decide.
+                    // Duplicate (done before) / InFlight / RolledBack: nothing written, let
+                    // the check-back decide.
                     _ => LocalPhase::Finished(Outcome2::Unknown),
                 };
             }
@@ -1128,11 +1142,11 @@ impl Model for CheckBackModel {
 }
 
 #[test]
-fn rocketmq_check_back_rolls_back_only_after_fencing() {
+fn rocketmq_check_back_rolls_back_only_after_fencing_and_records_it() {
     let checker = check_any(
-        "rocketmq check-back, fenced rule",
+        "rocketmq check-back, fenced rule recording the roll-back",
         CheckBackModel {
-            rule: CheckRule::Fenced,
+            rule: CheckRule::FencedRolledBack,
             clock_skew: true,
         },
         &[],
@@ -1142,6 +1156,35 @@ fn rocketmq_check_back_rolls_back_only_after_fencing() {
     checker.assert_no_discovery(CHECK_RESOLVED);
     assert!(checker.discovery(CHECK_ROLLED_BACK).is_some());
     assert!(checker.discovery(CHECK_COMMITTED).is_some());
+}
+
+#[test]
+fn rocketmq_check_back_releasing_the_key_lets_a_late_claim_apply_a_dropped_message() {
+    let checker = check_any(
+        "rocketmq check-back, fenced rule releasing the key (before the fix)",
+        CheckBackModel {
+            rule: CheckRule::FencedRelease,
+            clock_skew: false,
+        },
+        &[CHECK_LOSS],
+    );
+    show_any(&checker, CHECK_LOSS);
+    let path = checker.discovery(CHECK_LOSS).expect("a loss");
+    let last = path.last_state();
+    assert!(last.effect && last.half == Half::RolledBack);
+    let actions = path.into_actions();
+    let check = actions
+        .iter()
+        .position(|a| matches!(a, CheckAction::CheckBack { .. }))
+        .expect("a check-back");
+    let claim = actions
+        .iter()
+        .position(|a| *a == CheckAction::Claim)
+        .expect("a claim");
+    assert!(
+        check < claim,
+        "the check-back came before the late claim: {actions:?}"
+    );
 }
 
 #[test]
@@ -1171,9 +1214,17 @@ fn rocketmq_check_back_rolling_back_on_a_read_loses_the_message() {
         let last = path.last_state();
         assert!(last.effect && last.half == Half::RolledBack);
         if !clock_skew {
+            // Without skew the read answers ROLLBACK only for a lease that ended or for a
+            // key not claimed yet.
+            let actions = path.into_actions();
+            let check = actions
+                .iter()
+                .position(|a| matches!(a, CheckAction::CheckBack { .. }));
+            let claim = actions.iter().position(|a| *a == CheckAction::Claim);
             assert!(
-                path.into_actions().contains(&CheckAction::Expire),
-                "without skew the loss needs the lease to end first"
+                actions.contains(&CheckAction::Expire) || check < claim,
+                "without skew the loss needs the lease to end first, or a check-back before \
+                 the claim: {actions:?}"
             );
         }
     }

@@ -18,21 +18,24 @@
 //! store grants (no record, a released key, or an ended lease taken over — decided on the
 //! store's clock) answers ROLLBACK. The takeover gives the key a new fencing token, so the old
 //! holder's `complete` (and `complete_in_tx`, with its effect in the same transaction) answers
-//! `Fenced`; the check-back then releases the key so a new attempt of the operation can claim
-//! it. Completed → COMMIT. A live lease, a local transaction still running in this process,
-//! a store that cannot answer → UNKNOWN (the broker asks again).
+//! `Fenced`; the check-back then records the key **rolled back**
+//! ([`DedupStore::roll_back`], kept for [`StoreCheckBack::with_rollback_retention`]), so a
+//! local transaction that had not claimed its key yet — late, or in another process of the
+//! producer group — is refused its claim ([`ClaimOutcome::RolledBack`]) instead of applying
+//! an effect whose message was dropped. A new attempt of the operation needs a new key.
+//! Completed → COMMIT; rolled back → ROLLBACK. A live lease, a local transaction still
+//! running in this process, a store that cannot answer (or cannot record a roll-back) →
+//! UNKNOWN (the broker asks again).
 //!
 //! The local transaction is bounded ([`LOCAL_TIMEOUT`]): past it the publisher answers UNKNOWN
 //! and *cancels* the local future (it is dropped at its next await: an open database
 //! transaction rolls back), so it cannot complete after the answer.
 //!
-//! Not covered: the broker checks a half message back after its transaction timeout (6 s),
-//! possibly on another producer of the group. A local transaction that has not claimed its
-//! key by then, in another process, can still claim it after that producer rolled the
-//! message back (no record: nothing to fence). Claim the key first thing in the local
-//! transaction. (`CHECK_IMMUNITY_TIME_IN_SECONDS` would delay the first check-back past the
-//! bound, but in a run with it the rocketmq-rust 1.0 broker delivered a message committed
-//! normally a second time, its re-queued half message checked back later.)
+//! The local transaction must claim its key before its effect and apply nothing when the
+//! claim is not `Acquired` (a `RolledBack` answer means its message is gone: answer
+//! [`LocalOutcome::Rollback`]). (`CHECK_IMMUNITY_TIME_IN_SECONDS` would delay the first
+//! check-back, but in a run with it the rocketmq-rust 1.0 broker delivered a message
+//! committed normally a second time, its re-queued half message checked back later.)
 
 use crate::client::{env, own_client};
 use crate::fields::to_message;
@@ -43,7 +46,7 @@ use futures::future::BoxFuture;
 use idemq_core::key::{ConsumerGroup, DedupKey};
 use idemq_core::publish::{OutgoingMessage, PublishError, PublishReceipt, DEDUP_HEADER};
 use idemq_core::store::{
-    ClaimMode, ClaimOutcome, ClaimRequest, DedupStore, FencingToken, RecordStatus,
+    ClaimMode, ClaimOutcome, ClaimRequest, DedupStore, FencingToken, RecordStatus, RollbackOutcome,
 };
 use rocketmq_client_rust::{LocalTransactionState, TransactionListener, TransactionMQProducer};
 use rocketmq_model::common::message::message_ext::MessageExt;
@@ -56,9 +59,13 @@ use std::time::Duration;
 /// How long a local transaction may run before the publisher answers UNKNOWN and cancels it.
 pub const LOCAL_TIMEOUT: Duration = Duration::from_secs(30);
 
-/// The lease of the check-back's own claim (it releases the key at once; the lease only
-/// bounds a release that failed).
+/// The lease of the check-back's own claim (it records the key rolled back at once; the
+/// lease only bounds a roll-back that failed).
 const CHECK_LEASE: Duration = Duration::from_secs(30);
+
+/// How long a rolled-back key refuses claims by default: a day, far past any local
+/// transaction's bound and the broker's check-back schedule.
+pub const DEFAULT_ROLLBACK_RETENTION: Duration = Duration::from_secs(24 * 3600);
 
 /// What the local transaction decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -127,6 +134,7 @@ pub struct StoreCheckBack {
     store: Arc<dyn DedupStore>,
     group: ConsumerGroup,
     timeout: Duration,
+    rollback_retention: Duration,
     running: Arc<Running>,
 }
 
@@ -149,8 +157,17 @@ impl StoreCheckBack {
             store,
             group,
             timeout: Duration::from_secs(3),
+            rollback_retention: DEFAULT_ROLLBACK_RETENTION,
             running: Arc::default(),
         })
+    }
+
+    /// How long a key this check-back rolled back refuses claims
+    /// ([`DEFAULT_ROLLBACK_RETENTION`] unless set): longer than any local transaction of the
+    /// key can start late. Past it the key is claimable afresh.
+    pub fn with_rollback_retention(mut self, retention: Duration) -> Self {
+        self.rollback_retention = retention;
+        self
     }
 
     fn key(&self, dedup_key: &str) -> Result<DedupKey, String> {
@@ -158,10 +175,11 @@ impl StoreCheckBack {
     }
 
     /// The state for a message, from the store: COMMIT when its key is completed; ROLLBACK
-    /// only after the store granted this check-back a claim of the key (no record, released,
-    /// or an ended lease taken over, which fences the old holder), the key then released;
-    /// UNKNOWN for a live lease, a local transaction of the key still running in this
-    /// process, or a store that cannot answer.
+    /// when it is recorded rolled back, or once the store granted this check-back a claim of
+    /// the key (no record, released, or an ended lease taken over, which fences the old
+    /// holder) and recorded the key rolled back under it; UNKNOWN for a live lease, a local
+    /// transaction of the key still running in this process, or a store that cannot answer
+    /// or cannot record the roll-back.
     pub async fn state_of(&self, dedup_key: &str) -> LocalTransactionState {
         let key = match self.key(dedup_key) {
             Ok(k) => k,
@@ -192,18 +210,35 @@ impl StoreCheckBack {
                 _ => LocalTransactionState::Unknown,
             },
             Ok(ClaimOutcome::PayloadConflict(_)) => LocalTransactionState::Unknown,
+            // Rolled back before (by another check-back, or this one whose answer was lost).
+            Ok(ClaimOutcome::RolledBack(_)) => LocalTransactionState::RollbackMessage,
             Ok(ClaimOutcome::Acquired(lease)) => {
-                // The key is ours now: whoever held it before is fenced. Give it back so a
-                // new attempt of the operation can claim it (if this fails, the lease ends).
-                if let Err(e) = self.store.release(&key, lease.token).await {
-                    tracing::warn!(key = dedup_key, error = %e, "check-back: release after the rollback failed; the key frees up when its lease ends");
+                // The key is ours now: whoever held it before is fenced. Record it rolled
+                // back before answering: a local transaction that has not claimed it yet
+                // must be refused, not apply the effect of a dropped message. Until that is
+                // durable the answer is UNKNOWN (the broker asks again; the claim's lease
+                // ends by itself).
+                match self
+                    .store
+                    .roll_back(&key, lease.token, self.rollback_retention)
+                    .await
+                {
+                    Ok(RollbackOutcome::RolledBack) => {}
+                    Ok(RollbackOutcome::Fenced) => {
+                        tracing::warn!(key = dedup_key, "check-back: the key was taken from the check-back's claim before its roll-back; unknown");
+                        return LocalTransactionState::Unknown;
+                    }
+                    Err(e) => {
+                        tracing::warn!(key = dedup_key, error = %e, "check-back: cannot record the key rolled back; unknown");
+                        return LocalTransactionState::Unknown;
+                    }
                 }
                 metrics::counter!("idemq_rocketmq_tx_check_rollbacks_total").increment(1);
                 tracing::info!(
                     key = dedup_key,
                     takeover = lease.takeover,
                     attempt = lease.attempt,
-                    "check-back: key fenced; rolling back"
+                    "check-back: key fenced and recorded rolled back; rolling back"
                 );
                 LocalTransactionState::RollbackMessage
             }
@@ -622,6 +657,55 @@ mod tests {
             let state = listener.execute_local_transaction(&keyed(name), Some(&arg));
             assert_eq!(state, want, "{name}");
         }
+    }
+
+    /// A check-back that finds no record (the local transaction runs in another process of
+    /// the producer group and has not claimed its key yet) answers ROLLBACK and records the
+    /// key rolled back: the late local transaction's claim is refused, so it applies no
+    /// effect for the dropped message. Asked again, the check-back answers ROLLBACK from the
+    /// record (its first answer may have been lost), and a stale claim of the check-back's
+    /// own cannot commit it.
+    #[test]
+    fn a_late_claim_after_a_rollback_is_refused() {
+        let store: Arc<dyn DedupStore> = Arc::new(MemoryStore::new());
+        let check = Arc::new(StoreCheckBack::new(store.clone(), GROUP).expect("check-back"));
+        let listener = Listener {
+            check: check.clone(),
+            local_timeout: Duration::from_secs(30),
+        };
+        let answer = listener.check_local_transaction(&checked_back("order-elsewhere"));
+        assert_eq!(answer, LocalTransactionState::RollbackMessage);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let late =
+            rt.block_on(store.claim(&ClaimRequest::new(key("order-elsewhere"), CHECK_LEASE)));
+        match late {
+            Ok(ClaimOutcome::RolledBack(rec)) => {
+                assert_eq!(rec.status, RecordStatus::RolledBack);
+                assert_eq!(rec.worker.as_deref(), Some("rocketmq-check-back"));
+            }
+            other => panic!(
+                "the late local transaction's claim after the check-back rolled its message \
+                 back must be refused, got {other:?}: its effect would apply with no message"
+            ),
+        }
+        assert_eq!(
+            listener.check_local_transaction(&checked_back("order-elsewhere")),
+            LocalTransactionState::RollbackMessage,
+            "asked again"
+        );
+        let rec = rt
+            .block_on(store.get(&key("order-elsewhere")))
+            .expect("get")
+            .expect("the rolled-back record");
+        let retained = rec.expires_ms.unwrap_or(0) - rec.completed_ms.unwrap_or(0);
+        assert_eq!(
+            retained,
+            idemq_core::store::duration_ms(DEFAULT_ROLLBACK_RETENTION),
+            "kept for the check-back's retention"
+        );
     }
 
     /// A check-back that arrives while the local transaction runs in this process (it has

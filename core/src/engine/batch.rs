@@ -515,6 +515,10 @@ impl<H: Handler> IdempotentConsumer<H> {
                     self.reject_payload_conflict(item, rec).await;
                     None
                 }
+                Ok(ClaimOutcome::RolledBack(rec)) => {
+                    self.reject_rolled_back(item, rec).await;
+                    None
+                }
             };
             // A message sent back holds its lane for the rest of the batch.
             if let (Some(delay), Some(lane)) = (sent_back, lane) {
@@ -677,6 +681,23 @@ impl<H: Handler> IdempotentConsumer<H> {
         let reason = format!(
             "payload conflict: key `{}` was first seen with a different payload (status {:?}, attempts {}); fix the producer's key",
             item.key, rec.status, rec.attempts
+        );
+        tracing::warn!(key = %item.key, "{reason}");
+        self.dead_letter(item, reason).await;
+    }
+
+    /// A delivery whose key's operation was given up for good (a transactional message's
+    /// check-back dropped it and recorded the key rolled back): running it would apply an
+    /// effect the rest of the system was told never happened, and acking it unseen would lose
+    /// it silently, so it goes to the dead-letter queue with the reason.
+    async fn reject_rolled_back(&self, item: Item, rec: DedupRecord) {
+        let reason = format!(
+            "rolled back: key `{}` was recorded as given up ({}); a new attempt of the operation              needs a new key, or `forget` the record",
+            item.key,
+            match rec.worker.as_deref() {
+                Some(w) => format!("by {w}"),
+                None => "by a check-back".to_string(),
+            }
         );
         tracing::warn!(key = %item.key, "{reason}");
         self.dead_letter(item, reason).await;

@@ -18,7 +18,7 @@
 use crate::key::{ConsumerGroup, DedupKey};
 use crate::store::{
     now_ms, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupStore, ExtendOutcome,
-    FencingToken, Lease, PayloadHash, RecordStatus, ReleaseOutcome,
+    FencingToken, Lease, PayloadHash, RecordStatus, ReleaseOutcome, RollbackOutcome,
 };
 use bytes::Bytes;
 use std::sync::Arc;
@@ -57,6 +57,7 @@ fn kind(o: &ClaimOutcome) -> &'static str {
         ClaimOutcome::Duplicate(_) => "duplicate",
         ClaimOutcome::InFlight { .. } => "in_flight",
         ClaimOutcome::PayloadConflict(_) => "conflict",
+        ClaimOutcome::RolledBack(_) => "rolled_back",
     }
 }
 
@@ -558,6 +559,133 @@ pub async fn retention_expiry_and_purge(h: &Handles) {
     );
 }
 
+/// A key rolled back by the token that owns it refuses every claim (whatever its payload,
+/// batched or not) until its retention ends, fences its former holder's completion, answers
+/// a repeat with the same token `RolledBack` and a stale token `Fenced`; past retention it is
+/// claimed afresh and purged.
+pub async fn rolled_back_keys_refuse_claims_until_retention_ends(h: &Handles) {
+    let g = group();
+    let (s, other) = (&h[0], &h[h.len() - 1]);
+    let short_retain = Duration::from_millis(400);
+    // The check-back's path: the local transaction's lease ended, the check-back took the key
+    // over (fencing it) and rolls it back.
+    let k = key(&g, "dropped");
+    let late = acquire(s, &k, SHORT).await;
+    tokio::time::sleep(SHORT + Duration::from_millis(100)).await;
+    let check = acquire(other, &k, LONG).await;
+    assert!(check.takeover, "an ended lease is taken over");
+    assert_eq!(
+        other
+            .roll_back(&k, late.token, RETAIN)
+            .await
+            .expect("roll_back"),
+        RollbackOutcome::Fenced,
+        "a token taken over cannot roll the key back"
+    );
+    assert_eq!(
+        other
+            .roll_back(&k, check.token, short_retain)
+            .await
+            .expect("roll_back"),
+        RollbackOutcome::RolledBack
+    );
+    assert_eq!(
+        other
+            .roll_back(&k, check.token, short_retain)
+            .await
+            .expect("roll_back again"),
+        RollbackOutcome::RolledBack,
+        "a repeat with the same token (its first reply lost) is answered the same"
+    );
+    assert_eq!(
+        s.complete(&k, late.token, None, RETAIN)
+            .await
+            .expect("complete"),
+        CompleteOutcome::Fenced,
+        "the late holder's completion after the roll-back"
+    );
+    assert_eq!(
+        s.complete(&k, check.token, None, RETAIN)
+            .await
+            .expect("complete"),
+        CompleteOutcome::Fenced,
+        "a rolled-back key cannot be completed, even by the token that rolled it back"
+    );
+    assert_eq!(
+        s.release(&k, check.token).await.expect("release"),
+        ReleaseOutcome::Fenced,
+        "a rolled-back key cannot be released"
+    );
+    let hashed = req(&k, LONG).with_payload_hash(PayloadHash::of(b"other"));
+    for (what, r) in [
+        ("claim", req(&k, LONG)),
+        ("claim with a payload hash", hashed),
+    ] {
+        match s.claim(&r).await.expect("claim") {
+            ClaimOutcome::RolledBack(rec) => {
+                assert_eq!(rec.status, RecordStatus::RolledBack, "{what}");
+                assert!(
+                    rec.expires_ms.is_some(),
+                    "{what}: a rolled-back record expires"
+                );
+            }
+            o => panic!("{what} of a rolled-back key: {} ({o:?})", kind(&o)),
+        }
+    }
+    let fresh = key(&g, "fresh-beside");
+    let batch = s
+        .claim_batch(&[req(&fresh, LONG), req(&k, LONG)])
+        .await
+        .expect("claim_batch");
+    assert_eq!(
+        batch.iter().map(kind).collect::<Vec<_>>(),
+        ["acquired", "rolled_back"],
+        "a batch answers a rolled-back key as the single claim does"
+    );
+    let rec = s.get(&k).await.expect("get").expect("the record is kept");
+    assert_eq!(rec.status, RecordStatus::RolledBack);
+    // A key nobody held (the check-back before a local transaction that never ran here).
+    let never = key(&g, "never-claimed");
+    let check = acquire(other, &never, LONG).await;
+    assert_eq!(
+        other
+            .roll_back(&never, check.token, RETAIN)
+            .await
+            .expect("roll_back"),
+        RollbackOutcome::RolledBack
+    );
+    assert!(matches!(
+        s.claim(&req(&never, LONG)).await.expect("claim"),
+        ClaimOutcome::RolledBack(_)
+    ));
+    // Past its retention the key starts a new lifecycle, and a purge deletes what is left.
+    tokio::time::sleep(short_retain + Duration::from_millis(300)).await;
+    let again = acquire(s, &k, LONG).await;
+    assert_eq!(
+        again.attempt, 1,
+        "an expired rolled-back record starts over"
+    );
+    let gone = key(&g, "purged");
+    let l = acquire(s, &gone, LONG).await;
+    s.roll_back(&gone, l.token, Duration::from_millis(50))
+        .await
+        .expect("roll_back");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for _ in 0..1000 {
+        if s.purge_expired(100).await.expect("purge") == 0 {
+            break;
+        }
+    }
+    assert!(
+        s.get(&gone).await.expect("get").is_none(),
+        "an expired rolled-back record is purged"
+    );
+    assert!(
+        s.get(&never).await.expect("get").is_some(),
+        "a rolled-back record within retention is kept"
+    );
+}
+
 /// The same key with a different payload is reported, not skipped.
 pub async fn payload_conflict_is_reported(h: &Handles) {
     let g = group();
@@ -844,18 +972,28 @@ pub async fn stats_count_records_by_state(s: &Arc<dyn DedupStore>) {
     s.complete(&expired, l.token, None, Duration::from_millis(50))
         .await
         .expect("complete");
+    let dropped = key(&g, "rolled-back");
+    let l = acquire(s, &dropped, LONG).await;
+    s.roll_back(&dropped, l.token, RETAIN)
+        .await
+        .expect("roll_back");
     tokio::time::sleep(Duration::from_millis(300)).await;
     let stats = s.stats().await.expect("stats");
     assert_eq!(
-        (stats.in_progress, stats.abandoned, stats.completed),
-        (1, 2, 1),
-        "live; abandoned + released; done: {stats:?}"
+        (
+            stats.in_progress,
+            stats.abandoned,
+            stats.completed,
+            stats.rolled_back
+        ),
+        (1, 2, 1, 1),
+        "live; abandoned + released; done; rolled back: {stats:?}"
     );
     // A store whose records expire by themselves (Redis TTLs) may have dropped it already.
     assert!(stats.expired <= 1, "{stats:?}");
     s.purge_expired(100).await.expect("purge");
     let after = s.stats().await.expect("stats");
-    assert_eq!((after.expired, after.total()), (0, 4), "{after:?}");
+    assert_eq!((after.expired, after.total()), (0, 5), "{after:?}");
 }
 
 /// Runs every case in sequence (handy outside the macro).
@@ -869,6 +1007,7 @@ pub async fn run_all(h: &Handles) {
     release_makes_the_key_claimable(h).await;
     retention_expiry_and_purge(h).await;
     payload_conflict_is_reported(h).await;
+    rolled_back_keys_refuse_claims_until_retention_ends(h).await;
     stored_result_is_returned(h).await;
     batch_claims_equal_single_claims(h).await;
     stuck_records_are_listed_and_forgettable(h).await;
@@ -893,6 +1032,7 @@ macro_rules! store_contract_tests {
             an_unrun_release_takes_back_its_attempt,
             retention_expiry_and_purge,
             payload_conflict_is_reported,
+            rolled_back_keys_refuse_claims_until_retention_ends,
             stored_result_is_returned,
             batch_claims_equal_single_claims,
             stuck_records_are_listed_and_forgettable);

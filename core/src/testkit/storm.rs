@@ -113,6 +113,7 @@ async fn deliver(
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }
             Ok(ClaimOutcome::PayloadConflict(r)) => panic!("no payload hashes here: {r:?}"),
+            Ok(ClaimOutcome::RolledBack(r)) => panic!("nothing is rolled back here: {r:?}"),
             Ok(ClaimOutcome::Duplicate(_)) => {
                 stats.ok(issued);
                 let mut t = tally.lock().unwrap();

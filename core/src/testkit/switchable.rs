@@ -3,7 +3,7 @@
 
 use crate::store::{
     ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupRecord, DedupStore,
-    ExtendOutcome, FencingToken, ReleaseOutcome, StoreError,
+    ExtendOutcome, FencingToken, ReleaseOutcome, RollbackOutcome, StoreError,
 };
 use crate::DedupKey;
 use async_trait::async_trait;
@@ -74,6 +74,15 @@ impl DedupStore for SwitchableStore {
     ) -> Result<ReleaseOutcome, StoreError> {
         self.check()?;
         self.inner.release(key, token).await
+    }
+    async fn roll_back(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        retention: Duration,
+    ) -> Result<RollbackOutcome, StoreError> {
+        self.check()?;
+        self.inner.roll_back(key, token, retention).await
     }
     async fn release_unrun(
         &self,

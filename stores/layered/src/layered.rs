@@ -8,7 +8,7 @@ use idemq_core::store::{check_distinct_keys, duration_ms};
 use idemq_core::{
     now_ms, ClaimMode, ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupKey,
     DedupRecord, DedupStore, ExtendOutcome, FencingToken, PayloadHash, RecordStatus,
-    ReleaseOutcome, StoreError, StoreStats,
+    ReleaseOutcome, RollbackOutcome, StoreError, StoreStats,
 };
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -471,39 +471,56 @@ impl LayeredStore {
         }
     }
 
-    /// Releases `key` on the store its claim was made on (the primary's `Fenced` is asked
-    /// of the fallback, as `by_route` does); `unrun` takes back the claim's attempt.
+    /// Releases `key` on the store its claim was made on; `unrun` takes back the claim's
+    /// attempt.
     async fn give_back(
         &self,
         key: &DedupKey,
         token: FencingToken,
         unrun: bool,
     ) -> Result<ReleaseOutcome, StoreError> {
-        let release = |store: Arc<dyn DedupStore>| {
-            let key = key.clone();
-            async move {
-                match unrun {
-                    true => store.release_unrun(&key, token).await,
-                    false => store.release(&key, token).await,
+        let out = self
+            .on_claims_store(key, token, ReleaseOutcome::Fenced, |store| {
+                let key = key.clone();
+                async move {
+                    match unrun {
+                        true => store.release_unrun(&key, token).await,
+                        false => store.release(&key, token).await,
+                    }
                 }
-            }
-        };
-        let out = match (self.route(key, token), &self.fallback) {
-            (Route::Fallback, Some(fb)) => release(fb.store.clone()).await?,
-            (_, fb) => match release(self.primary.clone()).await? {
-                ReleaseOutcome::Fenced => match fb {
-                    Some(fb) => release(fb.store.clone())
-                        .await
-                        .unwrap_or(ReleaseOutcome::Fenced),
-                    None => ReleaseOutcome::Fenced,
-                },
-                r => r,
-            },
-        };
+            })
+            .await?;
         if out == ReleaseOutcome::Released {
             self.claims.remove(key);
         }
         Ok(out)
+    }
+
+    /// Calls `call` on the store the claim of `key` under `token` was made on. What the
+    /// primary answers `fenced` is asked of the fallback, as `by_route` does: the token may
+    /// belong to a fallback claim this store forgot (an error there leaves it fenced).
+    async fn on_claims_store<O, F, Fut>(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        fenced: O,
+        call: F,
+    ) -> Result<O, StoreError>
+    where
+        O: PartialEq + Copy,
+        F: Fn(Arc<dyn DedupStore>) -> Fut,
+        Fut: std::future::Future<Output = Result<O, StoreError>>,
+    {
+        Ok(match (self.route(key, token), &self.fallback) {
+            (Route::Fallback, Some(fb)) => call(fb.store.clone()).await?,
+            (_, fb) => match call(self.primary.clone()).await? {
+                o if o == fenced => match fb {
+                    Some(fb) => call(fb.store.clone()).await.unwrap_or(fenced),
+                    None => fenced,
+                },
+                o => o,
+            },
+        })
     }
 
     /// Sends each of `items` (a completion, a lease) to the store its claim was made on, in
@@ -709,10 +726,23 @@ impl LayeredStore {
             }
         };
         let now = now_ms();
-        if rec.status != RecordStatus::Completed || rec.is_retention_expired(now) {
+        if !rec.status.is_terminal() || rec.is_retention_expired(now) {
             return Ok(None);
         }
         let left = rec.expires_ms.unwrap_or(now).saturating_sub(now).max(1);
+        if rec.status == RecordStatus::RolledBack {
+            // Rolled back on the fallback during an outage: the primary must refuse the key
+            // too, or a late claim would apply the effect of a dropped message.
+            let kept = self
+                .primary
+                .roll_back(&req.key, lease.token, Duration::from_millis(left as u64))
+                .await?;
+            if kept != RollbackOutcome::RolledBack {
+                return Ok(None);
+            }
+            tracing::info!(key = %req.key, "roll-back made on the fallback copied to the primary");
+            return Ok(Some(ClaimOutcome::RolledBack(rec)));
+        }
         let done = self
             .primary
             .complete(
@@ -920,6 +950,26 @@ impl DedupStore for LayeredStore {
         token: FencingToken,
     ) -> Result<ReleaseOutcome, StoreError> {
         self.give_back(key, token, true).await
+    }
+
+    /// On the store the claim was made on (its `fenced` on the primary asked of the
+    /// fallback, as a release is).
+    async fn roll_back(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        retention: Duration,
+    ) -> Result<RollbackOutcome, StoreError> {
+        let out = self
+            .on_claims_store(key, token, RollbackOutcome::Fenced, |store| {
+                let key = key.clone();
+                async move { store.roll_back(&key, token, retention).await }
+            })
+            .await?;
+        if out == RollbackOutcome::RolledBack {
+            self.claims.remove(key);
+        }
+        Ok(out)
     }
 
     async fn extend(

@@ -74,6 +74,7 @@ struct Stored {
 
 const IN_PROGRESS: &str = "in_progress";
 const COMPLETED: &str = "completed";
+const ROLLED_BACK: &str = "rolled_back";
 
 /// Encodes a record as the KV value.
 pub fn encode_record(r: &DedupRecord) -> Bytes {
@@ -83,6 +84,7 @@ pub fn encode_record(r: &DedupRecord) -> Bytes {
         status: match r.status {
             RecordStatus::InProgress => IN_PROGRESS,
             RecordStatus::Completed => COMPLETED,
+            RecordStatus::RolledBack => ROLLED_BACK,
         }
         .to_string(),
         token: r.token.0,
@@ -116,6 +118,7 @@ pub fn decode_record(kv_key: &str, value: &[u8]) -> Result<DedupRecord, StoreErr
     let status = match s.status.as_str() {
         IN_PROGRESS => RecordStatus::InProgress,
         COMPLETED => RecordStatus::Completed,
+        ROLLED_BACK => RecordStatus::RolledBack,
         other => return Err(corrupt(format!("unknown status {other:?}"))),
     };
     let token = FencingToken::new(s.token)

@@ -13,7 +13,7 @@ use idemq_core::store::{check_distinct_keys, duration_ms};
 use idemq_core::{
     acquired_record, evaluate_claim_request, ClaimOutcome, ClaimRequest, ClaimVerdict,
     CompleteOutcome, Completion, DedupKey, DedupRecord, DedupStore, ExtendOutcome, FencingToken,
-    RecordStatus, ReleaseOutcome, StoreError, StoreStats,
+    RecordStatus, ReleaseOutcome, RollbackOutcome, StoreError, StoreStats,
 };
 use std::fmt;
 use std::sync::Arc;
@@ -259,10 +259,7 @@ impl NatsKvStore {
             key,
             token,
             ReleaseOutcome::Fenced,
-            |r| {
-                (r.status == RecordStatus::Completed || r.is_released())
-                    .then_some(ReleaseOutcome::Fenced)
-            },
+            |r| (r.status.is_terminal() || r.is_released()).then_some(ReleaseOutcome::Fenced),
             |r| {
                 let mut new = r.clone();
                 new.lease_until_ms = 0;
@@ -285,6 +282,8 @@ impl NatsKvStore {
                 // Completion is idempotent for the token that owns the completed record,
                 // and says the key was done before (a retry whose first reply was lost).
                 RecordStatus::Completed => Some(CompleteOutcome::AlreadyCompleted),
+                // Given up for good: nobody may complete it.
+                RecordStatus::RolledBack => Some(CompleteOutcome::Fenced),
                 // A released token owns nothing.
                 RecordStatus::InProgress if r.is_released() => Some(CompleteOutcome::Fenced),
                 // In progress, even past its lease: nobody took it over, so it is the
@@ -303,6 +302,37 @@ impl NatsKvStore {
         .await
     }
 
+    async fn roll_back_one(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        retention: Duration,
+    ) -> Result<RollbackOutcome, StoreError> {
+        let now = self.now().await?;
+        let ttl = retention.saturating_add(self.inner.opts.completed_grace);
+        self.fenced_update(
+            key,
+            token,
+            RollbackOutcome::Fenced,
+            |r| match r.status {
+                // A repeat by the same token (its first reply lost).
+                RecordStatus::RolledBack => Some(RollbackOutcome::RolledBack),
+                RecordStatus::Completed => Some(RollbackOutcome::Fenced),
+                RecordStatus::InProgress if r.is_released() => Some(RollbackOutcome::Fenced),
+                RecordStatus::InProgress => None,
+            },
+            |r| {
+                let mut new = r.clone();
+                new.status = RecordStatus::RolledBack;
+                new.result = None;
+                new.completed_ms = Some(now);
+                new.expires_ms = Some(now.saturating_add(duration_ms(retention)));
+                (new, ttl, RollbackOutcome::RolledBack)
+            },
+        )
+        .await
+    }
+
     async fn extend_one(
         &self,
         key: &DedupKey,
@@ -315,10 +345,7 @@ impl NatsKvStore {
             key,
             token,
             ExtendOutcome::Fenced,
-            |r| {
-                (r.status == RecordStatus::Completed || r.is_released())
-                    .then_some(ExtendOutcome::Fenced)
-            },
+            |r| (r.status.is_terminal() || r.is_released()).then_some(ExtendOutcome::Fenced),
             |r| {
                 let mut new = r.clone();
                 new.lease_until_ms = until;
@@ -440,6 +467,15 @@ impl DedupStore for NatsKvStore {
         token: FencingToken,
     ) -> Result<ReleaseOutcome, StoreError> {
         self.give_back(key, token, true).await
+    }
+
+    async fn roll_back(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        retention: Duration,
+    ) -> Result<RollbackOutcome, StoreError> {
+        self.roll_back_one(key, token, retention).await
     }
 
     async fn extend(

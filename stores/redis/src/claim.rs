@@ -262,6 +262,7 @@ impl RedisStore {
                             until_ms: Self::int(payload)?,
                         },
                         5 => ClaimOutcome::PayloadConflict(Self::decode(key, payload)?),
+                        7 => ClaimOutcome::RolledBack(Self::decode(key, payload)?),
                         6 => {
                             let rec = Self::decode(key, payload)?;
                             ClaimOutcome::Acquired(Lease {

@@ -4,7 +4,7 @@
 //! `SET key record NX GET PX ttl`, the work of the classic Redis lock:
 //!
 //! ```text
-//! i1|<status 0|1>|<token>|<payload hex?>|<worker len?>|<worker>|<lease_until>|<attempts>|<first_seen>|<completed?>|<expires?>|<'-' | '+'<result bytes>>
+//! i1|<status 0|1|2>|<token>|<payload hex?>|<worker len?>|<worker>|<lease_until>|<attempts>|<first_seen>|<completed?>|<expires?>|<'-' | '+'<result bytes>>
 //! ```
 //!
 //! Integers are decimal, times milliseconds since the Unix epoch; `?` fields are empty
@@ -142,6 +142,7 @@ pub fn decode_record(key: DedupKey, v: &[u8]) -> Result<DedupRecord, DecodeError
     let status = match st {
         b"0" => RecordStatus::InProgress,
         b"1" => RecordStatus::Completed,
+        b"2" => RecordStatus::RolledBack,
         _ => return Err(DecodeError::Field("status")),
     };
     let token: i64 = int(tok, "token")?;
@@ -273,7 +274,7 @@ mod tests {
             &b""[..],
             b"OK",
             b"i1|",
-            b"i1|2|1|||1|1|1|||-",
+            b"i1|3|1|||1|1|1|||-",
             b"i1|0|x|||1|1|1|||-",
             b"i1|0|1|zz|||1|1|1|||-",
             b"i1|0|1||5|ab|1|1|1|||-",

@@ -4,7 +4,7 @@
 //! Record encoding (one Redis string per key, see [`crate::codec`]):
 //!
 //! ```text
-//! i1|<status 0|1>|<token>|<payload hex?>|<worker len?>|<worker>|<lease_until>|<attempts>|<first_seen>|<completed?>|<expires?>|<'-' | '+'<result bytes>>
+//! i1|<status 0|1|2>|<token>|<payload hex?>|<worker len?>|<worker>|<lease_until>|<attempts>|<first_seen>|<completed?>|<expires?>|<'-' | '+'<result bytes>>
 //! ```
 //!
 //! The identity part (token, payload hash, worker) comes first, so every rewrite keeps it
@@ -23,7 +23,7 @@ local now = tonumber(clock[1]) * 1000 + math.floor(tonumber(clock[2]) / 1000)
 local function fmt(n) return string.format('%d', n) end
 -- body: 'token|payload|wlen|worker|' (identity, kept by every rewrite); tail: result marker
 local function parse(v)
-  local st, tok, ph, wl, wpos = string.match(v, '^i1|([01])|(%d+)|(%x*)|(%d*)|()')
+  local st, tok, ph, wl, wpos = string.match(v, '^i1|([012])|(%d+)|(%x*)|(%d*)|()')
   if not st then return nil end
   local tpos = wpos + (tonumber(wl) or 0)
   local lu, att, fs, cm, ex, rpos = string.match(v, '^|(%d+)|(%d+)|(%d+)|(%d*)|(%d*)|()', tpos)
@@ -36,7 +36,8 @@ end
 
 /// The whole claim, atomically: `idemq_core::evaluate_claim`'s rules in Lua (retention
 /// over → fresh; lease ended, by crash or release → takeover whatever the payload;
-/// payload differs → conflict; completed → duplicate; else in flight).
+/// rolled back → refused whatever the payload; payload differs → conflict; completed →
+/// duplicate; else in flight).
 ///
 /// `KEYS` = the keys; `ARGV[1]` unused, `ARGV[2]` = in-progress grace ms; then per key its
 /// lease ms and the identity part of its fresh record,
@@ -46,8 +47,8 @@ end
 /// flat list `[i, code, payload, ...]` naming only the keys that were *not* acquired fresh (`i` is the 1-based key index): code 1 re-acquired after release
 /// (payload attempt), 2 takeover (payload attempt), 3 duplicate (payload record), 4 in
 /// flight (payload lease end), 5 conflict (payload record), 6 the caller's own live lease
-/// under the same token, a retried claim (payload record), 9 unreadable value (payload
-/// reason; nothing written for that key). Every key not named was acquired, attempt 1.
+/// under the same token, a retried claim (payload record), 7 rolled back (payload record),
+/// 9 unreadable value (payload reason; nothing written for that key). Every key not named was acquired, attempt 1.
 const CLAIM_BODY: &str = r#"
 local grace = tonumber(ARGV[2])
 local nows = fmt(now)
@@ -68,7 +69,7 @@ for i = 1, #KEYS do
     if not r then
       code = 9
       if type(v) == 'table' and v.err then payload = v.err else payload = 'not an idemq record' end
-    elseif r.st == '1' and r.ex ~= '' and tonumber(r.ex) <= now then
+    elseif r.st ~= '0' and r.ex ~= '' and tonumber(r.ex) <= now then
       redis.call('SET', k, fresh, 'PX', px)
     elseif r.st == '0' and r.lu > now and r.tok == string.match(id, '^i1|0|(%d+)|') then
       -- Our own live lease (a retried claim whose first reply was lost): it is ours.
@@ -79,6 +80,8 @@ for i = 1, #KEYS do
       redis.call('SET', k, id .. lumid .. fmt(att) .. '|' .. r.fs .. '|||-', 'PX', px)
       if r.lu > 0 then code = 2 else code = 1 end
       payload = att
+    elseif r.st == '2' then
+      code, payload = 7, v
     else
       local ph = string.match(id, '^i1|0|%d+|(%x*)|') or ''
       if r.ph ~= '' and ph ~= '' and r.ph ~= ph then
@@ -103,8 +106,7 @@ return out
 /// `KEYS` = the keys; `ARGV[1]` unused, `ARGV[2]` = completed grace ms; then per key:
 /// token, retention ms, result field (`-` or `+<bytes>`). Reply: one integer per key,
 /// 1 completed, 2 completed before by this token (idempotent: a retry whose reply was
-/// lost), 0 fenced (another token, released, or
-/// gone), 9 unreadable value.
+/// lost), 0 fenced (another token, released, rolled back, or gone), 9 unreadable value.
 const COMPLETE_BODY: &str = r#"
 local nows = fmt(now)
 local grace = tonumber(ARGV[2])
@@ -126,7 +128,7 @@ for i = 1, #KEYS do
       out[i] = 0
     elseif r.st == '1' then
       out[i] = 2 -- completed before by this token: a retry whose reply was lost
-    elseif r.lu == 0 then
+    elseif r.st == '2' or r.lu == 0 then
       out[i] = 0 -- released: the token owns nothing
     else
       local nv = 'i1|1|' .. r.body .. r.lus .. '|' .. r.atts .. '|' .. r.fs .. '|' ..
@@ -157,7 +159,7 @@ local r = parse(v)
 if not r then return {9} end
 if r.tok ~= ARGV[3] then return {0} end
 if r.st == '1' then return {2} end
-if r.lu == 0 then return {0} end
+if r.st == '2' or r.lu == 0 then return {0} end
 local a = 7
 for c = 1, tonumber(ARGV[6]) do
   local n = tonumber(ARGV[a])
@@ -195,7 +197,7 @@ for i = 1, nk do
   if r.tok ~= ARGV[1 + 2 * i] then return {0, i} end
   if r.st == '1' then
     done = done + 1
-  elseif r.lu == 0 then
+  elseif r.st == '2' or r.lu == 0 then
     return {0, i}
   end
   recs[i] = r
@@ -238,6 +240,26 @@ redis.call('SET', KEYS[1], nv, 'PX', tonumber(ARGV[3]))
 return 1
 "#;
 
+/// `KEYS[1]`; `ARGV` = unused, token, retention ms, completed grace ms. Records the key
+/// rolled back while the token holds it. Reply 1 rolled back (now, or before by this token:
+/// a retry whose reply was lost), 0 fenced (not the token's, released, completed), 9
+/// unreadable.
+const ROLL_BACK_BODY: &str = r#"
+local v = redis.pcall('GET', KEYS[1])
+if type(v) == 'table' then return 9 end
+if not v then return 0 end
+local r = parse(v)
+if not r then return 9 end
+if r.tok ~= ARGV[2] then return 0 end
+if r.st == '2' then return 1 end
+if r.st ~= '0' or r.lu == 0 then return 0 end
+local ret = tonumber(ARGV[3])
+local nv = 'i1|2|' .. r.body .. r.lus .. '|' .. r.atts .. '|' .. r.fs .. '|' ..
+  fmt(now) .. '|' .. fmt(now + ret) .. '|-'
+redis.call('SET', KEYS[1], nv, 'PX', ret + tonumber(ARGV[4]))
+return 1
+"#;
+
 /// `KEYS[1]`; `ARGV` = unused, token, lease ms, in-progress grace ms. Reply: new lease end
 /// (server time),
 /// 0 fenced (not the token's, completed, or released), -1 unreadable. An ended lease not
@@ -258,7 +280,7 @@ return lu
 "#;
 
 /// `KEYS` = candidate keys from a SCAN; `ARGV` = unused, how many may still be deleted.
-/// Deletes completed records whose retention ended; replies with the count.
+/// Deletes completed and rolled-back records whose retention ended; replies with the count.
 const PURGE_BODY: &str = r#"
 local lim = tonumber(ARGV[2])
 local n = 0
@@ -267,7 +289,7 @@ for i = 1, #KEYS do
   local v = redis.pcall('GET', KEYS[i])
   if type(v) == 'string' then
     local r = parse(v)
-    if r and r.st == '1' and r.ex ~= '' and tonumber(r.ex) <= now then
+    if r and r.st ~= '0' and r.ex ~= '' and tonumber(r.ex) <= now then
       redis.call('DEL', KEYS[i])
       n = n + 1
     end
@@ -293,6 +315,7 @@ pub(crate) static CLAIM: LazyLock<Lua> = LazyLock::new(|| lua("claim", CLAIM_BOD
 pub(crate) static COMPLETE: LazyLock<Lua> = LazyLock::new(|| lua("complete", COMPLETE_BODY));
 pub(crate) static RELEASE: LazyLock<Lua> = LazyLock::new(|| lua("release", RELEASE_BODY));
 pub(crate) static EXTEND: LazyLock<Lua> = LazyLock::new(|| lua("extend", EXTEND_BODY));
+pub(crate) static ROLL_BACK: LazyLock<Lua> = LazyLock::new(|| lua("roll_back", ROLL_BACK_BODY));
 pub(crate) static PURGE: LazyLock<Lua> = LazyLock::new(|| lua("purge", PURGE_BODY));
 pub(crate) static COMPLETE_WITH: LazyLock<Lua> =
     LazyLock::new(|| lua("complete_with", COMPLETE_WITH_BODY));
@@ -301,12 +324,13 @@ pub(crate) static COMPLETE_BATCH_WITH: LazyLock<Lua> =
     LazyLock::new(|| lua("complete_batch_with", COMPLETE_BATCH_WITH_BODY));
 
 /// Every script, for loading them up front.
-pub(crate) fn all() -> [&'static Lua; 7] {
+pub(crate) fn all() -> [&'static Lua; 8] {
     [
         &CLAIM,
         &COMPLETE,
         &RELEASE,
         &EXTEND,
+        &ROLL_BACK,
         &PURGE,
         &COMPLETE_WITH,
         &COMPLETE_BATCH_WITH,

@@ -13,7 +13,7 @@ use async_trait::async_trait;
 use idemq_core::store::duration_ms;
 use idemq_core::{
     ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupKey, DedupRecord, DedupStore,
-    ExtendOutcome, FencingToken, ReleaseOutcome, StoreError, StoreStats,
+    ExtendOutcome, FencingToken, ReleaseOutcome, RollbackOutcome, StoreError, StoreStats,
 };
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
@@ -318,6 +318,38 @@ impl DedupStore for RedisStore {
         token: FencingToken,
     ) -> Result<ReleaseOutcome, StoreError> {
         self.give_back(key, token, true).await
+    }
+
+    async fn roll_back(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        retention: Duration,
+    ) -> Result<RollbackOutcome, StoreError> {
+        let rk = self.redis_key(key);
+        let mut c = redis::cmd("EVALSHA");
+        c.arg(&lua::ROLL_BACK.sha)
+            .arg(1)
+            .arg(&rk)
+            .arg(0)
+            .arg(token.0)
+            .arg(duration_ms(retention))
+            .arg(self.cfg.completed_grace_ms);
+        // Waited for, as a completion is: a roll-back lost in a failover would let a late
+        // claim apply the effect of a dropped message.
+        let v = self
+            .eval_many(
+                &lua::ROLL_BACK,
+                std::slice::from_ref(&c),
+                &[self.slot_of(rk.as_bytes())],
+                true,
+            )
+            .await?;
+        match v.first().map(Self::int).transpose()? {
+            Some(1) => Ok(RollbackOutcome::RolledBack),
+            Some(0) => Ok(RollbackOutcome::Fenced),
+            _ => Err(Self::corrupt(key, "not an idemq record")),
+        }
     }
 
     async fn extend(

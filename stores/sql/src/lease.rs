@@ -4,7 +4,10 @@ use crate::backend::{map_sqlx_error, Dialect, Kind, Row, SqlBackend, Val};
 use crate::exec::{check_key, retry_now};
 use crate::store::SqlStore;
 use idemq_core::store::duration_ms;
-use idemq_core::{DedupKey, ExtendOutcome, FencingToken, ReleaseOutcome, StoreError};
+use idemq_core::{
+    DedupKey, ExtendOutcome, FencingToken, RecordStatus, ReleaseOutcome, RollbackOutcome,
+    StoreError,
+};
 use std::collections::HashMap;
 use std::time::Duration;
 
@@ -53,6 +56,49 @@ impl<DB: SqlBackend> SqlStore<DB> {
             ReleaseOutcome::Released
         } else {
             ReleaseOutcome::Fenced
+        })
+    }
+
+    pub(crate) async fn roll_back_here(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        retention: Duration,
+    ) -> Result<RollbackOutcome, StoreError> {
+        check_key(key)?;
+        let mut conn = self.acquire().await?;
+        let n = retry_now!(
+            "roll_back",
+            DB::execute(
+                &mut conn,
+                &self.q.roll_back,
+                vec![
+                    Val::I64(Some(duration_ms(retention))),
+                    Val::Key(key.as_str().to_owned()),
+                    Val::I64(Some(token.0)),
+                ],
+            )
+        )?;
+        if n > 0 {
+            return Ok(RollbackOutcome::RolledBack);
+        }
+        // Not in progress under this token: rolled back by it before (a retry whose first
+        // reply was lost), or fenced.
+        let rows = retry_now!(
+            "roll_back probe",
+            DB::fetch(
+                &mut conn,
+                &self.q.probe,
+                vec![Val::Key(key.as_str().to_owned())],
+                &[Kind::I64, Kind::I64],
+            )
+        )?;
+        let ours = rows.first().is_some_and(|r| {
+            r.i64(0).ok() == Some(token.0) && r.i64(1).ok() == Some(RecordStatus::RolledBack.code())
+        });
+        Ok(match ours {
+            true => RollbackOutcome::RolledBack,
+            false => RollbackOutcome::Fenced,
         })
     }
 

@@ -37,6 +37,11 @@ const SQLITE: &[Migration] = &[
         name: "0002_attempts_table.sql",
         sql: include_str!("../migrations/sqlite/0002_attempts_table.sql"),
     },
+    Migration {
+        version: 3,
+        name: "0003_terminal_expires_index.sql",
+        sql: include_str!("../migrations/sqlite/0003_terminal_expires_index.sql"),
+    },
 ];
 
 const POSTGRES: &[Migration] = &[
@@ -54,6 +59,11 @@ const POSTGRES: &[Migration] = &[
         version: 3,
         name: "0003_attempts_table.sql",
         sql: include_str!("../migrations/postgres/0003_attempts_table.sql"),
+    },
+    Migration {
+        version: 4,
+        name: "0004_terminal_expires_index.sql",
+        sql: include_str!("../migrations/postgres/0004_terminal_expires_index.sql"),
     },
 ];
 

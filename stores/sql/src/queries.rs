@@ -82,7 +82,7 @@ const UPSERT_TAIL: &str = " ON CONFLICT (dedup_key) DO UPDATE SET \
      status = 0, token = excluded.token, lease_until_ms = excluded.lease_until_ms, \
      payload_hash = excluded.payload_hash, result = NULL, completed_ms = NULL, \
      expires_ms = NULL, worker = excluded.worker \
-     WHERE (t.status = 1 AND t.expires_ms <= {now}) \
+     WHERE (t.status <> 0 AND t.expires_ms <= {now}) \
      OR (t.status = 0 AND t.lease_until_ms <= {now}) \
      RETURNING dedup_key, token, lease_until_ms, attempts, took_over";
 
@@ -215,6 +215,9 @@ pub(crate) struct Queries {
     /// [`Queries::complete_one`], keeping the result of an in-transaction completion of the
     /// row's token found in the fence table (the same statement without a fence table).
     pub complete_one_fold: String,
+    /// `?retention_ms ?key ?token` → rows affected: records the key rolled back while the
+    /// token holds it (and has not completed it in a business transaction).
+    pub roll_back: String,
     /// `?key` → (token, status), locking read.
     pub probe: String,
     /// `?key` → rows affected.
@@ -223,7 +226,8 @@ pub(crate) struct Queries {
     pub purge: String,
     /// `?stale_for_ms ?limit` → records.
     pub list_stuck: String,
-    /// → (in progress, abandoned, completed, expired) counts on the database's clock.
+    /// → (in progress, abandoned, completed, expired, rolled back) counts on the database's
+    /// clock.
     pub stats: String,
     /// `?key` → rows affected (1 inserted, 0 duplicate).
     pub insert_key: String,
@@ -358,7 +362,7 @@ impl Queries {
         // Every time below is the database's clock (see `Dialect::now_ms_sql`).
         let purge = match dialect {
             Dialect::MySql => format!(
-                "DELETE FROM {t} WHERE status = 1 AND expires_ms <= {now} ORDER BY expires_ms LIMIT ?"
+                "DELETE FROM {t} WHERE status <> 0 AND expires_ms <= {now} ORDER BY expires_ms LIMIT ?"
             ),
             // The outer conditions are checked again on the row actually deleted, so a
             // record re-acquired since the subquery ran is left alone.
@@ -366,15 +370,15 @@ impl Queries {
             // rows this statement already deleted, exceed the limit); rows a claim holds are
             // skipped, not waited for.
             Dialect::Postgres => format!(
-                "WITH doomed AS (SELECT dedup_key FROM {t} WHERE status = 1 AND expires_ms <= {now} \
+                "WITH doomed AS (SELECT dedup_key FROM {t} WHERE status <> 0 AND expires_ms <= {now} \
                  ORDER BY expires_ms LIMIT ? FOR UPDATE SKIP LOCKED) \
                  DELETE FROM {t} AS t USING doomed WHERE t.dedup_key = doomed.dedup_key \
-                 AND t.status = 1 AND t.expires_ms <= {now}"
+                 AND t.status <> 0 AND t.expires_ms <= {now}"
             ),
             Dialect::Sqlite => format!(
                 "DELETE FROM {t} WHERE dedup_key IN (SELECT dedup_key FROM {t} \
-                 WHERE status = 1 AND expires_ms <= {now} ORDER BY expires_ms LIMIT ?) \
-                 AND status = 1 AND expires_ms <= {now}"
+                 WHERE status <> 0 AND expires_ms <= {now} ORDER BY expires_ms LIMIT ?) \
+                 AND status <> 0 AND expires_ms <= {now}"
             ),
         };
         let insert_key = match dialect {
@@ -423,6 +427,12 @@ impl Queries {
                 None => "?".to_owned(),
                 Some(fq) => fence_result_sql(&fq.table, t, "?"),
             })),
+            roll_back: p(format!(
+                "UPDATE {t} SET status = {rolled_back}, result = NULL, completed_ms = {now}, \
+                 expires_ms = {now} + ? \
+                 WHERE dedup_key = ? AND token = ? AND status = 0 AND lease_until_ms > 0{not_in_fence}",
+                rolled_back = RecordStatus::RolledBack.code()
+            )),
             probe: p(format!(
                 "SELECT token, status FROM {t} WHERE dedup_key = ?{}",
                 dialect.locking_read()
@@ -437,7 +447,8 @@ impl Queries {
                 "SELECT COUNT(CASE WHEN status = 0 AND lease_until_ms > {now} THEN 1 END), \
                  COUNT(CASE WHEN status = 0 AND lease_until_ms <= {now} THEN 1 END), \
                  COUNT(CASE WHEN status = 1 AND (expires_ms IS NULL OR expires_ms > {now}) THEN 1 END), \
-                 COUNT(CASE WHEN status = 1 AND expires_ms <= {now} THEN 1 END) FROM {t}"
+                 COUNT(CASE WHEN status <> 0 AND expires_ms <= {now} THEN 1 END), \
+                 COUNT(CASE WHEN status = 2 AND expires_ms > {now} THEN 1 END) FROM {t}"
             )),
             insert_key: p(insert_key),
             purge_keys: p(purge_keys),
@@ -781,7 +792,7 @@ impl Queries {
              j_token BIGINT PATH '$[1]', j_lease BIGINT PATH '$[2]', j_hash VARCHAR(64) PATH '$[3]', \
              j_worker TEXT CHARACTER SET utf8mb4 PATH '$[4]')) AS v \
              ON DUPLICATE KEY UPDATE \
-             token = IF((status = 1 AND expires_ms <= {now}){takeover}, \
+             token = IF((status <> 0 AND expires_ms <= {now}){takeover}, \
              -VALUES(token), token), \
              attempts = IF(token = -VALUES(token), IF(status = 0, attempts + 1, 1), attempts), \
              took_over = IF(token = -VALUES(token), IF(status = 0 AND lease_until_ms > 0, 1, 0), took_over), \

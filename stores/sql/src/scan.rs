@@ -89,7 +89,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
         let mut conn = self.acquire().await?;
         let rows = retry_now!(
             "stats",
-            DB::fetch(&mut conn, &self.q.stats, vec![], &[Kind::I64; 4])
+            DB::fetch(&mut conn, &self.q.stats, vec![], &[Kind::I64; 5])
         )?;
         let row = rows
             .first()
@@ -105,6 +105,7 @@ impl<DB: SqlBackend> SqlStore<DB> {
         stats.abandoned = count(1)?;
         stats.completed = count(2)?;
         stats.expired = count(3)?;
+        stats.rolled_back = count(4)?;
         Ok(stats)
     }
 

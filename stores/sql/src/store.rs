@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use idemq_core::{
     ClaimOutcome, ClaimRequest, CompleteOutcome, Completion, DedupKey, DedupRecord, DedupStore,
-    ExtendOutcome, FencingToken, ReleaseOutcome, StoreError, StoreStats,
+    ExtendOutcome, FencingToken, ReleaseOutcome, RollbackOutcome, StoreError, StoreStats,
 };
 use sqlx::Pool;
 use std::fmt;
@@ -201,6 +201,16 @@ impl<DB: SqlBackend> DedupStore for SqlStore<DB> {
     ) -> Result<ReleaseOutcome, StoreError> {
         let (this, key) = (self.clone(), key.clone());
         detached(async move { this.release_here(&key, token, true).await }).await
+    }
+
+    async fn roll_back(
+        &self,
+        key: &DedupKey,
+        token: FencingToken,
+        retention: Duration,
+    ) -> Result<RollbackOutcome, StoreError> {
+        let (this, key) = (self.clone(), key.clone());
+        detached(async move { this.roll_back_here(&key, token, retention).await }).await
     }
 
     async fn extend(
