@@ -280,7 +280,10 @@ fn describe(r: &idemq::DedupRecord, now: i64) -> String {
                 out += &format!("rolled back: {}\n", ago(c));
             }
             if let Some(e) = r.expires_ms {
-                out += &format!("expires:     {} (then the key is claimable afresh)\n", ago(e));
+                out += &format!(
+                    "expires:     {} (then the key is claimable afresh)\n",
+                    ago(e)
+                );
             }
         }
         idemq::RecordStatus::InProgress if r.is_released() => {

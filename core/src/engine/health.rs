@@ -25,7 +25,8 @@ pub enum HealthState {
     /// Polling, but a source says it cannot deliver what its broker holds for it
     /// ([`Source::readiness`](crate::Source::readiness): waiting for a partition assignment,
     /// or a window filled behind a held message); the report's `last_error` says what it
-    /// waits for. Read from the sources when the report is made.
+    /// waits for. Read from the sources when the report is made, and every
+    /// `SOURCE_RECHECK` (a second) while a loop runs, for the ready gauge.
     SourceWaiting,
     /// Polling, but the last [`KEYLESS_RUN`] messages or more in a row were dead-lettered
     /// because no dedup key could be derived from them: the key strategy does not match
@@ -89,6 +90,11 @@ struct Since {
 /// How many messages in a row without a derivable key turn a consumer
 /// [`HealthState::Degraded`].
 pub const KEYLESS_RUN: u64 = 5;
+
+/// How often a running loop's sources are asked again whether they can deliver, so that
+/// [`HealthState::SourceWaiting`] reaches the ready gauge without a report being asked for:
+/// well within a metrics scrape interval, and a probe is cheap (a flag, a short lock).
+pub(crate) const SOURCE_RECHECK: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[derive(Debug)]
 struct Inner {
@@ -158,36 +164,17 @@ impl Health {
     }
 
     /// The state now. A consumer otherwise ready whose source says it cannot deliver (a
-    /// probe asked now) is [`HealthState::SourceWaiting`], with what it waits for.
+    /// probe asked now) is [`HealthState::SourceWaiting`], with what it waits for. The
+    /// `idemq_consumer_ready` gauge is updated from the same evaluation, so the two agree.
     pub fn report(&self) -> HealthReport {
-        let mut report = {
-            let shown = self.shown();
-            HealthReport {
-                state: shown.state,
-                since: shown.since,
-                last_error: shown.last_error.clone(),
-                outages: self.0.outages.load(Ordering::Relaxed),
-            }
-        };
-        if report.state == HealthState::Ready {
-            let probes: Vec<ReadinessProbe> = self
-                .0
-                .sources
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .iter()
-                .map(|(_, p)| p.clone())
-                .collect();
-            // Asked outside the lock: a probe is the source's code.
-            if let Some(why) = probes.iter().find_map(|p| match p.check() {
-                Readiness::Waiting(why) => Some(why),
-                Readiness::Ready(_) => None,
-            }) {
-                report.state = HealthState::SourceWaiting;
-                report.last_error = Some(format!("source waiting: {why}"));
-            }
+        self.refresh(None);
+        let shown = self.shown();
+        HealthReport {
+            state: shown.state,
+            since: shown.since,
+            last_error: shown.last_error.clone(),
+            outages: self.0.outages.load(Ordering::Relaxed),
         }
-        report
     }
 
     /// Shorthand for `report().is_ready()`.
@@ -200,29 +187,60 @@ impl Health {
         self.0.shown.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Recomputes the shown state from the flags; `error` replaces the last error when the
-    /// state is unhealthy.
+    /// What the sources of the running loops say, when one of them cannot deliver.
+    fn source_waiting(&self) -> Option<String> {
+        let probes: Vec<ReadinessProbe> = self
+            .0
+            .sources
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .iter()
+            .map(|(_, p)| p.clone())
+            .collect();
+        // Asked outside the lock: a probe is the source's code.
+        probes.iter().find_map(|p| match p.check() {
+            Readiness::Waiting(why) => Some(why),
+            Readiness::Ready(_) => None,
+        })
+    }
+
+    /// Recomputes the shown state from the flags and the sources' probes, and moves the
+    /// ready gauge with it: the one place readiness is decided. `error` replaces the last
+    /// error when the state is unhealthy.
     fn refresh(&self, error: Option<String>) {
         let i = &self.0;
+        // The sources are asked before the flags are read, so that the flags (set before
+        // each call here) are the newest ones when the state is decided.
+        let waiting = self.source_waiting();
+        let mut shown = self.shown();
         let state = if i.loops.load(Ordering::SeqCst) == 0 {
-            HealthState::Stopped
+            // No loop running: none started yet, or every one returned.
+            if shown.state == HealthState::Starting {
+                HealthState::Starting
+            } else {
+                HealthState::Stopped
+            }
         } else if i.store_down.load(Ordering::SeqCst) {
             HealthState::StoreUnavailable
         } else if i.sources_down.load(Ordering::SeqCst) > 0 {
             HealthState::BrokerUnavailable
         } else if i.keyless.load(Ordering::SeqCst) {
             HealthState::Degraded
+        } else if waiting.is_some() {
+            HealthState::SourceWaiting
         } else {
             HealthState::Ready
         };
-        let mut shown = self.shown();
         let unavailable = matches!(
             state,
             HealthState::StoreUnavailable | HealthState::BrokerUnavailable
         );
         let unhealthy = unavailable || state == HealthState::Degraded;
         if shown.state != state {
-            if unavailable && shown.state == HealthState::Ready {
+            // A waiting source still polls with a working store and broker: leaving it for
+            // an outage counts as leaving ready.
+            let was_up = matches!(shown.state, HealthState::Ready | HealthState::SourceWaiting);
+            if unavailable && was_up {
                 i.outages.fetch_add(1, Ordering::Relaxed);
             }
             tracing::info!(from = %shown.state, to = %state, "consumer health changed");
@@ -237,7 +255,10 @@ impl Health {
             shown.state = state;
             shown.since = SystemTime::now();
         }
-        if unhealthy {
+        if state == HealthState::SourceWaiting {
+            // What it waits for now (it may change while it waits).
+            shown.last_error = waiting.map(|why| format!("source waiting: {why}"));
+        } else if unhealthy {
             if let Some(e) = error {
                 shown.last_error = Some(e);
             }
@@ -288,7 +309,32 @@ impl Health {
             health: self.clone(),
             source_down: false,
             id,
+            rechecks: self.spawn_rechecks(),
         }
+    }
+
+    /// Asks the sources again every [`SOURCE_RECHECK`]: a source starts or stops waiting
+    /// without the loop hearing of it (its poll just blocks), and the gauge must follow
+    /// even when nobody asks for a report. Outside a Tokio runtime there is nothing to run
+    /// it on; the report then still asks the sources itself.
+    fn spawn_rechecks(&self) -> Option<tokio::task::AbortHandle> {
+        let rt = tokio::runtime::Handle::try_current().ok()?;
+        // Weak: the task must not keep a dropped consumer's health alive.
+        let health = Arc::downgrade(&self.0);
+        let task = rt.spawn(async move {
+            let mut tick = tokio::time::interval(SOURCE_RECHECK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            // The first tick is immediate; the loop was just evaluated.
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                match health.upgrade() {
+                    Some(inner) => Health(inner).refresh(None),
+                    None => return,
+                }
+            }
+        });
+        Some(task.abort_handle())
     }
 }
 
@@ -300,6 +346,8 @@ pub(crate) struct LoopHealth {
     health: Health,
     source_down: bool,
     id: u64,
+    /// The task that asks the sources again while the loop runs.
+    rechecks: Option<tokio::task::AbortHandle>,
 }
 
 impl LoopHealth {
@@ -334,6 +382,9 @@ impl LoopHealth {
 
 impl Drop for LoopHealth {
     fn drop(&mut self) {
+        if let Some(task) = self.rechecks.take() {
+            task.abort();
+        }
         if self.source_down {
             self.health.0.sources_down.fetch_sub(1, Ordering::SeqCst);
         }
@@ -345,5 +396,82 @@ impl Drop for LoopHealth {
             .retain(|(id, _)| *id != self.id);
         self.health.0.loops.fetch_sub(1, Ordering::SeqCst);
         self.health.refresh(None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+    use std::sync::atomic::AtomicBool;
+
+    /// `idemq_consumer_ready` as the recorder holds it now.
+    fn ready_gauge(snapshotter: &Snapshotter) -> f64 {
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .find(|(key, _, _, _)| key.key().name() == crate::metrics::READY)
+            .map(|(_, _, _, value)| match value {
+                DebugValue::Gauge(v) => v.into_inner(),
+                _ => f64::NAN,
+            })
+            .unwrap_or(0.0)
+    }
+
+    /// A running loop whose source starts waiting (no partitions assigned, a window full
+    /// behind a held message) while nobody asks for a report: the gauge a dashboard reads
+    /// drops to 0 with the report, and comes back to 1 when the source can deliver again.
+    #[test]
+    fn the_ready_gauge_follows_a_source_that_says_it_is_waiting() {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        // A local recorder, so that other tests' consumers do not move this gauge; the
+        // current-thread runtime runs the loop's tasks on this thread, where it applies.
+        metrics::with_local_recorder(&recorder, || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .expect("runtime");
+            rt.block_on(async {
+                let health = Health::new();
+                let waiting = Arc::new(AtomicBool::new(false));
+                let w = waiting.clone();
+                let probe = ReadinessProbe::new(move || {
+                    if w.load(Ordering::SeqCst) {
+                        Readiness::Waiting(
+                            "partitions of payments from the group coordinator".into(),
+                        )
+                    } else {
+                        Readiness::Ready("assigned payments[0]".into())
+                    }
+                });
+                let running = health.loop_started(probe);
+                let ready = ready_gauge(&snapshotter);
+                assert_eq!(ready, 1.0, "a polling loop with a deliverable source");
+
+                waiting.store(true, Ordering::SeqCst);
+                // Virtual time (the clock is paused): past a recheck of the sources.
+                tokio::time::sleep(SOURCE_RECHECK * 2).await;
+                let waiting_gauge = ready_gauge(&snapshotter);
+                let report = health.report();
+                assert!(
+                    waiting_gauge == 0.0 && report.state == HealthState::SourceWaiting,
+                    "the source waits: gauge {waiting_gauge} (want 0), report {report:?}"
+                );
+
+                waiting.store(false, Ordering::SeqCst);
+                tokio::time::sleep(SOURCE_RECHECK * 2).await;
+                let back = ready_gauge(&snapshotter);
+                assert!(
+                    back == 1.0 && health.is_ready(),
+                    "the source delivers again: gauge {back} (want 1), report {:?}",
+                    health.report()
+                );
+                drop(running);
+                assert_eq!(ready_gauge(&snapshotter), 0.0, "the loop ended");
+            });
+        });
     }
 }
