@@ -7,7 +7,13 @@
 //!
 //! - a failed transform or an abortable producer error aborts the transaction and rewinds
 //!   the consumer to the last committed offsets, so the batch is consumed again and its
-//!   aborted outputs stay invisible to `read_committed` readers;
+//!   aborted outputs stay invisible to `read_committed` readers; a transaction that cannot
+//!   begin rewinds the consumer the same way, so no polled record is skipped;
+//! - a retriable error of `send_offsets_to_transaction` or `commit_transaction` (a time-out:
+//!   the broker's answer has not come back, the outcome is not decided) calls it again,
+//!   with back-off, within the processor's timeout: aborting then could abort a commit the
+//!   broker already decided. A commit still undecided at the end of that time stops the
+//!   processor with [`TxnError::Fatal`] (a new instance's `init_transactions` resolves it);
 //! - a fenced producer (another instance took the `transactional.id`) or a fatal error stops
 //!   this processor with [`TxnError::Fenced`] / [`TxnError::Fatal`] naming the cause; it then
 //!   refuses every later batch with the same error (drop it: that closes its consumer, which
@@ -32,6 +38,7 @@ use crate::config::KafkaProducerConfig;
 use crate::envelope::to_envelope;
 use crate::publisher::publish_error;
 use idemq_core::adapter::PartitionId;
+use idemq_core::engine::RetryPolicy;
 use idemq_core::envelope::Position;
 use idemq_core::publish::{OutgoingMessage, PublishError};
 use idemq_core::{Envelope, KeyStrategy};
@@ -41,11 +48,12 @@ use rdkafka::consumer::{BaseConsumer, Consumer, ConsumerContext, Rebalance};
 use rdkafka::error::KafkaError;
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{FutureProducer, FutureRecord, Producer};
+use rdkafka::types::RDKafkaErrorCode;
 use rdkafka::{ClientConfig, Message, Offset, TopicPartitionList};
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Why a transactional batch did not commit.
 #[derive(Debug, thiserror::Error)]
@@ -449,9 +457,20 @@ impl TransactionalProcessor {
         if batch.is_empty() {
             return Ok(0);
         }
-        self.producer
-            .begin_transaction()
-            .map_err(|e| classify(&e))?;
+        if let Err(e) = self.producer.begin_transaction() {
+            // The batch's records are polled already (the consumer's position is past them):
+            // unless the processor stops, they must be consumed again, not skipped.
+            let f = Fault::of(&e);
+            return Err(match next_step(&f) {
+                next @ (Next::Fenced | Next::Fatal | Next::Config) => f.into_error(next),
+                // No transaction began, so there is nothing to abort unless librdkafka says
+                // an earlier one still needs it.
+                Next::Retry | Next::Abort => {
+                    let why = format!("begin_transaction failed: {}", f.text);
+                    self.undo(why, f.abortable).await
+                }
+            });
+        }
         let (newly_seen, dropped) = match self.produce_all(&batch, &mut transform).await {
             Ok(seen) => seen,
             Err(why) => return Err(self.abort(why).await),
@@ -716,38 +735,61 @@ impl TransactionalProcessor {
             .group_metadata()
             .ok_or_else(|| TxnError::Fatal("consumer has no group metadata".into()))?;
         let p = self.producer.clone();
-        let timeout = self.timeout;
+        let budget = self.timeout;
         tokio::task::spawn_blocking(move || {
-            p.send_offsets_to_transaction(&tpl, &meta, timeout)?;
-            crate::commit_transaction(&p, timeout)
+            let deadline = Instant::now() + budget;
+            match with_retries("send_offsets_to_transaction", budget, deadline, |t| {
+                p.send_offsets_to_transaction(&tpl, &meta, t)
+                    .map_err(|e| Fault::of(&e))
+            }) {
+                Ok(()) => {}
+                // Nothing is committed before commit_transaction: aborting is safe.
+                Err((Next::Retry, f)) => {
+                    return Err(TxnError::Aborted(format!(
+                        "send_offsets_to_transaction still failing after {budget:?}: {}",
+                        f.text
+                    )))
+                }
+                Err((next, f)) => return Err(f.into_error(next)),
+            }
+            match with_retries("commit_transaction", budget, deadline, |t| {
+                crate::commit_transaction(&p, t).map_err(|e| Fault::of(&e))
+            }) {
+                Ok(()) => Ok(()),
+                // The commit may be decided already (the EndTxn reply lost): an abort now
+                // could drop a batch whose offsets are committed, or fail against the
+                // commit in progress. Stopping is safe: the next instance's
+                // init_transactions completes or aborts it, and its consumer reads the
+                // offsets that outcome left.
+                Err((Next::Retry, f)) => Err(TxnError::Fatal(format!(
+                    "commit_transaction outcome unknown after retrying for {budget:?}: {}",
+                    f.text
+                ))),
+                Err((next, f)) => Err(f.into_error(next)),
+            }
         })
         .await
         .map_err(blocking_err)?
-        .map_err(|e| classify(&e))
     }
 
     /// Aborts the open transaction and rewinds the input to the committed offsets.
     async fn abort(&self, why: String) -> TxnError {
-        tracing::warn!(reason = %why, "aborting Kafka transaction and rewinding input");
+        self.undo(why, true).await
+    }
+
+    /// Undoes a batch that will not commit: aborts its transaction when `abort_txn` (one is
+    /// open), then rewinds the input to the committed offsets so its records are consumed
+    /// again. Returns [`TxnError::Aborted`] with `why`, or what stopped the undo.
+    async fn undo(&self, why: String, abort_txn: bool) -> TxnError {
+        tracing::warn!(reason = %why, abort_txn, "undoing Kafka batch: rewinding input to the committed offsets");
         let p = self.producer.clone();
         let c = self.consumer.clone();
         let timeout = self.timeout;
         let done = tokio::task::spawn_blocking(move || -> Result<(), KafkaError> {
-            p.abort_transaction(timeout)?;
-            let assigned = c.assignment()?;
-            let committed = c.committed_offsets(assigned, timeout)?;
-            let mut seek = TopicPartitionList::new();
-            for el in committed.elements() {
-                let to = match el.offset() {
-                    Offset::Offset(o) => Offset::Offset(o),
-                    _ => Offset::Beginning,
-                };
-                seek.add_partition_offset(el.topic(), el.partition(), to)?;
+            if abort_txn {
+                p.abort_transaction(timeout)?;
             }
-            for r in c.seek_partitions(seek, timeout)?.elements() {
-                r.error()?;
-            }
-            Ok(())
+            rewind(&c, timeout)
         })
         .await;
         match done {
@@ -761,6 +803,26 @@ impl TransactionalProcessor {
             Err(e) => blocking_err(e),
         }
     }
+}
+
+/// Seeks every assigned input partition back to the group's committed offset (its
+/// beginning where none is committed): what a batch that did not commit consumed is
+/// consumed again.
+fn rewind<C: ConsumerContext>(c: &BaseConsumer<C>, timeout: Duration) -> Result<(), KafkaError> {
+    let assigned = c.assignment()?;
+    let committed = c.committed_offsets(assigned, timeout)?;
+    let mut seek = TopicPartitionList::new();
+    for el in committed.elements() {
+        let to = match el.offset() {
+            Offset::Offset(o) => Offset::Offset(o),
+            _ => Offset::Beginning,
+        };
+        seek.add_partition_offset(el.topic(), el.partition(), to)?;
+    }
+    for r in c.seek_partitions(seek, timeout)?.elements() {
+        r.error()?;
+    }
+    Ok(())
 }
 
 /// Keys marked seen by the open transaction, per input partition.
@@ -964,30 +1026,158 @@ async fn ensure_changelogs(
     Ok(())
 }
 
-/// Sorts a transactional error into abort-and-retry, fenced, or fatal, with librdkafka's
-/// own reason (not its bare "Fatal error").
-fn classify(e: &KafkaError) -> TxnError {
-    match e {
-        KafkaError::Transaction(t) => {
-            let text = format!("{} ({})", t.string(), t.code());
-            if matches!(
-                t.code(),
-                rdkafka::types::RDKafkaErrorCode::Fenced
-                    | rdkafka::types::RDKafkaErrorCode::ProducerFenced
-                    | rdkafka::types::RDKafkaErrorCode::InvalidProducerEpoch
-            ) {
-                TxnError::Fenced(text)
-            } else if t.is_fatal() {
-                TxnError::Fatal(text)
-            } else {
-                TxnError::Aborted(text)
+/// One failed Kafka call as librdkafka describes it, read once from the error so that the
+/// decision over it ([`next_step`]) is a pure function.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Fault {
+    /// librdkafka's own reason (not its bare "Fatal error"), with the code.
+    text: String,
+    /// Another producer instance owns the `transactional.id`.
+    fenced: bool,
+    /// `rd_kafka_error_is_fatal`: the producer cannot be used again.
+    fatal: bool,
+    /// `rd_kafka_error_txn_requires_abort`: the transaction must be aborted.
+    abortable: bool,
+    /// `rd_kafka_error_is_retriable`: nothing is decided yet; call the same function again.
+    retriable: bool,
+    /// The settings are unusable.
+    config: bool,
+}
+
+impl Fault {
+    fn of(e: &KafkaError) -> Self {
+        match e {
+            KafkaError::Transaction(t) => Self {
+                text: format!("{} ({})", t.string(), t.code()),
+                fenced: matches!(
+                    t.code(),
+                    RDKafkaErrorCode::Fenced
+                        | RDKafkaErrorCode::ProducerFenced
+                        | RDKafkaErrorCode::InvalidProducerEpoch
+                ),
+                fatal: t.is_fatal(),
+                abortable: t.txn_requires_abort(),
+                retriable: t.is_retriable(),
+                config: false,
+            },
+            other => {
+                let sorted = publish_error(other);
+                Self {
+                    text: other.to_string(),
+                    fenced: matches!(sorted, PublishError::Fenced(_)),
+                    fatal: false,
+                    abortable: false,
+                    // `commit_transaction`'s wait for deliveries ran out: records are still
+                    // in flight, the transaction is open and undecided.
+                    retriable: matches!(
+                        other,
+                        KafkaError::Flush(RDKafkaErrorCode::OperationTimedOut)
+                    ),
+                    config: matches!(sorted, PublishError::Config(_)),
+                }
             }
         }
-        other => match publish_error(other) {
-            PublishError::Fenced(s) => TxnError::Fenced(s),
-            PublishError::Config(s) => TxnError::Config(s),
-            p => TxnError::Aborted(p.to_string()),
-        },
+    }
+
+    /// The error a caller sees when `next` is not retried (here, or any more).
+    fn into_error(self, next: Next) -> TxnError {
+        match next {
+            Next::Retry | Next::Abort => TxnError::Aborted(self.text),
+            Next::Fenced => TxnError::Fenced(self.text),
+            Next::Fatal => TxnError::Fatal(self.text),
+            Next::Config => TxnError::Config(self.text),
+        }
+    }
+}
+
+/// What to do after a failed transactional call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    /// Call the same function again: its outcome is not decided (a timed-out commit goes on
+    /// in the background, and only calling `commit_transaction` again learns how it ended).
+    Retry,
+    /// Abort the transaction and rewind the input.
+    Abort,
+    /// Stop: another instance owns the `transactional.id`.
+    Fenced,
+    /// Stop: the producer cannot continue.
+    Fatal,
+    /// Stop: the settings are unusable.
+    Config,
+}
+
+/// librdkafka's contract for a failed transactional call: fenced and fatal errors stop the
+/// producer; an error that requires an abort is aborted even when it is also retriable (no
+/// call goes on in that state); a retriable one is called again; anything else aborts.
+fn next_step(f: &Fault) -> Next {
+    if f.fenced {
+        Next::Fenced
+    } else if f.fatal {
+        Next::Fatal
+    } else if f.abortable {
+        Next::Abort
+    } else if f.retriable {
+        Next::Retry
+    } else if f.config {
+        Next::Config
+    } else {
+        Next::Abort
+    }
+}
+
+/// Sorts an error of a call that is not retried here (`init_transactions`, an abort, a
+/// rewind) into abort-and-retry, fenced, fatal or misconfigured.
+fn classify(e: &KafkaError) -> TxnError {
+    let f = Fault::of(e);
+    let next = next_step(&f);
+    f.into_error(next)
+}
+
+/// How many attempts one retried call's budget is split into at least: librdkafka goes on
+/// with a timed-out commit in the background, so a shorter wait per call costs nothing and
+/// leaves time to call again.
+const ATTEMPTS_PER_BUDGET: u32 = 4;
+
+/// The back-off between attempts of a retriable transactional call.
+fn txn_retry_policy() -> RetryPolicy {
+    RetryPolicy::backoff(Duration::from_millis(50), Duration::from_secs(1))
+}
+
+/// Calls `call` (a blocking librdkafka transactional call, given its timeout) until it
+/// succeeds, fails with anything but [`Next::Retry`], or `deadline` leaves no time for
+/// another attempt after the back-off; then `Err((Next::Retry, last fault))`. Each attempt
+/// waits at most `budget / ATTEMPTS_PER_BUDGET`. Blocks the thread: call it from
+/// `spawn_blocking`.
+fn with_retries<T>(
+    call_name: &'static str,
+    budget: Duration,
+    deadline: Instant,
+    mut call: impl FnMut(Duration) -> Result<T, Fault>,
+) -> Result<T, (Next, Fault)> {
+    let slice = budget / ATTEMPTS_PER_BUDGET;
+    let mut waits = txn_retry_policy().waits();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let fault = match call(left.min(slice)) {
+            Ok(v) => return Ok(v),
+            Err(f) => f,
+        };
+        let next = next_step(&fault);
+        if next != Next::Retry {
+            return Err((next, fault));
+        }
+        let pause = waits.next_delay();
+        if deadline.saturating_duration_since(Instant::now()) <= pause {
+            return Err((Next::Retry, fault));
+        }
+        metrics::counter!(crate::metrics::TRANSACTION_RETRIES, "call" => call_name).increment(1);
+        tracing::warn!(
+            call = call_name,
+            attempt = waits.failures(),
+            error = %fault.text,
+            "transactional call failed retriably: calling it again"
+        );
+        std::thread::sleep(pause);
     }
 }
 
@@ -1058,7 +1248,7 @@ mod tests {
     }
 
     /// Every record of `topic` partition 0, read `read_committed` to its end.
-    fn read_committed(brokers: &str, topic: &str) -> Vec<String> {
+    pub(super) fn read_committed(brokers: &str, topic: &str) -> Vec<String> {
         let c: BaseConsumer = ClientConfig::new()
             .set("bootstrap.servers", brokers)
             .set("group.id", unique("reader"))
@@ -1339,5 +1529,284 @@ mod fenced_tests {
              position {at:?} then {after:?} (want unchanged); {keys_left} partitions' keys kept \
              (want 0); committed offsets {offsets:?} (want [Some(5)])"
         );
+    }
+}
+
+#[cfg(test)]
+mod failed_call_tests {
+    //! Transactional calls that fail without ending the processor, on the real broker
+    //! (skipped without `IDEMQ_TEST_KAFKA_BROKERS`).
+    use super::tests::{brokers, committed, create_topic, read_committed, unique};
+    use super::*;
+    use idemq_core::publish::Publisher;
+
+    /// Polls until a batch of up to `max` records arrives (the group's first assignment
+    /// takes a few seconds).
+    async fn poll_batch(proc: &TransactionalProcessor, max: usize) -> Vec<Polled> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let polled = proc.poll(max, Duration::from_secs(1)).await.expect("poll");
+            if !polled.is_empty() {
+                return polled;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no records within 30 s"
+            );
+        }
+    }
+
+    fn offsets(polled: &[Polled]) -> Vec<i64> {
+        polled.iter().map(|r| env_offset(&r.env)).collect()
+    }
+
+    /// A polled batch whose transaction cannot begin (here a transaction is already open
+    /// on the producer: librdkafka refuses with a state error, not fatal) is not skipped:
+    /// the input is rewound to the committed offsets, so the next poll returns the same
+    /// records, and they are committed once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_whose_transaction_cannot_begin_is_consumed_again_not_skipped() {
+        let Some(brokers) = brokers() else {
+            eprintln!("skipped: IDEMQ_TEST_KAFKA_BROKERS is not set");
+            return;
+        };
+        let input = unique("begin-in");
+        let output = unique("begin-out");
+        create_topic(&brokers, &input, 1).await;
+        create_topic(&brokers, &output, 1).await;
+        let publisher = crate::KafkaPublisher::connect(&KafkaProducerConfig::idempotent(&brokers))
+            .await
+            .expect("publisher");
+        let msgs: Vec<OutgoingMessage> = (0..10)
+            .map(|i| OutgoingMessage::new(&input, format!("{input}-{i:02}")))
+            .collect();
+        for r in publisher.publish_batch(msgs).await {
+            r.expect("publish");
+        }
+        let group = format!("{input}-g");
+        let cfg = KafkaProducerConfig::transactional(&brokers, &unique("begin-txn"));
+        let proc = TransactionalProcessor::new(&cfg, &group, &[input.as_str()])
+            .await
+            .expect("processor");
+        let out = output.clone();
+        let forward =
+            move |env: &Envelope| Ok(vec![OutgoingMessage::new(out.clone(), env.payload.clone())]);
+
+        let first = poll_batch(&proc, 5).await;
+        let first_offsets = offsets(&first);
+        let first_payloads: Vec<String> = first
+            .iter()
+            .map(|r| String::from_utf8_lossy(&r.env.payload).into_owned())
+            .collect();
+        proc.producer
+            .begin_transaction()
+            .expect("the test opens a transaction");
+        let failed = proc.run_batch(first, forward.clone()).await;
+        // The test's own transaction: closed, so that the next batch can begin.
+        let p = proc.producer.clone();
+        tokio::task::spawn_blocking(move || p.abort_transaction(Duration::from_secs(10)))
+            .await
+            .expect("abort task")
+            .expect("abort the test's transaction");
+
+        let again = poll_batch(&proc, 5).await;
+        let again_offsets = offsets(&again);
+        let done = proc.run_batch(again, forward).await;
+        let offsets = committed(&brokers, &group, &input, 1);
+        let outputs = read_committed(&brokers, &output);
+        let next = first_offsets.iter().max().map(|o| o + 1);
+        assert!(
+            matches!(failed, Err(TxnError::Aborted(_)))
+                && again_offsets == first_offsets
+                && done.as_ref().is_ok_and(|n| *n == first_offsets.len())
+                && offsets == [next]
+                && outputs == first_payloads,
+            "begin failed: {failed:?} (want Aborted); the next poll returned offsets \
+             {again_offsets:?} (want the failed batch's {first_offsets:?} again); that batch: \
+             {done:?}; committed offsets {offsets:?} (want [{next:?}]); committed outputs \
+             {outputs:?} (want {first_payloads:?})"
+        );
+    }
+
+    /// A commit that librdkafka reports as retriable (its time ran out before the broker's
+    /// answer: the outcome is undecided and the commit goes on in the background) is called
+    /// again, not aborted: the transaction commits and its output becomes visible.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_commit_that_timed_out_is_called_again_and_commits() {
+        let Some(brokers) = brokers() else {
+            eprintln!("skipped: IDEMQ_TEST_KAFKA_BROKERS is not set");
+            return;
+        };
+        let input = unique("retry-in");
+        let output = unique("retry-out");
+        create_topic(&brokers, &input, 1).await;
+        create_topic(&brokers, &output, 1).await;
+        let cfg = KafkaProducerConfig::transactional(&brokers, &unique("retry-txn"));
+        let proc = TransactionalProcessor::new(&cfg, &format!("{input}-g"), &[input.as_str()])
+            .await
+            .expect("processor");
+        proc.producer.begin_transaction().expect("begin");
+        proc.send_to(&OutgoingMessage::new(output.clone(), "paid"), None)
+            .await
+            .expect("delivered into the open transaction");
+        let p = proc.producer.clone();
+        let budget = Duration::from_secs(20);
+        let (result, faults) = tokio::task::spawn_blocking(move || {
+            let mut faults = Vec::new();
+            let result = with_retries("commit_transaction", budget, Instant::now() + budget, |t| {
+                // The first call gets no time at all: librdkafka sends EndTxn and
+                // returns before the broker can answer.
+                let t = if faults.is_empty() { Duration::ZERO } else { t };
+                crate::commit_transaction(&p, t).map_err(|e| {
+                    let f = Fault::of(&e);
+                    faults.push(f.clone());
+                    f
+                })
+            });
+            (result, faults)
+        })
+        .await
+        .expect("commit task");
+        let outputs = read_committed(&brokers, &output);
+        assert!(
+            result.is_ok()
+                && faults
+                    .first()
+                    .is_some_and(|f| f.retriable && !f.abortable && !f.fatal)
+                && outputs == ["paid"],
+            "commit: {result:?} after faults {faults:?} (want Ok after a first retriable \
+             one); committed outputs {outputs:?} (want [\"paid\"])"
+        );
+    }
+}
+
+#[cfg(test)]
+mod decision_tests {
+    //! Which failed transactional calls are retried, aborted or stop the processor
+    //! (librdkafka's contract), and the bounded retry loop, without a broker.
+    use super::*;
+
+    fn fault(fenced: bool, fatal: bool, abortable: bool, retriable: bool) -> Fault {
+        Fault {
+            text: "test fault".into(),
+            fenced,
+            fatal,
+            abortable,
+            retriable,
+            config: false,
+        }
+    }
+
+    #[test]
+    fn only_a_retriable_fault_is_retried_and_an_abortable_one_is_aborted_even_if_retriable() {
+        let cases = [
+            // (fenced, fatal, abortable, retriable) → next
+            ((false, false, false, true), Next::Retry),
+            ((false, false, true, false), Next::Abort),
+            ((false, false, true, true), Next::Abort),
+            ((false, true, false, false), Next::Fatal),
+            ((false, true, true, true), Next::Fatal),
+            ((true, true, false, false), Next::Fenced),
+            ((false, false, false, false), Next::Abort),
+        ];
+        let wrong: Vec<_> = cases
+            .iter()
+            .filter(|((fe, fa, ab, re), want)| next_step(&fault(*fe, *fa, *ab, *re)) != *want)
+            .map(|((fe, fa, ab, re), want)| {
+                let got = next_step(&fault(*fe, *fa, *ab, *re));
+                format!(
+                    "fenced={fe} fatal={fa} abortable={ab} retriable={re}: {got:?}, want {want:?}"
+                )
+            })
+            .collect();
+        assert!(wrong.is_empty(), "{wrong:#?}");
+    }
+
+    #[test]
+    fn errors_outside_librdkafkas_transaction_api_are_sorted_as_before() {
+        let cases = [
+            // Records still in flight when the commit's wait ran out: undecided.
+            (
+                KafkaError::Flush(RDKafkaErrorCode::OperationTimedOut),
+                Next::Retry,
+            ),
+            (
+                KafkaError::MessageProduction(RDKafkaErrorCode::ProducerFenced),
+                Next::Fenced,
+            ),
+            (
+                KafkaError::MessageProduction(RDKafkaErrorCode::InvalidTransactionTimeout),
+                Next::Config,
+            ),
+            (
+                KafkaError::MessageProduction(RDKafkaErrorCode::MessageTimedOut),
+                Next::Abort,
+            ),
+            (KafkaError::Canceled, Next::Abort),
+        ];
+        for (e, want) in cases {
+            assert_eq!(next_step(&Fault::of(&e)), want, "{e}");
+        }
+    }
+
+    #[test]
+    fn a_retriable_call_is_called_again_until_it_succeeds_within_the_budget() {
+        let budget = Duration::from_secs(8);
+        let mut timeouts = Vec::new();
+        let r = with_retries("commit_transaction", budget, Instant::now() + budget, |t| {
+            timeouts.push(t);
+            if timeouts.len() < 3 {
+                Err(fault(false, false, false, true))
+            } else {
+                Ok(timeouts.len())
+            }
+        });
+        assert!(
+            r == Ok(3) && timeouts.iter().all(|t| *t <= budget / ATTEMPTS_PER_BUDGET),
+            "result {r:?}, per-call timeouts {timeouts:?} (want 3 calls, each ≤ a quarter \
+             of {budget:?})"
+        );
+    }
+
+    #[test]
+    fn a_call_that_stays_retriable_gives_up_as_retry_once_the_budget_is_spent() {
+        let budget = Duration::from_millis(400);
+        let started = Instant::now();
+        let mut calls = 0;
+        let r: Result<(), _> = with_retries("commit_transaction", budget, started + budget, |_| {
+            calls += 1;
+            Err(fault(false, false, false, true))
+        });
+        let took = started.elapsed();
+        assert!(
+            matches!(r, Err((Next::Retry, _))) && calls >= 2 && took <= budget,
+            "result {r:?} after {calls} calls in {took:?} (want Retry, more than one call, \
+             within {budget:?})"
+        );
+    }
+
+    #[test]
+    fn an_abortable_or_fatal_call_is_not_called_again() {
+        for (f, want) in [
+            (fault(false, false, true, true), Next::Abort),
+            (fault(false, true, false, false), Next::Fatal),
+            (fault(true, true, false, false), Next::Fenced),
+        ] {
+            let mut calls = 0;
+            let budget = Duration::from_secs(8);
+            let r: Result<(), _> = with_retries(
+                "commit_transaction",
+                budget,
+                Instant::now() + budget,
+                |_| {
+                    calls += 1;
+                    Err(f.clone())
+                },
+            );
+            assert!(
+                matches!(&r, Err((next, _)) if *next == want) && calls == 1,
+                "{f:?}: {r:?} after {calls} calls (want {want:?} after 1)"
+            );
+        }
     }
 }
