@@ -66,6 +66,12 @@ REDIS_PORT=22379
 REDIS_CLUSTER_PORTS=(21001 21002 21003 21004 21005 21006)
 KAFKA_PORT=19092
 KAFKA_CONTROLLER_PORT=19093
+# Listeners for clients whose network a test faults through Toxiproxy: listener i (on
+# KAFKA_FAULT_PORTS[i]) advertises 127.0.0.1:KAFKA_FAULT_PROXY_PORTS[i], where the test puts
+# a proxy in front of it, so every connection the client opens (bootstrap, then the broker
+# the metadata names) goes through that proxy. Outside the range of TOXIPROXY_PROXY_PORTS.
+KAFKA_FAULT_PORTS=(19094 19095)
+KAFKA_FAULT_PROXY_PORTS=(28600 28601)
 RABBIT_PORT=24672
 RABBIT_STREAM_PORT=24552
 # Erlang distribution: the default (AMQP port + 20000) would land in the
@@ -812,11 +818,11 @@ write_kafka_config() {
 process.roles=broker,controller
 node.id=1
 controller.quorum.bootstrap.servers=127.0.0.1:$KAFKA_CONTROLLER_PORT
-listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT
-advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT
+listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,CONTROLLER://127.0.0.1:$KAFKA_CONTROLLER_PORT,FAULT0://127.0.0.1:${KAFKA_FAULT_PORTS[0]},FAULT1://127.0.0.1:${KAFKA_FAULT_PORTS[1]}
+advertised.listeners=PLAINTEXT://127.0.0.1:$KAFKA_PORT,FAULT0://127.0.0.1:${KAFKA_FAULT_PROXY_PORTS[0]},FAULT1://127.0.0.1:${KAFKA_FAULT_PROXY_PORTS[1]}
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT
+listener.security.protocol.map=CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT,FAULT0:PLAINTEXT,FAULT1:PLAINTEXT
 log.dirs=$KAFKA_DIR/data
 num.partitions=1
 auto.create.topics.enable=true
@@ -863,6 +869,8 @@ start_kafka() {
   fi
   require_port_free "$KAFKA_PORT" kafka
   require_port_free "$KAFKA_CONTROLLER_PORT" kafka
+  local p
+  for p in "${KAFKA_FAULT_PORTS[@]}"; do require_port_free "$p" kafka; done
   fetch_kafka_libs
   [[ $keep == keep ]] || rm -rf "$KAFKA_DIR"
   mkdir -p "$KAFKA_DIR"
@@ -1585,6 +1593,7 @@ export IDEMQ_REDIS_CLUSTER_URL=$REDIS_CLUSTER_URL
 export IDEMQ_TEST_REDIS_CLUSTER_DIR='$REDIS_CLUSTER_DIR'
 export IDEMQ_TEST_REDIS_CLUSTER_RESTART_NODE_CMD='$SCRIPT_PATH restart-redis-cluster-node'
 export IDEMQ_TEST_KAFKA_BROKERS=$KAFKA_BROKERS
+export IDEMQ_TEST_KAFKA_FAULT_LISTENERS='$(for i in "${!KAFKA_FAULT_PORTS[@]}"; do printf '127.0.0.1:%s>127.0.0.1:%s ' "${KAFKA_FAULT_PORTS[$i]}" "${KAFKA_FAULT_PROXY_PORTS[$i]}"; done | sed 's/ $//')'
 export IDEMQ_TEST_KAFKA_RESTART_CMD='$SCRIPT_PATH restart-kafka'
 export IDEMQ_KAFKA_LIBS='$KAFKA_LIBS'
 export IDEMQ_TEST_AMQP_URL='$AMQP_URL'
