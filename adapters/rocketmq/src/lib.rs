@@ -72,7 +72,9 @@ pub use rocketmq_client_rust;
 /// The RocketMQ message model (messages, queues, consume-from settings) of that client.
 pub use rocketmq_model;
 pub use source::{ConsumeMode, RocketSource, RocketSourceConfig, MIN_RECONSUME_DELAY};
-pub use transaction::{LocalOutcome, StoreCheckBack, TransactionalPublisher, LOCAL_TIMEOUT};
+pub use transaction::{
+    LocalOutcome, StoreCheckBack, TransactionalPublisher, DEFAULT_ROLLBACK_RETENTION, LOCAL_TIMEOUT,
+};
 
 /// RocketMQ's [`BrokerKind`](idemq_core::BrokerKind), stamped on every envelope this
 /// adapter builds: the `broker` label `rocketmq`.
