@@ -130,9 +130,7 @@ impl MemoryStore {
     ) -> Result<ReleaseOutcome, StoreError> {
         let mut map = self.lock()?;
         match map.get_mut(key) {
-            Some(r)
-                if r.token == token && r.status == RecordStatus::InProgress && !r.is_released() =>
-            {
+            Some(r) if r.is_held_by(token) => {
                 r.lease_until_ms = 0;
                 if unrun {
                     r.attempts = r.attempts.saturating_sub(1);
@@ -198,11 +196,7 @@ impl DedupStore for MemoryStore {
         Ok(items
             .iter()
             .map(|c| match map.get_mut(&c.key) {
-                Some(r)
-                    if r.token == c.token
-                        && r.status == RecordStatus::InProgress
-                        && !r.is_released() =>
-                {
+                Some(r) if r.is_held_by(c.token) => {
                     r.status = RecordStatus::Completed;
                     r.result = c.result.clone();
                     r.completed_ms = Some(now);
@@ -242,9 +236,7 @@ impl DedupStore for MemoryStore {
         let mut map = self.lock()?;
         let now = now_ms();
         match map.get_mut(key) {
-            Some(r)
-                if r.token == token && r.status == RecordStatus::InProgress && !r.is_released() =>
-            {
+            Some(r) if r.is_held_by(token) => {
                 r.status = RecordStatus::RolledBack;
                 r.result = None;
                 r.completed_ms = Some(now);
@@ -267,9 +259,7 @@ impl DedupStore for MemoryStore {
         let mut map = self.lock()?;
         let now = now_ms();
         match map.get_mut(key) {
-            Some(r)
-                if r.token == token && r.status == RecordStatus::InProgress && !r.is_released() =>
-            {
+            Some(r) if r.is_held_by(token) => {
                 r.lease_until_ms = now.saturating_add(duration_ms(lease));
                 Ok(ExtendOutcome::Extended {
                     until_ms: r.lease_until_ms,

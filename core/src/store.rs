@@ -192,6 +192,12 @@ impl DedupRecord {
     pub fn is_released(&self) -> bool {
         self.status == RecordStatus::InProgress && self.lease_until_ms == 0
     }
+    /// Whether `token` holds the key: in progress under it and not released (its lease may
+    /// have ended: nobody took it over). Only such a holder may complete, release, extend or
+    /// roll the key back.
+    pub fn is_held_by(&self, token: FencingToken) -> bool {
+        self.token == token && self.status == RecordStatus::InProgress && !self.is_released()
+    }
     /// Whether the record is in progress with a lease that has ended at `now`.
     pub fn is_lease_expired(&self, now: i64) -> bool {
         self.status == RecordStatus::InProgress && self.lease_until_ms <= now
@@ -716,11 +722,7 @@ pub fn evaluate_claim_request(
     now: i64,
 ) -> ClaimVerdict {
     if let (Some(rec), Some(token)) = (existing, req.token) {
-        if rec.token == token
-            && rec.status == RecordStatus::InProgress
-            && !rec.is_released()
-            && rec.lease_until_ms > now
-        {
+        if rec.is_held_by(token) && rec.lease_until_ms > now {
             return ClaimVerdict::Answer(ClaimOutcome::Acquired(Lease {
                 token,
                 until_ms: rec.lease_until_ms,
